@@ -1,0 +1,126 @@
+"""`lumo generate | serve | quantize`: the command line. User mistakes print one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+USER_ERROR = 2
+
+
+def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", nargs="?", default=None, help="model directory or hub id (default: embedded)")
+    else:
+        p.add_argument("--model", default=None, help="model directory or hub id (default: embedded)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lumo", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    _add_model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: model's config)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_args(s, positional=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503")
+
+    q = sub.add_parser("quantize", help="write a ModelOpt-format NVFP4 checkpoint")
+    q.add_argument("src")
+    q.add_argument("dst")
+    q.add_argument("--format", default="nvfp4", choices=["nvfp4", "w4a16_nvfp4"])
+    q.add_argument("--exclude", nargs="*", default=None, help="fnmatch patterns kept in BF16 (replaces defaults)")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.llm import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    t0 = time.perf_counter()
+    n, reason, t_first = 0, "length", None
+    for chunk in llm.generate_stream(
+        prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+    ):
+        t_first = t_first or time.perf_counter()
+        n += len(chunk.token_ids)
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        reason = chunk.finish_reason or reason
+    t1 = time.perf_counter()
+    sys.stdout.write("\n")
+    t_first = t_first or t1
+    decode = t1 - t_first
+    rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+    print(
+        f"[lumo] {n} tokens ({reason}), prefill {1000 * (t_first - t0):.0f} ms, "
+        f"{rate:.1f} tokens/s decode, model {llm.model_name} on {llm.device}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .engine.llm import LLM
+    from .server.app import run_server
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, progress=True)
+    run_server(llm, host=args.host, port=args.port, model_name=args.served_model_name, max_queue=args.max_queue)
+    return 0
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from .quant import format_error_report, quantize_checkpoint
+
+    report = quantize_checkpoint(args.src, args.dst, fmt=args.format, exclude=args.exclude)
+    print(format_error_report(report))
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .config import ConfigError
+    from .tokenizer import TokenizerError
+    from .weights import WeightError
+
+    return (ConfigError, WeightError, TokenizerError, ValueError, FileNotFoundError, NotADirectoryError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run = {"generate": _generate, "serve": _serve, "quantize": _quantize}[args.command]
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except _user_errors() as e:
+        print(f"lumo {args.command}: error: {e}", file=sys.stderr)
+        return USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

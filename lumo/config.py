@@ -1,0 +1,151 @@
+"""Frozen configuration dataclasses: the model (from config.json), the engine and the draft tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+FULL = "full_attention"
+LINEAR = "linear_attention"
+_TEXT_TYPES = ("qwen3_5_text", "qwen3_8_text")
+_WRAPPER_TYPES = ("qwen3_5", "qwen3_8")
+
+
+class ConfigError(ValueError):
+    """A config.json that lumo cannot serve; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Qwen3.5/3.8 hybrid text model: only the fields lumo reads (names follow config.json)."""
+
+    vocab_size: int
+    hidden_size: int  # H
+    intermediate_size: int  # dense SwiGLU width
+    layer_types: tuple[str, ...]  # "linear_attention" (GDN) or "full_attention" per layer
+    rms_norm_eps: float
+    # gated attention
+    num_attention_heads: int  # nh
+    num_key_value_heads: int  # nkv
+    head_dim: int  # d
+    rope_theta: float
+    partial_rotary_factor: float  # RoPE covers the first d * factor dims of each head
+    # Gated DeltaNet
+    linear_num_key_heads: int  # nk
+    linear_num_value_heads: int  # nv (a multiple of nk; value head h reads key head h // (nv // nk))
+    linear_key_head_dim: int  # dk
+    linear_value_head_dim: int  # dv
+    linear_conv_kernel_dim: int  # K
+    mtp_num_hidden_layers: int = 0
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    attn_output_gate: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen3_5_text"
+
+    # ---- derived sizes (the shape vocabulary used everywhere) ----
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:  # C: channels of the causal conv = [q | k | v]
+        nk, dk = self.linear_num_key_heads, self.linear_key_head_dim
+        return 2 * nk * dk + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def gqa_ratio(self) -> int:  # query heads per kv head
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def gdn_ratio(self) -> int:  # value heads per key head (r)
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict: the `qwen3_5` wrapper (text_config) or a flat `qwen3_5_text`."""
+        top = d
+        if "text_config" in d and isinstance(d["text_config"], dict):
+            d = {**d["text_config"]}
+            d.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", False))
+        model_type = d.get("model_type") or top.get("model_type")
+        needed = ("linear_num_value_heads", "linear_key_head_dim", "hidden_size", "num_hidden_layers")
+        if model_type not in _TEXT_TYPES + _WRAPPER_TYPES or any(k not in d for k in needed):
+            arch = top.get("architectures") or ["?"]
+            raise ConfigError(
+                f"unsupported architecture: model_type={model_type!r} architectures={arch}; "
+                "lumo serves the Qwen3.5/Qwen3.8 hybrid (Gated DeltaNet + gated attention) family"
+            )
+        n = int(d["num_hidden_layers"])
+        if d.get("layer_types"):
+            layer_types = tuple(d["layer_types"])
+            if len(layer_types) != n:
+                raise ConfigError(f"layer_types has {len(layer_types)} entries for {n} layers")
+        else:
+            interval = int(d.get("full_attention_interval", 4))
+            layer_types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
+        if bad := set(layer_types) - {FULL, LINEAR}:
+            raise ConfigError(f"unsupported layer types {sorted(bad)}")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        eos = d.get("eos_token_id", top.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        nh = int(d["num_attention_heads"])
+        cfg = cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            layer_types=layer_types,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_attention_heads=nh,
+            num_key_value_heads=int(d.get("num_key_value_heads", nh)),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // nh),
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(prf),
+            linear_num_key_heads=int(d["linear_num_key_heads"]),
+            linear_num_value_heads=int(d["linear_num_value_heads"]),
+            linear_key_head_dim=int(d["linear_key_head_dim"]),
+            linear_value_head_dim=int(d["linear_value_head_dim"]),
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+            mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers", 0) or 0),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            attn_output_gate=bool(d.get("attn_output_gate", True)),
+            eos_token_ids=eos_ids,
+            model_type=str(model_type),
+        )
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not cfg.attn_output_gate:
+            raise ConfigError("attn_output_gate=false is not supported (every Qwen3.5/3.8 model gates)")
+        return cfg
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """Shape of the speculative draft tree (see DESIGN.md, 'The speculative event in detail')."""
+
+    depth: int = 11  # D: spine length (MTP top-1 chain)
+    topk: int = 3  # siblings per spine depth, the spine token included
+    budget: int = 27  # draft nodes besides the root
+    rows: int = 32  # rows per verify, padded
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    spec: str = "off"  # "tree" | "chain" | "off"
+    tree: TreeConfig = field(default_factory=TreeConfig)

@@ -1,0 +1,197 @@
+"""The Python API: `LLM(model).generate(...)` and `LLM(model).generate_stream(...)`."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import model as M
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..weights import load_model, resolve_model_path
+from .sampling import SamplingParams, sample
+
+EMBEDDED_NAME = "lumo-tiny"
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus the tokens asked for) does not fit the context."""
+
+
+def embedded_model_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "assets" / EMBEDDED_NAME
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # tokens produced since the previous chunk
+    finish_reason: str | None = None  # set on the last chunk
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA GPU is visible")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or auto")
+    return torch.device(device)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    """A loaded model with its tokenizer. Not thread-safe: one generation at a time."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        device: str = "auto",
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        progress: bool = False,
+    ):
+        self.device = _pick_device(device)
+        if dtype is None:
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
+        self.dtype = _DTYPES[dtype]
+        if model is None:
+            path = embedded_model_path()
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"the embedded model is missing from this install ({path})")
+            self.model_name = EMBEDDED_NAME
+        else:
+            path = resolve_model_path(str(model))
+            self.model_name = str(model).rstrip("/").split("/")[-1] if Path(str(model)).exists() else str(model)
+        self.path = path
+        self.config, self.weights = load_model(path, device=self.device, dtype=self.dtype, progress=progress)
+        self.tokenizer = Tokenizer.from_dir(path)
+        limit = self.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or limit, limit)
+        self._defaults = _generation_defaults(path)
+
+    # ---- public API ----
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
+        ids, text, reason = [], [], None
+        prompt_ids = self._encode(prompt)
+        t0 = time.perf_counter()
+        t_first = None
+        for chunk in self._stream(prompt_ids, max_tokens, **kw):
+            t_first = t_first or time.perf_counter()
+            ids += chunk.token_ids
+            text.append(chunk.text)
+            reason = chunk.finish_reason or reason
+        t1 = time.perf_counter()
+        t_first = t_first or t1
+        return GenerationResult(ids, "".join(text), reason or "length", prompt_ids, t_first - t0, t1 - t_first)
+
+    def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
+        return self._stream(self._encode(prompt), max_tokens, **kw)
+
+    # ---- internals ----
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            if any(t < 0 or t >= self.config.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def sampling_params(
+        self,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        d = self._defaults
+        t = d.get("temperature", 1.0) if temperature is None else float(temperature)
+        k = d.get("top_k", 0) if top_k is None else int(top_k)
+        p = d.get("top_p", 1.0) if top_p is None else float(top_p)
+        if t < 0 or not 0.0 < p <= 1.0 or k < 0:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        return SamplingParams(temperature=t, top_k=k, top_p=p, seed=int(seed))
+
+    def _stream(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+    ) -> Iterator[StreamChunk]:
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        n = len(prompt_ids)
+        if n + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but the context holds {self.max_model_len} (prompt + at least 1 new)"
+            )
+        max_tokens = min(max_tokens, self.max_model_len - n)
+        params = self.sampling_params(temperature, top_k, top_p, seed)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return self._run(prompt_ids, max_tokens, params, stops)
+
+    @torch.inference_mode()
+    def _run(
+        self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str]
+    ) -> Iterator[StreamChunk]:
+        cfg, w = self.config, self.weights
+        cache = M.new_cache(cfg, len(prompt_ids) + max_tokens, self.device, self.dtype)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+            logits, _ = M.forward(cfg, w, ids[None, start : start + PREFILL_CHUNK], cache)
+        detok = IncrementalDetokenizer(self.tokenizer, stop=stops)
+        eos = set(self.tokenizer.eos_token_ids)
+        for i in range(max_tokens):
+            tok = sample(logits[0, -1], params, position=cache.length)
+            if tok in eos:
+                yield StreamChunk(detok.finish(), [], "stop")
+                return
+            text = detok.add(tok)
+            if detok.stopped:
+                yield StreamChunk(text, [tok], "stop")
+                return
+            if i == max_tokens - 1:
+                yield StreamChunk(text + detok.finish(), [tok], "length")
+                return
+            yield StreamChunk(text, [tok])
+            logits, _ = M.forward(cfg, w, torch.tensor([[tok]], device=self.device), cache)
+
+
+def _generation_defaults(path: Path) -> dict:
+    f = path / "generation_config.json"
+    if not f.exists():
+        return {}
+    d = json.loads(f.read_text())
+    out = {k: d[k] for k in ("temperature", "top_k", "top_p") if k in d and d[k] is not None}
+    if d.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out

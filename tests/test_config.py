@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import pytest
+
+from lumo.config import FULL, LINEAR, ConfigError, ModelConfig
+
+TEXT = {
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]},
+    "mtp_num_hidden_layers": 1,
+    "eos_token_id": 248044,
+}
+
+
+def test_flat_27b_shapes():
+    cfg = ModelConfig.from_hf(TEXT)
+    assert cfg.full_attention_layers == tuple(range(3, 64, 4))
+    assert cfg.rotary_dim == 64 and cfg.rope_theta == 1e7
+    assert cfg.conv_dim == 2 * 16 * 128 + 48 * 128
+    assert cfg.gdn_ratio == 3 and cfg.gqa_ratio == 6
+    assert cfg.mtp_num_hidden_layers == 1 and cfg.eos_token_ids == (248044,)
+
+
+def test_wrapper_and_explicit_layer_types():
+    types = [LINEAR, FULL] * 32
+    inner = {**TEXT, "layer_types": types}
+    inner.pop("rope_parameters")
+    inner["partial_rotary_factor"] = 0.5
+    inner["rope_theta"] = 5e6
+    d = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": inner,
+         "tie_word_embeddings": False}
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.layer_types == tuple(types)
+    assert cfg.rotary_dim == 128 and cfg.rope_theta == 5e6
+
+
+def test_frozen():
+    cfg = ModelConfig.from_hf(TEXT)
+    with pytest.raises(AttributeError):
+        cfg.hidden_size = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "d, words",
+    [
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "llama"),
+        ({**TEXT, "layer_types": ["linear_attention"] * 3}, "layer_types"),
+        ({**TEXT, "layer_types": ["sliding_attention"] * 64}, "sliding_attention"),
+        ({**TEXT, "linear_num_value_heads": 40}, "multiple"),
+    ],
+)
+def test_errors_are_one_line(d, words):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_hf(d)
+    assert words in str(e.value) and "\n" not in str(e.value)
