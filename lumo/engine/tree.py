@@ -1,0 +1,124 @@
+"""The draft tree as data: a TreeConfig turns once into index buffers (DESIGN.md, speculative event).
+
+Shape: node 0 is the root (the pending token). The spine is the MTP's top-1 chain, node i at depth i
+for i = 1..D. Siblings are the next-best MTP tokens at a spine depth: a sibling at depth j is a child of
+spine node j-1 and a leaf. Siblings fill the node budget from the shallowest depth down (a shallow
+node is reached more often). Rows are spine first, then siblings by (depth, rank), then padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import TreeConfig
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    n_nodes: int  # real nodes, root included (<= rows)
+    rows: int  # padded row count of a verify
+    depth_max: int  # D
+    parent: torch.Tensor  # [rows] int32, -1 for the root and padding
+    depth: torch.Tensor  # [rows] int32, 0 for root and padding
+    rank: torch.Tensor  # [rows] int32: 0 spine, r = r-th best MTP candidate at its depth, -1 padding
+    anc: torch.Tensor  # [rows] int64 bitmask: bit j set iff node j is an ancestor of the row or the row itself
+    paths: torch.Tensor  # [P, D+1] int32 root-to-leaf node ids, -1 past the leaf
+    path_len: torch.Tensor  # [P] int32 nodes on each path
+    owner: torch.Tensor  # [rows] int32: the path that writes this node's outputs (-1 padding)
+    valid: torch.Tensor  # [rows] bool
+
+    @property
+    def n_paths(self) -> int:
+        return self.paths.shape[0]
+
+    def children(self, node: int) -> list[int]:
+        return [i for i in range(self.n_nodes) if int(self.parent[i]) == node]
+
+
+def sibling_depths(cfg: TreeConfig) -> list[tuple[int, int]]:
+    """(depth, rank) of every sibling, shallowest first, as many as the budget allows."""
+    out = []
+    for d in range(1, cfg.depth + 1):
+        for r in range(1, cfg.topk):
+            out.append((d, r))
+    return out[: max(cfg.budget - cfg.depth, 0)]
+
+
+def build_tree(cfg: TreeConfig) -> TreeBuffers:
+    if cfg.depth < 1 or cfg.topk < 1:
+        raise ValueError("tree depth and topk must be at least 1")
+    if cfg.budget < cfg.depth:
+        raise ValueError(f"tree budget {cfg.budget} is smaller than its spine depth {cfg.depth}")
+    sibs = sibling_depths(cfg)
+    n = 1 + cfg.depth + len(sibs)
+    if n > cfg.rows or cfg.rows > 64:
+        raise ValueError(f"tree of {n} nodes does not fit {cfg.rows} rows (at most 64)")
+    R = cfg.rows
+    parent = [-1] * R
+    depth = [0] * R
+    rank = [-1] * R
+    rank[0] = 0
+    for i in range(1, cfg.depth + 1):
+        parent[i], depth[i], rank[i] = i - 1, i, 0
+    for j, (d, r) in enumerate(sibs):
+        i = 1 + cfg.depth + j
+        parent[i], depth[i], rank[i] = d - 1, d, r  # child of spine node d-1
+    anc = [0] * R
+    for i in range(n):
+        a, u = 0, i
+        while u >= 0:
+            a |= 1 << u
+            u = parent[u]
+        anc[i] = a
+    # Paths: the spine first, then one per sibling leaf; every node is owned by the first path through it.
+    leaves = [cfg.depth] + [1 + cfg.depth + j for j in range(len(sibs))]
+    paths = torch.full((len(leaves), cfg.depth + 1), -1, dtype=torch.int32)
+    path_len = torch.zeros(len(leaves), dtype=torch.int32)
+    owner = [-1] * R
+    for p, leaf in enumerate(leaves):
+        nodes, u = [], leaf
+        while u >= 0:
+            nodes.append(u)
+            u = parent[u]
+        nodes.reverse()
+        paths[p, : len(nodes)] = torch.tensor(nodes, dtype=torch.int32)
+        path_len[p] = len(nodes)
+        for u in nodes:
+            if owner[u] < 0:
+                owner[u] = p
+    i32 = dict(dtype=torch.int32)
+    return TreeBuffers(
+        n_nodes=n,
+        rows=R,
+        depth_max=cfg.depth,
+        parent=torch.tensor(parent, **i32),
+        depth=torch.tensor(depth, **i32),
+        rank=torch.tensor(rank, **i32),
+        anc=torch.tensor(anc, dtype=torch.int64),
+        paths=paths,
+        path_len=path_len,
+        owner=torch.tensor(owner, **i32),
+        valid=torch.arange(R) < n,
+    )
+
+
+def chain_config(depth: int) -> TreeConfig:
+    """A chain is a tree with no siblings."""
+    return TreeConfig(depth=depth, topk=1, budget=depth, rows=depth + 1)
+
+
+def accept(tree: TreeBuffers, tokens: list[int], choice: list[int]) -> tuple[list[int], int]:
+    """The acceptance rule. tokens[i]: the token node i carries; choice[i]: the target's choice at node i
+    (greedy: argmax of its logits; sampling: its own seeded sample). Walk from the root: while a child of
+    the current node carries the target's choice there, move to it. Returns the accepted nodes (root
+    first) and the new pending token (the target's choice at the last accepted node). Every emitted token
+    is the target's own choice, so greedy output equals plain greedy decoding and sampling is lossless."""
+    path, u = [0], 0
+    while True:
+        nxt = next((c for c in tree.children(u) if tokens[c] == choice[u]), None)
+        if nxt is None:
+            return path, choice[u]
+        path.append(nxt)
+        u = nxt
