@@ -1,0 +1,315 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one engine worker.
+
+POST /v1/completions, POST /v1/chat/completions (both also as SSE with `stream: true`), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). See docs/server.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from .chat import delta_json, finish_reason, message_json, opens_reasoning, render_prompt
+from .errors import APIError, install_error_handlers
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .toolparse import ChatOutputParser
+from .worker import EngineWorker, Job
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+DISCONNECT_POLL_S = 0.2
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(n_prompt: int, n_gen: int) -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+def _engine_error(exc: Exception) -> APIError:
+    # ValueError from the engine (PromptTooLongError among them) is about the request; anything else is ours
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}")
+
+
+class _CountRequests:
+    """ASGI middleware: lumo_requests_total{endpoint, status}, streaming responses included."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests.inc(endpoint=endpoint, status=str(status))
+
+
+class _Server:
+    def __init__(self, llm: Any, served_name: str, worker: EngineWorker, metrics: ServerMetrics) -> None:
+        self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
+        self.created = int(time.time())
+
+    # ---- small endpoints ----
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.served_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "lumo",
+            "max_model_len": self.llm.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def metrics_text(self) -> PlainTextResponse:
+        return PlainTextResponse(self.metrics.registry.render(), media_type="text/plain; version=0.0.4")
+
+    # ---- shared request plumbing ----
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.served_name, self.llm.model_name):
+            raise APIError(
+                404,
+                f"model {model!r} not found; this server serves {self.served_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def _budget(self, n_prompt: int, max_tokens: int | None, default: int | None, param: str) -> int:
+        limit = self.llm.max_model_len
+        room = limit - n_prompt
+        if room < 1:
+            msg = f"the prompt has {n_prompt} tokens but the context holds {limit} (prompt + at least 1 new)"
+            raise APIError(400, msg, param, "context_length_exceeded")
+        if max_tokens is None:
+            return room if default is None else min(default, room)
+        if max_tokens > room:
+            msg = (
+                f"max_tokens {max_tokens} + prompt {n_prompt} tokens = {max_tokens + n_prompt} exceeds this "
+                f"model's context of {limit} tokens (at most {room} new tokens fit)"
+            )
+            raise APIError(400, msg, "max_tokens", "context_length_exceeded")
+        return max_tokens
+
+    def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> Job:
+        job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
+        return self.worker.submit(job)
+
+    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None]:
+        """Run a non-streamed job to its end; a client that hangs up cancels it."""
+
+        async def watch() -> None:
+            while not job.cancelled.is_set():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+                if await request.is_disconnected():
+                    job.cancel()
+
+        watcher = asyncio.create_task(watch())
+        parts, n_gen, reason = [], 0, None
+        try:
+            async for chunk in job.events():
+                parts.append(chunk.text)
+                n_gen += len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+        except Exception as exc:
+            raise _engine_error(exc) from None
+        finally:
+            watcher.cancel()
+            job.cancel()
+        return "".join(parts), n_gen, reason
+
+    # ---- /v1/completions ----
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        self._check_model(body.model)
+        body.check_supported()
+        prompt = body.single_prompt()
+        tok = self.llm.tokenizer
+        if isinstance(prompt, str):
+            prompt_ids = await run_in_threadpool(tok.encode, prompt)
+        else:
+            if any(t < 0 or t >= tok.vocab_size for t in prompt):
+                raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", "prompt")
+            prompt_ids = list(prompt)
+        max_tokens = self._budget(len(prompt_ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        job = self._submit(prompt_ids, max_tokens, body.sampling())
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return self._streaming(self._stream_completion(job, head, len(prompt_ids), usage))
+        text, n_gen, reason = await self._collect(job, request)
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason or "length"}
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen)}
+
+    async def _stream_completion(
+        self, job: Job, head: dict[str, Any], n_prompt: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+        n_gen, reason = 0, None
+        try:
+            async for chunk in job.events():
+                n_gen += len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                if chunk.text or chunk.finish_reason:
+                    choice = {
+                        "index": 0,
+                        "text": chunk.text,
+                        "logprobs": None,
+                        "finish_reason": chunk.finish_reason,
+                    }
+                    yield _sse({**head, "choices": [choice], **extra})
+            if reason is None:
+                choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
+                yield _sse({**head, "choices": [choice], **extra})
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen)})
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield _sse(_engine_error(exc).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()  # a no-op after a normal end; stops the engine when the client went away
+
+    # ---- /v1/chat/completions ----
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
+        self._check_model(body.model)
+        body.check_supported()
+        tok = self.llm.tokenizer
+        prompt = render_prompt(tok, body)
+        prompt_ids = await run_in_threadpool(tok.encode, prompt)
+        max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
+        job = self._submit(prompt_ids, max_tokens, body.sampling())
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        parser = ChatOutputParser(
+            in_reasoning=opens_reasoning(prompt), parse_tools=body.parse_tools, tools=tools
+        )
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_name}
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            head["object"] = "chat.completion.chunk"
+            return self._streaming(self._stream_chat(job, head, parser, len(prompt_ids), usage))
+        text, n_gen, reason = await self._collect(job, request)
+        parsed = parser.feed(text)
+        parsed.extend(parser.finish())
+        choice = {
+            "index": 0,
+            "message": message_json(parsed),
+            "logprobs": None,
+            "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
+        }
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen)}
+
+    async def _stream_chat(
+        self, job: Job, head: dict[str, Any], parser: ChatOutputParser, n_prompt: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk_of(delta: dict[str, Any], reason: str | None = None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return _sse({**head, "choices": [choice], **extra})
+
+        n_gen, reason, n_calls = 0, None, 0
+        try:
+            yield chunk_of({"role": "assistant", "content": ""})
+            async for chunk in job.events():
+                n_gen += len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                d = parser.feed(chunk.text)
+                if chunk.finish_reason is not None:
+                    d.extend(parser.finish())
+                if d:
+                    yield chunk_of(delta_json(d, n_calls))
+                    n_calls += len(d.tool_calls)
+            if reason is None:  # the engine stopped without saying why: flush what the parser holds
+                d = parser.finish()
+                if d:
+                    yield chunk_of(delta_json(d, n_calls))
+                    n_calls += len(d.tool_calls)
+            yield chunk_of({}, finish_reason(reason, n_calls))
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen)})
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield _sse(_engine_error(exc).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancel()
+
+    @staticmethod
+    def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+def create_app(llm: Any, model_name: str | None = None, max_queue: int = 64) -> FastAPI:
+    """The FastAPI app serving `llm`; its engine worker thread starts and stops with the app's lifespan."""
+    served = model_name or llm.model_name
+    metrics = ServerMetrics()
+    worker = EngineWorker(llm, metrics, max_queue)
+    metrics.registry.gauge("lumo_num_requests_waiting", "requests queued for the engine", worker.queue_length)
+    metrics.registry.gauge("lumo_num_requests_running", "requests the engine is generating", worker.running)
+    server = _Server(llm, served, worker, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = FastAPI(title="lumo", lifespan=lifespan)
+    app.state.server = server
+    install_error_handlers(app)
+    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
+    return app
+
+
+def run_server(
+    llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, max_queue: int = 64
+) -> None:
+    """Serve `llm` until interrupted; prints one startup line with the URL and the model."""
+    app = create_app(llm, model_name, max_queue)
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"lumo: serving {model_name or llm.model_name} (context {llm.max_model_len} tokens) "
+        f"at http://{shown}:{port}/v1",
+        flush=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

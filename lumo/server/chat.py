@@ -1,0 +1,124 @@
+"""Chat requests -> prompt text (the model's own template), and chat output -> OpenAI message fields."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..tokenizer import TokenizerError
+from .errors import APIError
+from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from .toolparse import THINK_OPEN, ParsedDelta, ToolCall
+
+
+def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise APIError(
+                400, f"content part type {kind!r} is not supported (text only)", f"messages[{i}].content[{j}]"
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _arguments(args: str | dict[str, Any]) -> str | dict[str, Any]:
+    # templates iterate over arguments (Qwen3-coder: `arguments|items`), so hand them the parsed object
+    if isinstance(args, str):
+        try:
+            obj = json.loads(args)
+        except ValueError:
+            return args
+        return obj if isinstance(obj, dict) else args
+    return args
+
+
+def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    role = "system" if m.role == "developer" else m.role
+    content = _text(i, m.content)
+    if content is None and role in ("system", "user", "tool"):
+        raise APIError(400, f"messages[{i}] ({m.role}) needs content", f"messages[{i}].content")
+    if content is None and not m.tool_calls:
+        raise APIError(
+            400, f"messages[{i}] (assistant) needs content or tool_calls", f"messages[{i}].content"
+        )
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
+    return out
+
+
+def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
+    """The prompt text for a chat request; template errors are the client's mistake (400)."""
+    if not tokenizer.has_chat_template:
+        raise APIError(
+            400, "this model has no chat template; use /v1/completions with a plain prompt", "messages"
+        )
+    messages = [template_message(i, m) for i, m in enumerate(req.messages)]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tool_choice is not None:
+        choice = req.tool_choice
+        kwargs["tool_choice"] = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+    except (TokenizerError, TypeError) as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """The template ended the prompt inside `<think>`: the output starts as reasoning."""
+    return prompt.rstrip().endswith(THINK_OPEN)
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out.update(
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    )
+    return out
+
+
+def delta_json(d: ParsedDelta, first_index: int) -> dict[str, Any]:
+    """A streamed `delta` object; tool calls are numbered from `first_index`."""
+    out: dict[str, Any] = {}
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = [tool_call_json(c, first_index + k) for k, c in enumerate(d.tool_calls)]
+    return out
+
+
+def message_json(d: ParsedDelta) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": d.content if d.content or not d.tool_calls else None,
+    }
+    if d.reasoning:
+        msg["reasoning_content"] = d.reasoning
+    if d.tool_calls:
+        msg["tool_calls"] = [tool_call_json(c) for c in d.tool_calls]
+    return msg
+
+
+def finish_reason(engine_reason: str | None, n_tool_calls: int) -> str:
+    reason = engine_reason or "length"
+    return "tool_calls" if n_tool_calls and reason == "stop" else reason

@@ -1,0 +1,87 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure, including
+FastAPI's request validation (kept at 422) and malformed JSON (400)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("lumo.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "server_overloaded",
+}
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes an OpenAI-style JSON error with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or None
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return JSONResponse(error_body(400, f"malformed JSON body: {detail}".rstrip(": ")), status_code=400)
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if param is None:
+        msg = "the request body must be a JSON object"
+    else:
+        msg = f"{param}: {first.get('msg', 'invalid value')}"
+        bad = first.get("input")
+        if isinstance(bad, str | int | float | bool) and len(repr(bad)) <= 60:
+            msg += f" (got {bad!r})"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return JSONResponse(error_body(422, msg, param, "invalid_value"), status_code=422)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc)
+
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,172 @@
+"""OpenAI request bodies (pydantic) and the checks for values lumo does not support.
+
+Unknown fields are ignored, like the OpenAI API's harmless extras (user, store, metadata, service_tier...).
+Fields lumo knows but cannot honour are accepted at their neutral value (presence_penalty 0, logit_bias
+null or {}, n 1, ...) and rejected with a 400 that names the field otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import APIError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Common(BaseModel):
+    """Sampling and streaming fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # lumo/vLLM extension; 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=1, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        neutral = {
+            "n": (self.n, (None, 1)),
+            "presence_penalty": (self.presence_penalty, (None, 0)),
+            "frequency_penalty": (self.frequency_penalty, (None, 0)),
+            "repetition_penalty": (self.repetition_penalty, (None, 1)),
+        }
+        for param, (value, ok) in neutral.items():
+            if value not in ok:
+                raise APIError(400, f"{param}={value} is not supported (lumo accepts only {ok[1]})", param)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported (send null or {})", "logit_bias")
+
+    def stop_list(self) -> list[str] | None:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s] or None
+
+    def sampling(self) -> dict[str, Any]:
+        # top_k 0 / -1 both mean "off" to OpenAI-style clients; lumo's engine spells it 0
+        top_k = None if self.top_k is None else max(self.top_k, 0)
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": top_k,
+            "seed": self.seed,
+            "stop": self.stop_list(),
+        }
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo=true is not supported", "echo")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request: a string or a list of token ids (batches of one are unwrapped)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise APIError(400, f"got {len(p)} prompts; lumo serves one prompt per request", "prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise APIError(400, "the prompt is empty", "prompt")
+        return p
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            kind = self.response_format.get("type")
+            raise APIError(400, f"response_format {kind!r} is not supported (only 'text')", "response_format")
+        if not self.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) or choice == "required":
+            names = {t.function.name for t in self.tools or []}
+            if not names:
+                raise APIError(400, "tool_choice needs a non-empty tools list", "tool_choice")
+            if isinstance(choice, NamedToolChoice) and choice.function.get("name") not in names:
+                raise APIError(
+                    400, f"tool_choice names unknown tool {choice.function.get('name')!r}", "tool_choice"
+                )
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"

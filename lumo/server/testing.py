@@ -1,0 +1,83 @@
+"""Start `lumo serve` in a subprocess on a free loopback port, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    url: str  # http://127.0.0.1:PORT
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def serve_subprocess(
+    model: str | os.PathLike, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0
+) -> Iterator[ServerProcess]:
+    """`python -m lumo.cli serve MODEL --port P *args` with `env` added to the environment; yields once
+    /health answers and stops the server after."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "server.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "lumo.cli",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        server = ServerProcess(f"http://127.0.0.1:{port}", proc, log_path)
+        try:
+            _wait_healthy(server, timeout_s)
+            yield server
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"lumo serve exited with {server.proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"lumo serve did not become healthy in {timeout_s:.0f} s:\n{server.log()}")

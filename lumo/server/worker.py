@@ -1,0 +1,155 @@
+"""The one thread that runs the engine, and the bounded FIFO queue in front of it.
+
+The LLM is not thread-safe, so exactly one worker thread calls it, one request at a time: tokens of
+different requests never mix. Requests wait in FIFO order; when `max_queue` are already waiting the next
+one is refused (503). Each job hands its chunks to the event loop through its own asyncio queue. A job
+whose client went away is cancelled: if still waiting it is skipped, if running its generator is closed
+after the current token, which frees the engine for the next request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("lumo.server")
+_DONE = object()  # end-of-job marker on a job's output queue
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]  # temperature, top_k, top_p, seed, stop: passed to LLM.generate_stream
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    t_arrival: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def _post(self, item: Any) -> None:
+        # called from the worker thread; the loop may already be closed at shutdown
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:
+            self.cancel()
+
+    async def events(self):
+        """The job's StreamChunks in order; an engine error is raised here, in the request's handler."""
+        while True:
+            item = await self.out.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class EngineWorker:
+    def __init__(self, llm: Any, metrics: ServerMetrics, max_queue: int = 64) -> None:
+        if max_queue < 1:
+            raise ValueError("max_queue must be at least 1")
+        self.llm, self.metrics, self.max_queue = llm, metrics, max_queue
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- called from the event loop ----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="lumo-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            for job in self._waiting:
+                job.cancel()
+            if self._running is not None:
+                self._running.cancel()
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, job: Job) -> Job:
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                raise APIError(503, f"server busy: {self.max_queue} requests already waiting; retry later")
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def queue_length(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return int(self._running is not None)
+
+    # ---- the worker thread ----
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._waiting.popleft()
+                if job.cancelled.is_set():
+                    job._post(_DONE)
+                    continue
+                self._running = job
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+
+    def _run(self, job: Job) -> None:
+        m = self.metrics
+        t_start = time.perf_counter()
+        m.queue_wait.observe(t_start - job.t_arrival)
+        m.prompt_tokens.inc(len(job.prompt_ids))
+        gen = None
+        try:
+            gen = self.llm.generate_stream(job.prompt_ids, max_tokens=job.max_tokens, **job.sampling)
+            t_prev = None
+            while not job.cancelled.is_set():
+                chunk = next(gen, None)
+                if chunk is None:
+                    break
+                now = time.perf_counter()
+                n = len(chunk.token_ids)
+                if n:
+                    if t_prev is None:
+                        m.ttft.observe(now - job.t_arrival)
+                        if n > 1:
+                            m.itl.observe(0.0, count=n - 1)
+                    else:
+                        m.itl.observe((now - t_prev) / n, count=n)
+                    t_prev = now
+                    m.generation_tokens.inc(n)
+                job._post(chunk)
+                if chunk.finish_reason is not None:
+                    break
+            if job.cancelled.is_set():
+                m.cancelled.inc()
+            else:
+                m.e2e.observe(time.perf_counter() - job.t_arrival)
+        except Exception as exc:  # the engine failed on this request: report it there, keep serving
+            log.exception("generation failed")
+            job._post(exc)
+        finally:
+            if gen is not None:
+                gen.close()  # stops a cancelled generation now and releases its caches
+            job._post(_DONE)

@@ -1,0 +1,277 @@
+"""Tokenizer: `tokenizers` for text <-> ids, jinja2 for the chat template, and an incremental detokenizer.
+
+The chat template is rendered the way transformers renders it (sandboxed jinja2, trim_blocks/lstrip_blocks,
+`raise_exception`, a `tojson` that does not HTML-escape, the loopcontrols extension), so a checkpoint's own
+template gives byte-identical prompts in lumo and in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decoder emits for an incomplete UTF-8 sequence
+
+
+class TokenizerError(ValueError):
+    """A tokenizer or chat template lumo cannot use; the message is one line meant for the user."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    # jinja's own tojson HTML-escapes '<', '>', '&' and "'", which would change the prompt the model sees
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Templates from the Hub are untrusted code: the immutable sandbox stops attribute escapes and mutation
+    # of the caller's messages.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat template does not compile: {e.message} (line {e.lineno})") from None
+
+
+def _token_content(tok: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as a string or as an AddedToken dict
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+def _as_ids(v: Any) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+
+
+class Tokenizer:
+    """Text <-> token ids for one checkpoint, with its chat template and end-of-sequence ids."""
+
+    def __init__(
+        self,
+        tok: _HFTokenizer,
+        chat_templates: dict[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self._tok = tok
+        self._templates = dict(chat_templates or {})  # name -> jinja source; "default" is the usual one
+        self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
+        # bos_token / eos_token / pad_token / unk_token strings, handed to the template like transformers does
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self._compiled: dict[str, jinja2.Template] = {}  # template name -> compiled, built on first use
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tj = path / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerError(
+                f"no tokenizer.json in {path}; lumo needs a fast (tokenizers) tokenizer file"
+            )
+        try:
+            tok = _HFTokenizer.from_file(str(tj))
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise TokenizerError(f"cannot read {tj}: {e}") from None
+        tcfg = _read_json(path / "tokenizer_config.json")
+
+        templates: dict[str, str] = {}
+        ct = tcfg.get("chat_template")
+        if isinstance(ct, str):
+            templates["default"] = ct
+        elif isinstance(ct, list):
+            templates.update({t["name"]: t["template"] for t in ct if "name" in t and "template" in t})
+        # transformers saves the default template as its own file nowadays; it wins over tokenizer_config.json
+        jinja_file = path / "chat_template.jinja"
+        if jinja_file.is_file():
+            templates["default"] = jinja_file.read_text(encoding="utf-8")
+
+        special = {
+            k: s
+            for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (s := _token_content(tcfg.get(k))) is not None
+        }
+        eos = cls._find_eos(path, tok, special.get("eos_token"))
+        return cls(tok, templates, eos, special)
+
+    @staticmethod
+    def _find_eos(path: Path, tok: _HFTokenizer, eos_token: str | None) -> tuple[int, ...]:
+        # generation_config.json is what generate() obeys; config.json (or its text_config) next; the
+        # tokenizer's own eos token last.
+        if ids := _as_ids(_read_json(path / "generation_config.json").get("eos_token_id")):
+            return ids
+        cfg = _read_json(path / "config.json")
+        text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        if ids := _as_ids(cfg.get("eos_token_id", text_cfg.get("eos_token_id"))):
+            return ids
+        if eos_token is not None and (i := tok.token_to_id(eos_token)) is not None:
+            return (i,)
+        return ()
+
+    # ---- ids ----
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        # add_special_tokens=False: no BOS/EOS post-processing; the chat template writes any markers itself
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, s: str) -> int | None:
+        return self._tok.token_to_id(s)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    # ---- chat ----
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._templates)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` to the prompt text; extra kwargs (e.g. enable_thinking) reach the template."""
+        name = "tool_use" if tools and "tool_use" in self._templates else "default"
+        source = self._templates.get(name)
+        if source is None:
+            if not self._templates:
+                raise TokenizerError("this checkpoint has no chat template; send a plain prompt instead")
+            raise TokenizerError(f"no 'default' chat template among {sorted(self._templates)}")
+        if (template := self._compiled.get(name)) is None:
+            template = self._compiled[name] = _compile_template(source)
+        ctx = {**self.special_tokens, **kwargs}
+        try:
+            return template.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **ctx
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template error: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Incremental detokenization
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text that is safe to send: whole characters, no stop strings.
+
+    Decodes only a window of recent tokens (vLLM's prefix_offset/read_offset): `tokens[prefix_offset:
+    read_offset]` is text already emitted, kept as context because some decoders (SentencePiece
+    spaces) render a token differently at the start of a string; the text after it is the new part.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self._stop = [s for s in (stop or []) if s]
+        self._max_hold = max((len(s) for s in self._stop), default=1) - 1  # longest partial stop kept back
+        self._skip = skip_special_tokens
+        # a few prompt tokens give the first generated token its left context
+        self._ids: list[int] = list(prompt_ids[-6:])
+        self._prefix_offset = max(len(self._ids) - 5, 0)
+        self._read_offset = len(self._ids)
+        self._pending = ""  # decoded, whole characters, not yet emitted (could start a stop string)
+        self._out: list[str] = []
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self._out)
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the text that became final with it ("" when nothing did)."""
+        if self.stopped:
+            return ""
+        self._ids.append(int(token_id))
+        self._pending += self._decode_new(final=False)
+        return self._emit(final=False)
+
+    def finish(self) -> str:
+        """End of stream: flush what was held back (an incomplete character is flushed as U+FFFD)."""
+        if self.stopped:
+            return ""
+        self._pending += self._decode_new(final=True)
+        return self._emit(final=True)
+
+    def _decode_new(self, final: bool) -> str:
+        ids = self._ids
+        if self._read_offset == len(ids):
+            return ""
+        prefix = self._tok.decode(ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(ids[self._prefix_offset :], self._skip)
+        # A trailing U+FFFD means the last tokens end inside a multi-byte character: wait for more bytes.
+        if not final and (len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR)):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return full[len(prefix) :]
+
+    def _emit(self, final: bool) -> str:
+        text = self._pending
+        cut = min((i for s in self._stop if (i := text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._pending = text[:cut], ""
+        else:
+            hold = 0 if final else self._stop_prefix_len(text)
+            out, self._pending = text[: len(text) - hold], text[len(text) - hold :]
+        self._out.append(out)
+        return out
+
+    def _stop_prefix_len(self, text: str) -> int:
+        # Longest suffix of `text` that is a proper prefix of a stop string. Text before it can never be
+        # part of a stop string, so it is safe to emit; the suffix waits for the next token.
+        for n in range(min(len(text), self._max_hold), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

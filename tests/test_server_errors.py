@@ -1,0 +1,258 @@
+"""Bad requests get OpenAI-shaped JSON errors (400/404/422/503) and the server stays up.
+
+One `lumo serve` subprocess (tiny checkpoint without a reachable end-of-sequence token, CPU,
+--max-queue 1) for the whole file; it also checks that a client hanging up mid-stream frees the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from lumo.server.testing import serve_subprocess
+from lumo.testing import make_tiny_checkpoint
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_hidden_layers=4, mtp_num_hidden_layers=0)
+    # An end-of-sequence id outside the vocabulary can never be sampled: every generation runs to
+    # max_tokens, so the long requests below really are long.
+    gen_cfg = json.loads((ckpt / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [10**6]
+    (ckpt / "generation_config.json").write_text(json.dumps(gen_cfg))
+    with serve_subprocess(ckpt, "--device", "cpu", "--max-queue", "1", env={"OMP_NUM_THREADS": "1"}) as s:
+        yield s
+
+
+def _check_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and "\n" not in err["message"]
+    assert err["type"] == {503: "server_overloaded", 404: "not_found_error"}.get(
+        status, "invalid_request_error"
+    )
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+BAD = [
+    # (id, path, json body, status, param, words the message must contain)
+    ("body-not-object", CHAT, [1, 2], 422, None, "JSON object"),
+    ("missing-messages", CHAT, {"max_tokens": 3}, 422, "messages", "required"),
+    ("messages-not-list", CHAT, {"messages": "hi"}, 422, "messages", ""),
+    ("max-tokens-string", CHAT, {"messages": USER, "max_tokens": "abc"}, 422, "max_tokens", "integer"),
+    ("max-tokens-negative", CHAT, {"messages": USER, "max_tokens": -5}, 422, "max_tokens", "greater than"),
+    ("max-tokens-zero", COMP, {"prompt": "a", "max_tokens": 0}, 422, "max_tokens", ""),
+    ("temperature-too-high", CHAT, {"messages": USER, "temperature": 5}, 422, "temperature", ""),
+    ("top-p-zero", COMP, {"prompt": "a", "top_p": 0}, 422, "top_p", ""),
+    (
+        "unknown-role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        422,
+        "messages[0].role",
+        "wizard",
+    ),
+    ("missing-prompt", COMP, {"max_tokens": 3}, 422, "prompt", ""),
+    ("huge-max-tokens", CHAT, {"messages": USER, "max_tokens": 10**9}, 400, "max_tokens", "4096"),
+    (
+        "huge-max-completion-tokens",
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 10**6},
+        400,
+        "max_tokens",
+        "",
+    ),
+    ("empty-messages", CHAT, {"messages": []}, 400, "messages", "empty"),
+    ("prompt-too-long", COMP, {"prompt": "hello world " * 3000}, 400, "prompt", "4096"),
+    ("unknown-model", CHAT, {"model": "gpt-9", "messages": USER}, 404, "model", "gpt-9"),
+    ("n-2", CHAT, {"messages": USER, "n": 2}, 400, "n", "n=2"),
+    ("presence-penalty", COMP, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", ""),
+    ("logit-bias", COMP, {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", ""),
+    ("logprobs", CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", ""),
+    (
+        "json-mode",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "",
+    ),
+    ("echo", COMP, {"prompt": "a", "echo": True}, 400, "echo", ""),
+    ("two-prompts", COMP, {"prompt": ["a", "b"]}, 400, "prompt", "2 prompts"),
+    ("empty-prompt", COMP, {"prompt": ""}, 400, "prompt", "empty"),
+    ("token-out-of-range", COMP, {"prompt": [1, 10**7]}, 400, "prompt", ""),
+    (
+        "image-part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content[0]",
+        "image_url",
+    ),
+    ("user-without-content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content", ""),
+    (
+        "tool-choice-without-tools",
+        CHAT,
+        {"messages": USER, "tool_choice": "required"},
+        400,
+        "tool_choice",
+        "",
+    ),
+    (
+        "template-raises",
+        CHAT,
+        {"messages": [*USER, {"role": "system", "content": "late"}]},
+        400,
+        "messages",
+        "system message",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_request(server, case):
+    _, path, body, status, param, words = case
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    err = _check_error(r, status, param)
+    assert words in err["message"]
+
+
+def test_malformed_json(server):
+    r = httpx.post(server.url + CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert "malformed JSON" in _check_error(r, 400)["message"]
+
+
+def test_unknown_route_and_method(server):
+    _check_error(httpx.get(server.url + "/v1/nothing"), 404)
+    _check_error(httpx.get(server.url + COMP), 405)
+
+
+def test_harmless_openai_fields_are_accepted(server):
+    body = {
+        "model": None,
+        "messages": [{"role": "developer", "content": "Be brief."}, *USER],
+        "max_tokens": 2,
+        "temperature": 0,
+        "n": 1,
+        "user": "someone",
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": None,
+        "logprobs": False,
+        "store": False,
+        "metadata": {"k": "v"},
+        "service_tier": "auto",
+        "parallel_tool_calls": True,
+        "stream_options": None,
+        "response_format": {"type": "text"},
+        "some_future_field": [1, 2, 3],
+    }
+    r = httpx.post(server.url + CHAT, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=USER)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=client.models.list().data[0].id, messages=[])
+
+
+def test_full_queue_gets_503_and_server_recovers(server):
+    long = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+
+            async def stream(started: asyncio.Event) -> None:
+                async with c.stream("POST", COMP, json=long) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            started.set()
+
+            running = asyncio.Event()
+            streams = [asyncio.create_task(stream(running))]
+            await asyncio.wait_for(running.wait(), 30)
+            streams.append(asyncio.create_task(stream(asyncio.Event())))  # takes the one queue place
+            while await _ametric(c, "lumo_num_requests_waiting") < 1:
+                await asyncio.sleep(0.01)
+            r = await c.post(COMP, json={"prompt": "y", "max_tokens": 2})
+            for t in streams:  # hang up on both
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            return r
+
+    assert "busy" in _check_error(asyncio.run(scenario()), 503)["message"]
+    # both streams were dropped: the engine is free again
+    t0 = time.monotonic()
+    r = httpx.post(server.url + COMP, json={"prompt": "y", "max_tokens": 4, "temperature": 0}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert time.monotonic() - t0 < 5
+
+
+async def _ametric(c: httpx.AsyncClient, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", (await c.get("/metrics")).text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def _metric(url: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(url + "/metrics", timeout=10).text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_disconnect_mid_stream_frees_engine(server):
+    url = server.url
+    cancelled0 = _metric(url, "lumo_requests_cancelled_total")
+    body = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream("POST", url + COMP, json=body) as r:
+        got = 0
+        for line in r.iter_lines():
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+    # leaving the `with` closed the connection mid-stream
+    deadline = time.monotonic() + 5
+    while _metric(url, "lumo_requests_cancelled_total") == cancelled0:
+        assert time.monotonic() < deadline, "the disconnected stream was not cancelled"
+        time.sleep(0.02)
+    assert _metric(url, "lumo_num_requests_running") == 0
+    tokens0 = _metric(url, "lumo_generation_tokens_total")
+    t0 = time.monotonic()
+    r = httpx.post(url + COMP, json={"prompt": "y", "max_tokens": 8, "temperature": 0}, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    # only the new request generated since: the abandoned one (4000 tokens asked) really stopped
+    assert _metric(url, "lumo_generation_tokens_total") - tokens0 == 8
+    assert elapsed < 5
+
+
+def test_disconnect_while_waiting_for_non_streamed_response(server):
+    cancelled0 = _metric(server.url, "lumo_requests_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + COMP, json={"prompt": "x", "max_tokens": 4000, "temperature": 0}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while _metric(server.url, "lumo_requests_cancelled_total") == cancelled0:
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.02)
+    assert _metric(server.url, "lumo_num_requests_running") == 0
+
+
+def test_server_still_healthy(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'lumo_requests_total{endpoint="/v1/chat/completions",status="422"}' in metrics
+    assert server.proc.poll() is None

@@ -1,0 +1,300 @@
+"""Chat output parsing: `<think>` -> reasoning_content, `<tool_call>` (JSON and XML forms) -> tool_calls.
+
+Every case is fed whole, character by character and split in two at every position; all must agree with
+the expected result. One HTTP test runs the real app over loopback with a scripted engine (random-weight
+models never emit tool calls), streamed and not, through the official openai client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from lumo.server.app import create_app
+from lumo.server.testing import free_port
+from lumo.server.toolparse import ChatOutputParser, parse_tool_call
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "opts": {"type": "object"},
+                    "note": {"type": ["string", "null"]},
+                },
+            },
+        },
+    }
+]
+
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+    '<parameter=opts>\n{"a": [1, 2]}\n</parameter>\n<parameter=note>\n42\n</parameter>\n'
+    "<parameter=extra>\nline 1\nline <2>\n</parameter>\n</function>\n</tool_call>"
+)
+XML_ARGS = {
+    "city": "New York",
+    "days": 3,
+    "metric": True,
+    "opts": {"a": [1, 2]},
+    "note": "42",
+    "extra": "line 1\nline <2>",
+}
+
+# (name, output text, in_reasoning, parse_tools, expected content, expected reasoning, expected calls)
+CASES = [
+    ("plain", "Hello, world!  How are you?", False, True, "Hello, world!  How are you?", "", []),
+    (
+        "angle-brackets",
+        "a < b and <tool> or <think or </tool_call",
+        False,
+        True,
+        "a < b and <tool> or <think or </tool_call",
+        "",
+        [],
+    ),
+    (
+        "json-call",
+        'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        False,
+        True,
+        "Let me check.",
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "two-calls",
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "b", "arguments": {"x": "<y>"}}\n</tool_call>\n',
+        False,
+        True,
+        "",
+        "",
+        [("a", {}), ("b", {"x": "<y>"})],
+    ),
+    ("xml-call", "Sure." + XML_CALL, False, True, "Sure.", "", [("get_weather", XML_ARGS)]),
+    (
+        "think",
+        "<think>\nThe user wants x.\n</think>\n\nHere is x.",
+        False,
+        True,
+        "Here is x.",
+        "\nThe user wants x.\n",
+        [],
+    ),
+    (
+        "think-opened-by-template",
+        "I should call it.\n</think>\n\n" + XML_CALL,
+        True,
+        True,
+        "",
+        "I should call it.\n",
+        [("get_weather", XML_ARGS)],
+    ),
+    (
+        "reasoning-unfinished",
+        "still thinking <tool_call> about </thin",
+        True,
+        True,
+        "",
+        "still thinking <tool_call> about </thin",
+        [],
+    ),
+    (
+        "malformed-call",
+        "x <tool_call>\n{not json}\n</tool_call> y",
+        False,
+        True,
+        "x<tool_call>\n{not json}\n</tool_call> y",
+        "",
+        [],
+    ),
+    (
+        "unclosed-call-parses",
+        '<tool_call>\n{"name": "a", "arguments": {"k": 1}}\n',
+        False,
+        True,
+        "",
+        "",
+        [("a", {"k": 1})],
+    ),
+    ("unclosed-call-garbage", 'ok <tool_call>\n{"name": ', False, True, 'ok<tool_call>\n{"name": ', "", []),
+    (
+        "tools-off",
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>',
+        False,
+        False,
+        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>',
+        "",
+        [],
+    ),
+    (
+        "string-arguments",
+        '<tool_call>{"name": "a", "arguments": "{\\"k\\": 2}"}</tool_call>',
+        False,
+        True,
+        "",
+        "",
+        [("a", {"k": 2})],
+    ),
+]
+
+
+def _run(pieces: list[str], in_reasoning: bool, parse_tools: bool):
+    p = ChatOutputParser(in_reasoning=in_reasoning, parse_tools=parse_tools, tools=TOOLS)
+    content, reasoning, calls = "", "", []
+    deltas = [p.feed(x) for x in pieces] + [p.finish()]
+    for d in deltas:
+        content += d.content
+        reasoning += d.reasoning
+        calls += d.tool_calls
+    assert all(c.id.startswith("call_") and len(c.id) > 12 for c in calls)
+    assert len({c.id for c in calls}) == len(calls)
+    return content, reasoning, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_parser_every_split(case):
+    _, text, in_reasoning, parse_tools, content, reasoning, calls = case
+    expected = (content, reasoning, calls)
+    assert _run([text], in_reasoning, parse_tools) == expected
+    assert _run(list(text), in_reasoning, parse_tools) == expected
+    for i in range(len(text) + 1):
+        assert _run([text[:i], text[i:]], in_reasoning, parse_tools) == expected, f"split at {i}"
+
+
+def test_parser_holds_back_only_tag_prefixes():
+    p = ChatOutputParser(tools=TOOLS)
+    assert p.feed("Hello <tool").content == "Hello"
+    d = p.feed('_call>\n{"name": "a", "arguments": {}}')
+    assert not d  # inside a tool call nothing is sent until it closes
+    d = p.feed("\n</tool_call>")
+    assert [c.name for c in d.tool_calls] == ["a"]
+    assert p.feed("<thinker").content == "<thinker"  # not a tag after all
+
+
+def test_parse_tool_call_rejects_non_calls():
+    assert parse_tool_call("[1, 2]") is None
+    assert parse_tool_call('{"arguments": {}}') is None
+    assert parse_tool_call("<function>no name</function>") is None
+    assert parse_tool_call('{"name": "f", "arguments": "not json"}') is None
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP, with a scripted engine behind the real app
+
+
+@dataclass
+class _Chunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class ScriptedLLM:
+    """Stands in for lumo.engine.llm.LLM: real tokenizer and template, scripted output in 3-char chunks."""
+
+    tokenizer: object
+    output: str
+    model_name: str = "scripted"
+    max_model_len: int = 4096
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def generate_stream(self, prompt, max_tokens=256, **kw):
+        self.prompts.append(list(prompt))
+        pieces = [self.output[i : i + 3] for i in range(0, len(self.output), 3)]
+        for i, piece in enumerate(pieces):
+            yield _Chunk(piece, [7], "stop" if i == len(pieces) - 1 else None)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    from lumo.testing import make_tokenizer_files
+    from lumo.tokenizer import Tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer_files(d)
+    output = (
+        "<think>\nNeed weather.\n</think>\n\nChecking."
+        + XML_CALL
+        + "\n"
+        + XML_CALL.replace("New York", "Oslo")
+    )
+    llm = ScriptedLLM(Tokenizer.from_dir(d), output)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started
+    yield llm, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_http_tool_calls_streamed_and_not(scripted):
+    llm, url = scripted
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Weather in New York and Oslo?"}]
+    r = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, tool_choice="auto")
+    # the template saw the tools
+    assert "get_weather" in llm.tokenizer.decode(llm.prompts[-1])
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert msg.content == "Checking."
+    assert msg.model_extra["reasoning_content"] == "\nNeed weather.\n"
+    assert [json.loads(c.function.arguments)["city"] for c in msg.tool_calls] == ["New York", "Oslo"]
+    assert json.loads(msg.tool_calls[0].function.arguments) == XML_ARGS
+    assert all(c.id.startswith("call_") and c.type == "function" for c in msg.tool_calls)
+    assert r.usage.completion_tokens == len(range(0, len(llm.output), 3))
+
+    stream = client.chat.completions.create(
+        model="scripted", messages=messages, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+    )
+    content, reasoning, calls, finish, usage = "", "", {}, None, None
+    for ev in stream:
+        usage = ev.usage or usage
+        if not ev.choices:
+            continue
+        delta = ev.choices[0].delta
+        content += delta.content or ""
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        for tc in delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            entry["id"] = tc.id or entry["id"]
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        finish = ev.choices[0].finish_reason or finish
+    assert (content, reasoning, finish) == ("Checking.", "\nNeed weather.\n", "tool_calls")
+    assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_weather"]
+    assert [json.loads(calls[i]["arguments"])["city"] for i in sorted(calls)] == ["New York", "Oslo"]
+    assert usage.completion_tokens == r.usage.completion_tokens
+    assert usage.prompt_tokens == r.usage.prompt_tokens == len(llm.prompts[-1])
+
+    # tool_choice "none": the same output stays text
+    r = httpx.post(
+        url + "/v1/chat/completions",
+        json={"messages": messages, "tools": TOOLS, "tool_choice": "none"},
+        timeout=10,
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert "<tool_call>" in r["choices"][0]["message"]["content"]
+    assert "tool_calls" not in r["choices"][0]["message"]
