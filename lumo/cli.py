@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("src")
     q.add_argument("dst")
     q.add_argument("--format", default="nvfp4", choices=["nvfp4", "w4a16_nvfp4"])
-    q.add_argument("--exclude", nargs="*", default=None, help="fnmatch patterns kept in BF16 (replaces defaults)")
+    q.add_argument("--exclude", nargs="+", default=None, help="fnmatch patterns kept in BF16 (replaces the defaults)")
     return parser
 
 

@@ -1,0 +1,516 @@
+"""Model weights as plain dataclasses, building them from checkpoint tensors, and loading checkpoints.
+
+Every linear is one of three leaves (DenseLinear, NVFP4Linear, FP8Linear) with `.dequantize()`;
+the reference model multiplies by the dequantised matrix, the GPU kernels read the packed form.
+`load_model` reads a local directory or hub id (safetensors, single or sharded) and decides each linear's
+format from its stored dtypes and scales, cross-checked with hf_quant_config.json / quantization_config.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import sys
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import FULL, ModelConfig
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class WeightError(ValueError):
+    """A checkpoint lumo cannot load; the message names the tensor and is meant for the user."""
+
+
+@dataclass
+class DenseLinear:
+    weight: torch.Tensor  # [N, K] bf16 / f16 / f32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+
+@dataclass
+class NVFP4Linear:
+    """ModelOpt NVFP4: two E2M1 codes per byte (even column in the low nibble), one e4m3 scale per 16."""
+
+    weight: torch.Tensor  # [N, K/2] uint8
+    weight_scale: torch.Tensor  # [N, K/16] float8_e4m3fn
+    weight_scale_2: torch.Tensor  # [] f32, global scale
+    input_scale: torch.Tensor | None = None  # [] f32, activation global scale (W4A4 only)
+    activations: str = "bf16"  # "bf16" (W4A16_NVFP4) or "nvfp4" (W4A4; GPUs without FP4 MMA use bf16)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1] * 2)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .quant import nvfp4_dequantize
+
+        return nvfp4_dequantize(self.weight, self.weight_scale, self.weight_scale_2).to(dtype)
+
+
+@dataclass
+class FP8Linear:
+    """Per-tensor FP8: W = float(weight) * weight_scale."""
+
+    weight: torch.Tensor  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor  # [] f32
+    input_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.weight_scale.float()).to(dtype)
+
+
+Linear = DenseLinear | NVFP4Linear | FP8Linear
+
+
+@dataclass
+class MLPWeights:
+    gate_proj: Linear  # [I, H]
+    up_proj: Linear  # [I, H]
+    down_proj: Linear  # [H, I]
+
+
+@dataclass
+class GDNWeights:
+    in_proj_qkv: Linear  # [C, H], C = 2*nk*dk + nv*dv, blocks [q | k | v]
+    in_proj_z: Linear  # [nv*dv, H]
+    in_proj_b: Linear  # [nv, H]
+    in_proj_a: Linear  # [nv, H]
+    conv1d: torch.Tensor  # [C, K] (checkpoint stores [C, 1, K])
+    dt_bias: torch.Tensor  # [nv]
+    A_log: torch.Tensor  # [nv]
+    norm: torch.Tensor  # [dv], plain-weight (not 1+w) gated rmsnorm
+    out_proj: Linear  # [H, nv*dv]
+
+
+@dataclass
+class AttnWeights:
+    q_proj: Linear  # [nh*2d, H]: per head [query d | gate d]
+    k_proj: Linear  # [nkv*d, H]
+    v_proj: Linear  # [nkv*d, H]
+    o_proj: Linear  # [H, nh*d]
+    q_norm: torch.Tensor  # [d], 1+w
+    k_norm: torch.Tensor  # [d], 1+w
+
+
+@dataclass
+class LayerWeights:
+    input_layernorm: torch.Tensor  # [H], 1+w
+    post_attention_layernorm: torch.Tensor  # [H], 1+w
+    mixer: GDNWeights | AttnWeights
+    mlp: MLPWeights
+
+
+@dataclass
+class MTPWeights:
+    fc: Linear  # [H, 2H], input = cat(norm(embed(x_{p+1})), norm(h_p))
+    pre_fc_norm_embedding: torch.Tensor  # [H], 1+w
+    pre_fc_norm_hidden: torch.Tensor  # [H], 1+w
+    layers: list[LayerWeights]  # full-attention decoder layers with their own KV cache
+    norm: torch.Tensor  # [H], 1+w
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H], 1+w
+    lm_head: Linear  # [V, H]
+    mtp: MTPWeights | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Building weights from named tensors. `get(name)` returns the tensor or None when absent.
+
+TensorGetter = Callable[[str], "torch.Tensor | None"]
+LinearBuilder = Callable[[str, tuple[int, int]], Linear]
+
+
+def dense_linear_builder(get: TensorGetter) -> LinearBuilder:
+    """Linear builder for unquantised checkpoints (every `<prefix>.weight` dense)."""
+
+    def build(prefix: str, shape: tuple[int, int]) -> Linear:
+        return DenseLinear(require(get, f"{prefix}.weight", shape))
+
+    return build
+
+
+def require(get: TensorGetter, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    t = get(name)
+    if t is None:
+        raise WeightError(f"missing tensor {name}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise WeightError(f"tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+    return t
+
+
+def build_weights(
+    cfg: ModelConfig, get: TensorGetter, linear: LinearBuilder, prefix: str = "model."
+) -> ModelWeights:
+    """Assemble ModelWeights; `prefix` is "model." (flat) or "model.language_model." (wrapper)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+
+    def vec(name: str, n: int) -> torch.Tensor:
+        return require(get, name, (n,))
+
+    def mlp(p: str) -> MLPWeights:
+        I = cfg.intermediate_size  # noqa: E741
+        return MLPWeights(
+            linear(f"{p}.gate_proj", (I, H)), linear(f"{p}.up_proj", (I, H)), linear(f"{p}.down_proj", (H, I))
+        )
+
+    def attn(p: str) -> AttnWeights:
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        return AttnWeights(
+            q_proj=linear(f"{p}.q_proj", (nh * 2 * d, H)),
+            k_proj=linear(f"{p}.k_proj", (nkv * d, H)),
+            v_proj=linear(f"{p}.v_proj", (nkv * d, H)),
+            o_proj=linear(f"{p}.o_proj", (H, nh * d)),
+            q_norm=vec(f"{p}.q_norm.weight", d),
+            k_norm=vec(f"{p}.k_norm.weight", d),
+        )
+
+    def gdn(p: str) -> GDNWeights:
+        nv, dv, C, K = (
+            cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim,
+            cfg.conv_dim,
+            cfg.linear_conv_kernel_dim,
+        )
+        return GDNWeights(
+            in_proj_qkv=linear(f"{p}.in_proj_qkv", (C, H)),
+            in_proj_z=linear(f"{p}.in_proj_z", (nv * dv, H)),
+            in_proj_b=linear(f"{p}.in_proj_b", (nv, H)),
+            in_proj_a=linear(f"{p}.in_proj_a", (nv, H)),
+            conv1d=require(get, f"{p}.conv1d.weight", (C, 1, K)).reshape(C, K),
+            dt_bias=vec(f"{p}.dt_bias", nv),
+            A_log=vec(f"{p}.A_log", nv),
+            norm=vec(f"{p}.norm.weight", dv),
+            out_proj=linear(f"{p}.out_proj", (H, nv * dv)),
+        )
+
+    def layer(p: str, kind: str) -> LayerWeights:
+        mixer = attn(f"{p}.self_attn") if kind == FULL else gdn(f"{p}.linear_attn")
+        return LayerWeights(
+            input_layernorm=vec(f"{p}.input_layernorm.weight", H),
+            post_attention_layernorm=vec(f"{p}.post_attention_layernorm.weight", H),
+            mixer=mixer,
+            mlp=mlp(f"{p}.mlp"),
+        )
+
+    layers = [layer(f"{prefix}layers.{i}", kind) for i, kind in enumerate(cfg.layer_types)]
+    embed = require(get, f"{prefix}embed_tokens.weight", (V, H))
+    lm_head = DenseLinear(embed) if cfg.tie_word_embeddings else linear("lm_head", (V, H))
+    mtp = None
+    # MTP present iff the config asks for it and the checkpoint has it (HF re-saves drop `mtp.*`). Probe a
+    # small always-dense tensor: probing `mtp.fc.weight` would read a large, possibly packed tensor.
+    if cfg.mtp_num_hidden_layers > 0 and get("mtp.norm.weight") is not None:
+        mtp = MTPWeights(
+            fc=linear("mtp.fc", (H, 2 * H)),
+            pre_fc_norm_embedding=vec("mtp.pre_fc_norm_embedding.weight", H),
+            pre_fc_norm_hidden=vec("mtp.pre_fc_norm_hidden.weight", H),
+            layers=[layer(f"mtp.layers.{i}", FULL) for i in range(max(cfg.mtp_num_hidden_layers, 1))],
+            norm=vec("mtp.norm.weight", H),
+        )
+    return ModelWeights(
+        embed_tokens=embed, layers=layers, norm=vec(f"{prefix}norm.weight", H), lm_head=lm_head, mtp=mtp
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a checkpoint: a local directory or a Hugging Face hub id -> (ModelConfig, ModelWeights).
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "merges.txt", "vocab.txt"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_DENSE = {"BF16", "F16", "F32", "F64"}  # safetensors dtype names of unquantised tensors
+QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8")  # per-module algorithms lumo loads
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    # constants are read at import; honour a variable set later (tests, notebooks) as well
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE) or env
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """A local checkpoint directory, or a hub id fetched (json, safetensors, tokenizer, templates) or taken
+    from the local cache; with HF_HUB_OFFLINE set only the cache is used."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise WeightError(f"{model} is a file; give the checkpoint directory")
+    if not _HUB_ID.fullmatch(str(model)):
+        raise WeightError(f"model directory {model} does not exist")
+    from huggingface_hub import snapshot_download
+
+    offline = _hub_offline()
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=HUB_PATTERNS, local_files_only=offline))
+    except (OSError, ValueError) as e:  # hub errors are OSErrors; invalid ids are ValueErrors
+        if offline:
+            raise WeightError(
+                f"{model} is neither a local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is "
+                "set: download it first (unset HF_HUB_OFFLINE) or give a local path"
+            ) from None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightError(f"{model} is not a local directory and the hub download failed: {first}") from None
+
+
+def checkpoint_files(root: Path) -> tuple[dict[str, str], list[str]]:
+    """(tensor name -> shard file name, shard files) from model.safetensors.index.json or *.safetensors."""
+    from safetensors import safe_open
+
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightError(f"{index} is not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        if missing := [f for f in files if not (root / f).is_file()]:
+            raise WeightError(f"{index.name} names {missing[0]}, which is not in {root}")
+        return weight_map, files
+    files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"no .safetensors files in {root}")
+    weight_map = {}
+    for f in files:
+        with safe_open(root / f, framework="pt", device="cpu") as h:
+            weight_map.update(dict.fromkeys(h.keys(), f))
+    return weight_map, files
+
+
+class _Checkpoint:
+    """Header lookups and on-demand tensor reads over the shards (only the tensors asked for are read)."""
+
+    def __init__(self, root: Path, stack: ExitStack, on_read: Callable[[], None]):
+        from safetensors import SafetensorError, safe_open
+
+        self.weight_map, files = checkpoint_files(root)
+        try:
+            self._open = {
+                f: stack.enter_context(safe_open(root / f, framework="pt", device="cpu")) for f in files
+            }
+        except (OSError, SafetensorError) as e:
+            raise WeightError(f"cannot read the safetensors files in {root}: {e}") from None
+        self._on_read = on_read
+
+    def info(self, name: str) -> tuple[str, list[int]] | None:
+        """(safetensors dtype name, shape) or None when the tensor is absent."""
+        f = self.weight_map.get(name)
+        if f is None:
+            return None
+        sl = self._open[f].get_slice(name)
+        return sl.get_dtype(), list(sl.get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        self._on_read()
+        return self._open[self.weight_map[name]].get_tensor(name)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """What the checkpoint's quantisation config declares (hf_quant_config.json or quantization_config)."""
+
+    algo: str | None = None  # None (unquantised), one of QUANT_ALGOS, or "MIXED_PRECISION"
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of modules left unquantised
+    layers: dict[str, str] = field(default_factory=dict)  # MIXED_PRECISION: module -> algo
+    source: str = "config.json"
+
+    def declared(self, module: str) -> str | None:
+        """The algorithm the config declares for `module`, or None when it does not say (data decides)."""
+        if self.algo == "MIXED_PRECISION":
+            return self.layers.get(module)
+        if self.algo is None or any(fnmatch.fnmatchcase(module, p) for p in self.exclude):
+            return None
+        return self.algo
+
+
+def read_quant_spec(root: Path, config: dict) -> QuantSpec:
+    hf = root / "hf_quant_config.json"
+    if hf.is_file():
+        try:
+            q = json.loads(hf.read_text()).get("quantization") or {}
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise WeightError(f"{hf} is not valid JSON ({e})") from None
+        source, exclude = hf.name, q.get("exclude_modules")
+    elif q := config.get("quantization_config"):
+        method = q.get("quant_method")
+        if method != "modelopt":
+            raise WeightError(
+                f"unknown quantisation: quantization_config has quant_method {method!r}; lumo loads ModelOpt "
+                f"({', '.join(QUANT_ALGOS)}, MIXED_PRECISION) and unquantised checkpoints"
+            )
+        source, exclude = "config.json quantization_config", q.get("ignore", q.get("exclude_modules"))
+    else:
+        return QuantSpec()
+    algo = q.get("quant_algo")
+    algo = str(algo).upper() if algo else None
+    if algo not in (None, *QUANT_ALGOS, "MIXED_PRECISION"):
+        raise WeightError(
+            f"unknown quantisation {algo!r} in {source}; "
+            f"lumo loads {', '.join(QUANT_ALGOS)} and MIXED_PRECISION"
+        )
+    group = q.get("group_size")
+    if group not in (None, 16) and algo in ("NVFP4", "W4A16_NVFP4"):
+        raise WeightError(f"unknown quantisation: {algo} with group_size {group} in {source} (NVFP4 uses 16)")
+    layers = {
+        m: str((v or {}).get("quant_algo", "")).upper() for m, v in (q.get("quantized_layers") or {}).items()
+    }
+    return QuantSpec(algo, tuple(exclude or ()), layers, source)
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.float().reshape(())
+
+
+def _quantized_linear_builder(
+    ckpt: _Checkpoint, spec: QuantSpec, device: torch.device, dtype: torch.dtype
+) -> LinearBuilder:
+    """Decide each linear's format from its stored dtypes and scales, cross-checked with the config."""
+
+    def tensor(name: str, dtypes: tuple[str, ...], shape: list[int] | None, what: str) -> torch.Tensor:
+        info = ckpt.info(name)
+        if info is None:
+            raise WeightError(f"missing tensor {name} ({what})")
+        found_dtype, found = info
+        if found_dtype not in dtypes:
+            raise WeightError(
+                f"unknown quantisation: tensor {name} is {found_dtype}, expected {'/'.join(dtypes)}"
+            )
+        scalar = shape == []
+        if (scalar and found not in ([], [1])) or (not scalar and shape is not None and found != shape):
+            raise WeightError(f"tensor {name} has shape {found}, expected {shape} ({what})")
+        return ckpt.read(name)
+
+    def build(prefix: str, shape: tuple[int, int]) -> Linear:
+        N, K = shape
+        name = f"{prefix}.weight"
+        info = ckpt.info(name)
+        if info is None:
+            raise WeightError(f"missing tensor {name}")
+        stored = info[0]
+        kind = "DENSE" if stored in _DENSE else {"U8": "NVFP4", "F8_E4M3": "FP8"}.get(stored)
+        if kind is None:
+            raise WeightError(
+                f"unknown quantisation: tensor {name} is {stored} (lumo loads BF16/F16/F32, NVFP4, FP8)"
+            )
+        declared = spec.declared(prefix)
+        if declared is not None and declared not in QUANT_ALGOS:
+            raise WeightError(f"unknown quantisation {declared!r} for {prefix} in {spec.source}")
+        declared_kind = {"W4A16_NVFP4": "NVFP4"}.get(declared, declared)
+        # A dense tensor under a global algo is accepted (exclude lists name modules inconsistently); an
+        # explicit MIXED_PRECISION entry or a different packed format is a contradiction.
+        explicit = spec.algo == "MIXED_PRECISION"
+        if declared_kind is not None and declared_kind != kind and (kind != "DENSE" or explicit):
+            raise WeightError(
+                f"tensor {name} is stored as {kind.lower()} ({stored}) but {spec.source} says {declared}"
+            )
+
+        if kind == "DENSE":
+            w = tensor(name, tuple(_DENSE), [N, K], "dense")
+            return DenseLinear(w.to(device=device, dtype=dtype))
+        if kind == "FP8":
+            w = tensor(name, ("F8_E4M3",), [N, K], "FP8")
+            ws = tensor(f"{prefix}.weight_scale", ("F32", "BF16", "F16"), [], "FP8 per-tensor scale")
+            inp = ckpt.info(f"{prefix}.input_scale")
+            xs = tensor(f"{prefix}.input_scale", ("F32", "BF16", "F16"), [], "FP8") if inp else None
+            return FP8Linear(
+                w.to(device), _scalar(ws).to(device), None if xs is None else _scalar(xs).to(device)
+            )
+        if K % 16:
+            raise WeightError(f"tensor {name} is NVFP4 but the input dim {K} is not a multiple of 16")
+        what = f"NVFP4 packing of [{N}, {K}]"
+        w = tensor(name, ("U8",), [N, K // 2], what)
+        ws = tensor(f"{prefix}.weight_scale", ("F8_E4M3",), [N, K // 16], what)
+        ws2 = tensor(f"{prefix}.weight_scale_2", ("F32", "BF16", "F16"), [], "NVFP4 global scale")
+        inp = ckpt.info(f"{prefix}.input_scale")
+        xs = tensor(f"{prefix}.input_scale", ("F32", "BF16", "F16"), [], "NVFP4") if inp else None
+        # W4A4 needs the calibrated activation scale; without it (or declared W4A16) use BF16 activations.
+        acts = "nvfp4" if xs is not None and declared != "W4A16_NVFP4" else "bf16"
+        return NVFP4Linear(
+            weight=w.to(device),
+            weight_scale=ws.to(device),
+            weight_scale_2=_scalar(ws2).to(device),
+            input_scale=None if xs is None else _scalar(xs).to(device),
+            activations=acts,
+        )
+
+    return build
+
+
+def load_model(
+    path_or_id: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> tuple[ModelConfig, ModelWeights]:
+    """Load config.json and the text model's tensors (`mtp.*` too; `model.visual.*` is never read).
+
+    Dense tensors are converted to `dtype`; quantised linears keep their packed tensors. All go to `device`.
+    """
+    from tqdm import tqdm
+
+    root = resolve_model_path(path_or_id)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise WeightError(f"no config.json in {root}")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightError(f"{cfg_path} is not valid JSON ({e})") from None
+    cfg = ModelConfig.from_hf(raw)
+    spec = read_quant_spec(root, raw)
+    device = torch.device(device)
+
+    with ExitStack() as stack:
+        bar = stack.enter_context(
+            tqdm(
+                desc="loading",
+                unit="tensor",
+                file=sys.stderr,
+                disable=not progress or not sys.stderr.isatty(),
+            )
+        )
+        ckpt = _Checkpoint(root, stack, on_read=lambda: bar.update(1))
+        names = ckpt.weight_map
+        prefix = (
+            "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
+        )
+        bar.total = sum(
+            1
+            for n in names
+            if n.startswith((prefix, "lm_head.")) or (n.startswith("mtp.") and cfg.mtp_num_hidden_layers > 0)
+        )
+
+        def get(name: str) -> torch.Tensor | None:
+            info = ckpt.info(name)
+            if info is None:
+                return None
+            if info[0] not in _DENSE:
+                raise WeightError(f"tensor {name} is {info[0]}; lumo expects it unquantised (BF16/F16/F32)")
+            return ckpt.read(name).to(device=device, dtype=dtype)
+
+        weights = build_weights(cfg, get, _quantized_linear_builder(ckpt, spec, device, dtype), prefix)
+        bar.total = bar.n  # tensors lumo does not use (k/v scales, ...) were counted but not read
+    return cfg, weights

@@ -1,0 +1,365 @@
+"""Checkpoint loading: layouts (flat / wrapper / sharded), formats (BF16, F32, NVFP4, W4A16, FP8, mixed),
+the hub cache, and the one-line errors for user mistakes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lumo.config import ConfigError, ModelConfig
+from lumo.quant import fp8_quantize, nvfp4_dequantize, nvfp4_quantize
+from lumo.testing import make_tiny_checkpoint
+from lumo.weights import (
+    DenseLinear,
+    FP8Linear,
+    ModelWeights,
+    NVFP4Linear,
+    WeightError,
+    build_weights,
+    dense_linear_builder,
+    load_model,
+    resolve_model_path,
+)
+
+WRAPPER = "model.language_model."
+
+
+def tiny(tmp_path: Path, **over) -> Path:
+    """The shared tiny model with 4 layers (3 GDN + 1 attention) and an MTP layer."""
+    return make_tiny_checkpoint(tmp_path / "ckpt", num_hidden_layers=4, **over)
+
+
+def wrap(name: str) -> str:
+    return WRAPPER + name[len("model.") :] if name.startswith("model.") else name
+
+
+def resave(
+    d: Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    wrapper: bool = False,
+    shards: int = 1,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Re-write d's tensors: optionally under the Qwen3.5 wrapper layout (names and config), into `shards`
+    files with model.safetensors.index.json, plus `extra` tensors (e.g. model.visual.*)."""
+    cfg = json.loads((d / "config.json").read_text())
+    if wrapper:
+        tensors = {
+            (WRAPPER + n[len("model.") :] if n.startswith("model.") else n): t for n, t in tensors.items()
+        }
+        text = {**cfg, "model_type": "qwen3_5_text"}
+        cfg = {
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5",
+            "text_config": text,
+            "vision_config": {"depth": 1},
+            "tie_word_embeddings": False,
+        }
+        (d / "config.json").write_text(json.dumps(cfg))
+    tensors = {**tensors, **(extra or {})}
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    names = list(tensors)
+    if shards == 1:
+        save_file(tensors, str(d / "model.safetensors"))
+        return
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, str(d / fname))
+        weight_map.update(dict.fromkeys(part, fname))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def assert_same(a, b, path: str = "w") -> None:
+    """Recursive bitwise equality of two weight trees (dataclasses, lists, tensors)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype, f"{path}: {a.dtype} vs {b}"
+        assert a.shape == b.shape and torch.equal(a, b), f"{path} differs"
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def expected_dense(cfg: ModelConfig, tensors: dict[str, torch.Tensor], prefix: str, dtype) -> ModelWeights:
+    get = lambda n: tensors[n].to(dtype) if n in tensors else None
+    return build_weights(cfg, get, dense_linear_builder(get), prefix)
+
+
+def named_linears(w: ModelWeights, prefix: str = "model.") -> dict[str, object]:
+    """Checkpoint module name -> loaded linear (dataclass field names are the checkpoint names)."""
+    out: dict[str, object] = {"lm_head": w.lm_head}
+
+    def layer(p: str, lw) -> None:
+        mixer = "self_attn" if hasattr(lw.mixer, "q_proj") else "linear_attn"
+        for blk, obj in ((mixer, lw.mixer), ("mlp", lw.mlp)):
+            for f in dataclasses.fields(obj):
+                v = getattr(obj, f.name)
+                if isinstance(v, DenseLinear | NVFP4Linear | FP8Linear):
+                    out[f"{p}.{blk}.{f.name}"] = v
+
+    for i, lw in enumerate(w.layers):
+        layer(f"{prefix}layers.{i}", lw)
+    if w.mtp is not None:
+        out["mtp.fc"] = w.mtp.fc
+        for i, lw in enumerate(w.mtp.layers):
+            layer(f"mtp.layers.{i}", lw)
+    return out
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor], algo_of) -> tuple[dict[str, torch.Tensor], dict]:
+    """Quantise each linear whose module `algo_of(module)` names (NVFP4 / W4A16_NVFP4 / FP8 / None) the
+    way ModelOpt stores it; return the new tensors and module -> algo."""
+    out, algos = {}, {}
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        algo = algo_of(module) if name.endswith(".weight") and t.ndim == 2 and "embed" not in name else None
+        if algo is None:
+            out[name] = t
+            continue
+        algos[module] = algo
+        if algo == "FP8":
+            q, s = fp8_quantize(t)
+            out |= {name: q, f"{module}.weight_scale": s, f"{module}.input_scale": torch.tensor(0.5)}
+        else:
+            p, s, s2 = nvfp4_quantize(t)
+            out |= {name: p, f"{module}.weight_scale": s, f"{module}.weight_scale_2": s2}
+            if algo == "NVFP4":
+                out[f"{module}.input_scale"] = torch.tensor(0.25)
+    return out, algos
+
+
+def default_algo(algo: str):
+    """Quantise the big linears of the trunk, keep GDN gates, lm_head and mtp.* dense (like NVIDIA's)."""
+    keep = ("in_proj_a", "in_proj_b")
+    return lambda m: None if m.startswith(("mtp.", "lm_head")) or m.endswith(keep) else algo
+
+
+def write_quant_config(d: Path, q: dict, where: str = "hf") -> None:
+    if where == "hf":
+        (d / "hf_quant_config.json").write_text(
+            json.dumps({"producer": {"name": "modelopt"}, "quantization": q})
+        )
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "modelopt", **q}
+        (d / "config.json").write_text(json.dumps(cfg))
+
+
+def check_quantized(w: ModelWeights, orig: dict[str, torch.Tensor], algos: dict[str, str], prefix="model."):
+    for module, lin in named_linears(w, prefix).items():
+        ref = orig[f"{module}.weight"]
+        algo = algos.get(module)
+        if algo is None:
+            assert isinstance(lin, DenseLinear) and torch.equal(lin.weight, ref.float()), module
+        elif algo == "FP8":
+            q, s = fp8_quantize(ref)
+            assert isinstance(lin, FP8Linear) and lin.weight.dtype == torch.float8_e4m3fn, module
+            assert torch.equal(lin.dequantize(), q.float() * s) and float(lin.input_scale) == 0.5
+        else:
+            assert isinstance(lin, NVFP4Linear), module
+            assert lin.weight.dtype == torch.uint8 and lin.weight_scale.dtype == torch.float8_e4m3fn
+            assert lin.weight_scale_2.shape == () and lin.weight_scale_2.dtype == torch.float32
+            assert torch.equal(lin.dequantize(), nvfp4_dequantize(*nvfp4_quantize(ref))), module
+            assert lin.activations == ("nvfp4" if algo == "NVFP4" else "bf16"), module
+            assert (lin.input_scale is not None) == (algo == "NVFP4")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_flat_bf16_loads_every_tensor(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    cfg, w = load_model(d, progress=False)
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert w.mtp is not None and len(w.mtp.layers) == 1
+    assert_same(w, expected_dense(cfg, raw, "model.", torch.float32))
+    assert w.layers[0].mixer.conv1d.shape == (cfg.conv_dim, cfg.linear_conv_kernel_dim)
+
+
+def test_wrapper_sharded_f32_ignores_visual(tmp_path):
+    d = tiny(tmp_path, dtype="float32")
+    raw = load_file(d / "model.safetensors")
+    # an int8 vision tensor: reading it as a dense weight would raise, so loading proves it is never read
+    visual = {"model.visual.blocks.0.attn.qkv.weight": torch.ones(8, 8, dtype=torch.int8)}
+    resave(d, raw, wrapper=True, shards=3, extra=visual)
+    cfg, w = load_model(str(d), dtype=torch.bfloat16, progress=False)
+    assert cfg.model_type == "qwen3_5_text"
+    wrapped = {wrap(n): t for n, t in raw.items()}
+    assert_same(w, expected_dense(cfg, wrapped, WRAPPER, torch.bfloat16))
+
+
+@pytest.mark.parametrize("where", ["hf", "config"])
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4", "FP8"])
+def test_quantized_checkpoint(tmp_path, algo, where):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    q, algos = quantize_tensors(raw, default_algo(algo))
+    resave(d, q)
+    excl = ["lm_head", "*in_proj_a", "*in_proj_b", "mtp*"]
+    write_quant_config(d, {"quant_algo": algo, "group_size": 16, "exclude_modules": excl}, where)
+    cfg, w = load_model(d, progress=False)
+    assert {type(x).__name__ for x in named_linears(w).values()} == {
+        "DenseLinear",
+        "FP8Linear" if algo == "FP8" else "NVFP4Linear",
+    }
+    check_quantized(w, raw, algos)
+
+
+def test_mixed_precision_wrapper(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    cycle = ["NVFP4", "W4A16_NVFP4", "FP8", None]
+    pick = {}
+
+    def algo_of(m: str):
+        if m.startswith(("mtp.", "lm_head")) or m.endswith(("in_proj_a", "in_proj_b")):
+            return None
+        return pick.setdefault(m, cycle[len(pick) % len(cycle)])
+
+    q, algos = quantize_tensors(raw, algo_of)
+    assert set(algos.values()) == {"NVFP4", "W4A16_NVFP4", "FP8"}
+    resave(d, q, wrapper=True, extra={"model.visual.merger.weight": torch.zeros(4, 4)})
+    layers = {wrap(m): {"quant_algo": a, "group_size": 16} for m, a in algos.items()}
+    write_quant_config(d, {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers})
+    _, w = load_model(d, progress=False)
+    renamed = {wrap(n): t for n, t in raw.items()}
+    check_quantized(w, renamed, {wrap(m): a for m, a in algos.items()}, prefix=WRAPPER)
+
+
+def test_config_contradicting_the_tensors(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    q, algos = quantize_tensors(raw, default_algo("NVFP4"))
+    resave(d, q)
+    module = "model.layers.3.self_attn.o_proj"
+    layers = {m: {"quant_algo": "FP8" if m == module else a} for m, a in algos.items()}
+    write_quant_config(d, {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers})
+    with pytest.raises(WeightError, match=rf"{module}.weight is stored as nvfp4 .* says FP8"):
+        load_model(d, progress=False)
+    # a MIXED_PRECISION entry for a module stored dense is a contradiction too
+    layers = {**{m: {"quant_algo": a} for m, a in algos.items()}, "lm_head": {"quant_algo": "NVFP4"}}
+    write_quant_config(d, {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers})
+    with pytest.raises(WeightError, match=r"lm_head.weight is stored as dense"):
+        load_model(d, progress=False)
+
+
+def test_missing_tensors_are_named(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    resave(d, {n: t for n, t in raw.items() if n != "model.layers.1.linear_attn.A_log"})
+    with pytest.raises(WeightError, match=r"^missing tensor model\.layers\.1\.linear_attn\.A_log$"):
+        load_model(d, progress=False)
+    q, _ = quantize_tensors(raw, default_algo("NVFP4"))
+    del q["model.layers.2.mlp.up_proj.weight_scale"]
+    resave(d, q)
+    with pytest.raises(WeightError, match=r"missing tensor model\.layers\.2\.mlp\.up_proj\.weight_scale"):
+        load_model(d, progress=False)
+
+
+def test_wrong_shapes_show_expected_and_found(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    bad = dict(raw)
+    bad["model.layers.3.self_attn.q_proj.weight"] = torch.zeros(120, 64, dtype=torch.bfloat16)
+    resave(d, bad)
+    msg = r"model\.layers\.3\.self_attn\.q_proj\.weight has shape \[120, 64\], expected \[128, 64\]"
+    with pytest.raises(WeightError, match=msg):
+        load_model(d, progress=False)
+    q, _ = quantize_tensors(raw, default_algo("NVFP4"))
+    q["model.layers.0.mlp.down_proj.weight_scale"] = q["model.layers.0.mlp.down_proj.weight_scale"][
+        :, :4
+    ].contiguous()
+    resave(d, q)
+    with pytest.raises(WeightError, match=r"down_proj\.weight_scale has shape \[64, 4\], expected \[64, 8\]"):
+        load_model(d, progress=False)
+
+
+def test_unknown_quantization(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    write_quant_config(d, {"quant_algo": "INT4_AWQ"})
+    with pytest.raises(WeightError, match="unknown quantisation 'INT4_AWQ' in hf_quant_config.json"):
+        load_model(d, progress=False)
+    (d / "hf_quant_config.json").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(WeightError, match="quant_method 'gptq'"):
+        load_model(d, progress=False)
+    (d / "config.json").write_text(json.dumps(cfg))
+    bad = {**raw, "model.layers.0.mlp.gate_proj.weight": torch.zeros(128, 64, dtype=torch.int8)}
+    resave(d, bad)
+    with pytest.raises(
+        WeightError, match=r"unknown quantisation: tensor model\.layers\.0\.mlp\.gate_proj\.weight"
+    ):
+        load_model(d, progress=False)
+
+
+def test_bad_paths_and_configs(tmp_path):
+    with pytest.raises(WeightError, match="does not exist"):
+        load_model(tmp_path / "nope" / "x" / "y")
+    with pytest.raises(WeightError, match="no config.json"):
+        load_model(tmp_path)
+    d = tiny(tmp_path)
+    with pytest.raises(WeightError, match="is a file"):
+        load_model(d / "config.json")
+    (d / "model.safetensors").rename(d / "weights.bin")
+    with pytest.raises(WeightError, match="no .safetensors files"):
+        load_model(d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(ConfigError):
+        load_model(d)
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(WeightError, match="not valid JSON"):
+        load_model(d)
+
+
+def test_checkpoint_without_mtp_tensors(tmp_path):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    resave(d, {n: t for n, t in raw.items() if not n.startswith("mtp.")})
+    cfg, w = load_model(d, progress=False)
+    assert cfg.mtp_num_hidden_layers == 1 and w.mtp is None
+
+
+def test_offline_hub_id_not_cached(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(WeightError, match="HF_HUB_OFFLINE"):
+        load_model("lumo-tests/not-a-real-model")
+
+
+def test_offline_hub_id_from_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    src = tiny(tmp_path)
+    repo = tmp_path / "hub" / "models--lumo-tests--tiny"
+    snap = repo / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for f in src.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_path("lumo-tests/tiny") == snap
+    cfg, w = load_model("lumo-tests/tiny", progress=False)
+    assert cfg.num_layers == 4 and w.mtp is not None
