@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from .. import model as M
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
-from .sampling import SamplingParams, sample
+from ..config import TreeConfig
+from .decode import make_decoder
+from .sampling import SamplingParams
 
 EMBEDDED_NAME = "lumo-tiny"
-PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
 
 
 class PromptTooLongError(ValueError):
@@ -68,7 +68,12 @@ class LLM:
         dtype: str | None = None,
         max_model_len: int | None = None,
         progress: bool = False,
+        spec: str = "off",
+        tree: TreeConfig | None = None,
     ):
+        if spec not in ("off", "chain", "tree"):
+            raise ValueError(f"unknown spec mode {spec!r}: use tree, chain or off")
+        self.spec, self.tree = spec, tree or TreeConfig()
         self.device = _pick_device(device)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -163,27 +168,32 @@ class LLM:
     def _run(
         self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str]
     ) -> Iterator[StreamChunk]:
-        cfg, w = self.config, self.weights
-        cache = M.new_cache(cfg, len(prompt_ids) + max_tokens, self.device, self.dtype)
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
-            logits, _ = M.forward(cfg, w, ids[None, start : start + PREFILL_CHUNK], cache)
-        detok = IncrementalDetokenizer(self.tokenizer, stop=stops)
+        decoder = make_decoder(
+            self.config, self.weights, params, len(prompt_ids) + max_tokens, self.device, self.dtype,
+            self.spec, self.tree,
+        )
+        self.last_decoder = decoder
+        detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
         eos = set(self.tokenizer.eos_token_ids)
-        for i in range(max_tokens):
-            tok = sample(logits[0, -1], params, position=cache.length)
-            if tok in eos:
-                yield StreamChunk(detok.finish(), [], "stop")
-                return
-            text = detok.add(tok)
-            if detok.stopped:
-                yield StreamChunk(text, [tok], "stop")
-                return
-            if i == max_tokens - 1:
-                yield StreamChunk(text + detok.finish(), [tok], "length")
-                return
-            yield StreamChunk(text, [tok])
-            logits, _ = M.forward(cfg, w, torch.tensor([[tok]], device=self.device), cache)
+        n = 0
+        tokens = decoder.prefill(prompt_ids)
+        while True:
+            out, text = [], []
+            for tok in tokens:
+                if tok in eos:
+                    yield StreamChunk("".join(text) + detok.finish(), out, "stop")
+                    return
+                out.append(tok)
+                n += 1
+                text.append(detok.add(tok))
+                if detok.stopped:
+                    yield StreamChunk("".join(text), out, "stop")
+                    return
+                if n == max_tokens:
+                    yield StreamChunk("".join(text) + detok.finish(), out, "length")
+                    return
+            yield StreamChunk("".join(text), out)
+            tokens = decoder.step()
 
 
 def _generation_defaults(path: Path) -> dict:

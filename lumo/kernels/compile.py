@@ -1,0 +1,228 @@
+"""NVRTC: CUDA C++ source -> cubin (on-disk cache) -> loaded kernel launched on torch's current stream.
+
+Compiling needs no GPU (CI compiles every .cu for sm_90 and sm_121a). Loading and launching initialise
+the CUDA driver lazily, after torch has created its context, so `import lumo.kernels` works anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+KERNEL_DIR = Path(__file__).parent
+DEFAULT_OPTIONS = ("--std=c++17", "-default-device")
+_TEST_DEFINES = re.compile(r"^//\s*lumo:test-defines\s*(.*)$", re.MULTILINE)
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC rejected a kernel source; the message carries the kernel name, arch, options and full log."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LUMO_CACHE_DIR", "~/.cache/lumo/kernels")).expanduser()
+
+
+def clean_cache() -> int:
+    """Delete every cached cubin; returns how many files were removed."""
+    d = cache_dir()
+    n = 0
+    if d.is_dir():
+        for f in d.glob("*.cubin"):
+            f.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def _check(result: tuple, what: str) -> tuple:
+    err = result[0]
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    return result[1:]
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+
+    return tuple(_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+
+
+@functools.cache
+def include_dirs() -> tuple[str, ...]:
+    # cuda_bf16.h / vector_types.h come from the nvidia-cuda-runtime wheel; a system toolkit is the fallback.
+    from cuda import pathfinder
+
+    d = pathfinder.find_nvidia_header_directory("cudart")
+    if d is None:
+        home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        d = str(Path(home) / "include") if (Path(home) / "include" / "cuda_bf16.h").is_file() else None
+    if d is None:
+        raise RuntimeError("CUDA runtime headers not found: pip install nvidia-cuda-runtime")
+    return (d, str(KERNEL_DIR))
+
+
+def compile_to_cubin(src: str, arch: str, options: Sequence[str] = (), name: str = "kernel.cu") -> bytes:
+    """Compile CUDA C++ to a cubin for `arch` (e.g. "sm_90", "sm_121a"). Needs no GPU."""
+    from cuda.bindings import nvrtc
+
+    opts = [f"--gpu-architecture={arch}", *DEFAULT_OPTIONS, *(f"-I{d}" for d in include_dirs()), *options]
+    (prog,) = _check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        (log_size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+        log = b" " * log_size
+        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        if int(err) != 0:
+            text = log.decode(errors="replace").rstrip("\x00")
+            raise KernelCompileError(f"NVRTC failed on {name} for {arch} with options {opts}:\n{text}")
+        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _local_headers() -> bytes:
+    # Included .cuh files change the cubin too, so they are part of the cache key.
+    return b"".join(p.read_bytes() for p in sorted(KERNEL_DIR.glob("*.cuh")))
+
+
+def cached_cubin(src: str, arch: str, options: Sequence[str] = (), name: str = "kernel.cu") -> bytes:
+    """compile_to_cubin through the on-disk cache keyed by sha256(source, headers, options, arch, NVRTC)."""
+    h = hashlib.sha256()
+    for part in (src.encode(), _local_headers(), "\0".join(options).encode(), arch.encode()):
+        h.update(part)
+        h.update(b"\0\1")
+    h.update(repr(nvrtc_version()).encode())
+    path = cache_dir() / f"{Path(name).stem}-{arch}-{h.hexdigest()[:32]}.cubin"
+    if path.is_file():
+        return path.read_bytes()
+    cubin = compile_to_cubin(src, arch, options, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic publish: concurrent processes never see a half-written cubin.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(cubin)
+    os.replace(tmp, path)
+    return cubin
+
+
+def define_options(defines: Mapping[str, object] | None) -> tuple[str, ...]:
+    return tuple(f"-D{k}={v}" for k, v in sorted((defines or {}).items()))
+
+
+def compile_test_defines(path: Path) -> list[dict[str, str]]:
+    """`// lumo:test-defines A=1 B=2` lines of a .cu file: the specialisations CI compiles (none -> [{}])."""
+    sets = []
+    for line in _TEST_DEFINES.findall(path.read_text()):
+        sets.append(dict(kv.split("=", 1) for kv in line.split()))
+    return sets or [{}]
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(KERNEL_DIR.glob("**/*.cu"))
+
+
+def arch_of(device: torch.device | int | None = None) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    # Arch-specific ("a") targets only where the family needs them for its fast instructions.
+    suffix = "a" if major >= 10 else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+@dataclass
+class Kernel:
+    """A loaded kernel. `launch` reads torch's current stream at every call (graph capture needs that)."""
+
+    name: str
+    function: object  # CUfunction
+    _max_shmem: list[int]
+
+    def launch(
+        self,
+        grid: tuple[int, ...] | int,
+        block: tuple[int, ...] | int,
+        args: Sequence[object],
+        shmem: int = 0,
+    ) -> None:
+        from cuda.bindings import driver as cu
+
+        g = (grid,) if isinstance(grid, int) else tuple(grid)
+        b = (block,) if isinstance(block, int) else tuple(block)
+        g, b = g + (1,) * (3 - len(g)), b + (1,) * (3 - len(b))
+        if shmem > 48 * 1024 and shmem > self._max_shmem[0]:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(cu.cuFuncSetAttribute(self.function, attr, shmem), f"cuFuncSetAttribute({self.name})")
+            self._max_shmem[0] = shmem
+        values, types = [], []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                values.append(a.data_ptr())
+                types.append(ctypes.c_void_p)
+            elif isinstance(a, bool):
+                raise TypeError(f"{self.name}: pass bools as int")
+            elif isinstance(a, int):
+                values.append(a)
+                types.append(ctypes.c_int)
+            elif isinstance(a, float):
+                values.append(a)
+                types.append(ctypes.c_float)
+            elif isinstance(a, ctypes._SimpleCData):
+                values.append(a.value or 0)
+                types.append(type(a))
+            else:
+                raise TypeError(f"{self.name}: unsupported kernel argument type {type(a).__name__}")
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(
+            cu.cuLaunchKernel(self.function, *g, *b, shmem, stream, (tuple(values), tuple(types)), 0),
+            f"launch of {self.name} (grid {g}, block {b}, shmem {shmem}, attr max {self._max_shmem[0]})",
+        )
+
+
+@functools.cache
+def _load(cubin: bytes, kernel_name: str, device_index: int) -> Kernel:
+    from cuda.bindings import driver as cu
+
+    torch.cuda.init()  # the driver context is torch's primary context
+    (lib,) = _check(cu.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData")
+    (kern,) = _check(cu.cuLibraryGetKernel(lib, kernel_name.encode()), f"cuLibraryGetKernel({kernel_name})")
+    (fn,) = _check(cu.cuKernelGetFunction(kern), f"cuKernelGetFunction({kernel_name})")
+    return Kernel(kernel_name, fn, [48 * 1024])
+
+
+def resolve_source(source: str | os.PathLike) -> Path:
+    p = Path(source)
+    if not p.is_absolute() and not p.exists():
+        p = KERNEL_DIR / p
+    if p.suffix != ".cu":
+        p = p.with_suffix(".cu")
+    if not p.is_file():
+        raise FileNotFoundError(f"kernel source {source} not found (looked in {KERNEL_DIR})")
+    return p
+
+
+def compile_kernel(
+    source: str | os.PathLike,
+    kernel_name: str,
+    defines: Mapping[str, object] | None = None,
+    arch: str | None = None,
+) -> Kernel:
+    """Compile (cached) `source` (a name in lumo/kernels or a path) and load `kernel_name` (extern "C")."""
+    path = resolve_source(source)
+    device = torch.cuda.current_device()
+    arch = arch or arch_of(device)
+    try:
+        cubin = cached_cubin(path.read_text(), arch, define_options(defines), path.name)
+    except KernelCompileError as e:
+        raise KernelCompileError(f"kernel {kernel_name}: {e}") from None
+    return _load(cubin, kernel_name, device)

@@ -1,0 +1,396 @@
+// Weight GEMV/GEMM for M <= 32 activation rows (decode, tree verification) and the prefill dequant.
+//
+// out[m, n] = gs[n] * sum_k x[m, k] * W[n, k], bf16 in/out, fp32 accumulate on mma.sync m16n8k16 bf16.
+// Weights are the mma A operand (16 weight rows per m16 tile), activations the B operand (8 rows per n8
+// tile). Batch invariance: a row's result is the same whatever M is, because every mma column is computed
+// independently and the K order (mma k-steps, then chunks, then split-K slices in slice order) depends only
+// on (N, K) and the packing, never on M. NT (n8 tiles) only changes how many columns are computed.
+//
+// K permutation: in chunk c (64 columns) lane (g, t) handles columns 64c + 16t .. 64c + 16t + 15, mma
+// k-step s taking 16t + 4s + {0,1} as mma k {2t, 2t+1} and 16t + 4s + {2,3} as mma k {2t+8, 2t+9}. So a
+// lane's activations are 32 contiguous bytes, and its weights of a chunk lie in one NVFP4 scale block.
+//
+// Work split: a CTA owns one row group (16*MT rows) and one split-K slice; its KW warps take the slice's
+// chunks round-robin (warp w: chunks c0 + w, c0 + w + KW, ...), each through its own cp.async ring, and
+// their accumulators are summed in warp order at the end (fixed order, so still batch invariant).
+//
+// Packed NVFP4 (lumo/kernels/linear.py:pack_nvfp4), MT m16 tiles per warp ("row group", 16*MT rows):
+//   qw [RG][C][MT][32 lanes][16 B]: lane (g, t) word s (4 B) holds rows g, g+8, columns 16t + 4s + {0..3}:
+//       magnitude slot q (bits 4q..4q+2) for fragment value q = (A.lo, A.hi, B.lo, B.hi, C.lo, C.hi, D.lo,
+//       D.hi) and its sign at bit (15, 31, 11, 27, 7, 23, 3, 19)[q]; A,B,C,D are the mma A registers.
+//   qs [RG][C][MT][32 lanes] u16: scale byte of row g (low) and row g+8 (high) for block 4c + t, stored as
+//       e5m3 such that bf16 bits = (byte << 4) + (117 << 7) are the exact e4m3 value.
+//   gs [N_pad] f32: weight_scale_2 per row (fused shards keep their own).
+//
+// lumo:test-defines NT=1 STAGES=4
+// lumo:test-defines NT=4 STAGES=3
+
+#include <cuda_bf16.h>
+
+#ifndef NT
+#define NT 4  // n8 tiles of activation rows: M <= 8 * NT
+#endif
+#ifndef MT
+#define MT 4  // m16 tiles per warp; the packer's row-group size is 16 * MT
+#endif
+#ifndef STAGES
+#define STAGES 4  // cp.async pipeline depth per warp
+#endif
+#ifndef KW
+#define KW 4  // warps per CTA, splitting the CTA's chunks round-robin
+#endif
+
+typedef unsigned int u32;
+typedef __nv_bfloat16 bf16;
+
+// Per-warp shared-memory stage: weights, then scales (NVFP4 only), then activations.
+#define Q_BYTES (MT * 512)
+#define S_BYTES (MT * 64)
+#define X_BYTES (NT * 1024)
+#define FP4_STAGE (Q_BYTES + S_BYTES + X_BYTES)
+#define BF16_W_BYTES (MT * 2048)
+#define BF16_STAGE (BF16_W_BYTES + X_BYTES)
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes, bool l1) {
+  u32 s = (u32)__cvta_generic_to_shared(dst);
+  if (l1) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes));
+  }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+  // Exact: an E2M1 value times an e4m3 scale has <= 6 significant bits.
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<u32*>(&r);
+}
+
+// 8 E2M1 codes -> 4 bf16x2 mma registers (unscaled). Magnitudes through two byte-permute lookups (low and
+// high byte of the bf16 of 0, .5, 1, 1.5, 2, 3, 4, 6), signs moved into place by one shift each.
+__device__ __forceinline__ void dequant8(u32 w, u32& A, u32& B, u32& C, u32& D) {
+  const u32 m = w & 0x77777777u;  // drop signs: a set selector msb would mean "replicate sign"
+  const u32 mh = m >> 16;
+  const u32 lo0 = __byte_perm(0xC0800000u, 0xC0804000u, m);
+  const u32 hi0 = __byte_perm(0x3F3F3F00u, 0x40404040u, m);
+  const u32 lo1 = __byte_perm(0xC0800000u, 0xC0804000u, mh);
+  const u32 hi1 = __byte_perm(0x3F3F3F00u, 0x40404040u, mh);
+  A = __byte_perm(lo0, hi0, 0x5140) | (w & 0x80008000u);
+  B = __byte_perm(lo0, hi0, 0x7362) | ((w << 4) & 0x80008000u);
+  C = __byte_perm(lo1, hi1, 0x5140) | ((w << 8) & 0x80008000u);
+  D = __byte_perm(lo1, hi1, 0x7362) | ((w << 12) & 0x80008000u);
+}
+
+// e5m3 scale byte (selected by `sel`) broadcast to both halves as bf16x2.
+__device__ __forceinline__ u32 scale2(u32 bytes, u32 sel) {
+  return __byte_perm(bytes, 0u, sel) * 16u + 0x3A803A80u;
+}
+
+// Activation rows 8j+g, columns k0 + 16t .. +15 of every n8 tile j into this warp's stage (zero padded).
+__device__ __forceinline__ void load_x(char* xs, const bf16* __restrict__ x, int M, int K, int k0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int col = k0 + 16 * t;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int row = 8 * j + g;
+    const bool ok = row < M && col < K;
+    const bf16* src = ok ? x + (size_t)row * K + col : x;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) cp_async16(xs + ((j * 2 + h) * 32 + lane) * 16, src + 8 * h, ok ? 16 : 0, true);
+  }
+}
+
+__device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __restrict__ gs,
+                                           bf16* __restrict__ out, float* __restrict__ partial, int M,
+                                           int N, int row0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool split = gridDim.y > 1;
+  float* part = partial + (size_t)blockIdx.y * M * N;
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = row0 + 16 * i + g + 8 * h;
+      if (n >= N) continue;
+      const float scale = gs ? gs[n] : 1.0f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = 8 * j + 2 * t + e;
+          if (m >= M) continue;
+          const float v = acc[i][j][2 * h + e];
+          if (split) {
+            part[(size_t)m * N + n] = v;
+          } else {
+            out[(size_t)m * N + n] = __float2bfloat16_rn(v * scale);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Sum the KW warps' accumulators in warp order into warp 0's registers (smem reused after the pipeline).
+__device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, int warp, int lane) {
+  float* red = reinterpret_cast<float*>(smem);
+  __syncthreads();  // every warp is done with its ring
+  if (warp > 0) {
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(((warp - 1) * MT + i) * NT + j) * 4 * 32 + e * 32 + lane] = acc[i][j][e];
+  }
+  __syncthreads();
+  if (warp == 0) {
+    for (int w = 1; w < KW; ++w)
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][j][e] += red[(((w - 1) * MT + i) * NT + j) * 4 * 32 + e * 32 + lane];
+  }
+}
+
+// grid (RG, S), block 32 * KW, dynamic smem KW * STAGES * FP4_STAGE.
+// Split s covers chunks [s * cps, min(C, (s + 1) * cps)); with S > 1 it writes fp32 partials [S, M, N].
+extern "C" __global__ void __launch_bounds__(KW * 32)
+    nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+               const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
+               float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+  extern __shared__ uint4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rg = blockIdx.x;
+  char* ring = reinterpret_cast<char*>(smem) + warp * STAGES * FP4_STAGE;
+  const char* wsrc = reinterpret_cast<const char*>(qw) + (size_t)rg * C * Q_BYTES;
+  const char* ssrc = reinterpret_cast<const char*>(qs) + (size_t)rg * C * S_BYTES;
+  const int c0 = blockIdx.y * cps + warp;
+  const int c1 = min(C, (int)(blockIdx.y + 1) * cps);
+  const int nc = c0 < c1 ? (c1 - c0 + KW - 1) / KW : 0;  // this warp's chunks: c0, c0 + KW, ...
+
+  auto issue = [&](int i) {
+    char* st = ring + (i % STAGES) * FP4_STAGE;
+    const int c = c0 + i * KW;
+#pragma unroll
+    for (int p = 0; p < MT; ++p)
+      cp_async16(st + (p * 32 + lane) * 16, wsrc + (size_t)c * Q_BYTES + (p * 32 + lane) * 16, 16, false);
+    if (lane < MT * 4) cp_async16(st + Q_BYTES + lane * 16, ssrc + (size_t)c * S_BYTES + lane * 16, 16, false);
+    load_x(st + Q_BYTES + S_BYTES, x, M, K, c * 64, lane);
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < nc) issue(i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nc; ++i) {
+    if (i + STAGES - 1 < nc) issue(i + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const char* st = ring + (i % STAGES) * FP4_STAGE;
+    uint4 wv[MT];
+    u32 sv[MT];
+#pragma unroll
+    for (int p = 0; p < MT; ++p) {
+      wv[p] = *reinterpret_cast<const uint4*>(st + (p * 32 + lane) * 16);
+      sv[p] = *reinterpret_cast<const unsigned short*>(st + Q_BYTES + (p * 32 + lane) * 2);
+    }
+    uint4 xv[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        xv[j][h] = *reinterpret_cast<const uint4*>(st + Q_BYTES + S_BYTES + ((j * 2 + h) * 32 + lane) * 16);
+    __syncwarp();  // every lane has read this stage before it is refilled
+#pragma unroll
+    for (int p = 0; p < MT; ++p) {
+      const u32 sg = scale2(sv[p], 0x4040), sg8 = scale2(sv[p], 0x4141);
+      const u32 words[4] = {wv[p].x, wv[p].y, wv[p].z, wv[p].w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        u32 A, B, Cr, D;
+        dequant8(words[s], A, B, Cr, D);
+        A = bmul2(A, sg);
+        B = bmul2(B, sg8);
+        Cr = bmul2(Cr, sg);
+        D = bmul2(D, sg8);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
+          mma_bf16(acc[p][j], A, B, Cr, D, xw[(s & 1) * 2], xw[(s & 1) * 2 + 1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
+  if (warp == 0) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane);
+}
+
+// Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
+// g+8 are 32 contiguous bytes each, so no repacking is needed.
+extern "C" __global__ void __launch_bounds__(KW * 32)
+    bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
+              float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+  extern __shared__ uint4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  char* ring = reinterpret_cast<char*>(smem) + warp * STAGES * BF16_STAGE;
+  const int row0 = blockIdx.x * MT * 16;
+  const int c0 = blockIdx.y * cps + warp;
+  const int c1 = min(C, (int)(blockIdx.y + 1) * cps);
+  const int nc = c0 < c1 ? (c1 - c0 + KW - 1) / KW : 0;
+
+  auto issue = [&](int i) {
+    char* st = ring + (i % STAGES) * BF16_STAGE;
+    const int col = (c0 + i * KW) * 64 + 16 * t;
+#pragma unroll
+    for (int p = 0; p < MT; ++p)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 16 * p + g + 8 * r;
+        const bool ok = row < N && col < K;
+        const bf16* src = ok ? w + (size_t)row * K + col : w;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          cp_async16(st + (((p * 2 + r) * 2 + h) * 32 + lane) * 16, src + 8 * h, ok ? 16 : 0, false);
+      }
+    load_x(st + BF16_W_BYTES, x, M, K, (c0 + i * KW) * 64, lane);
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < nc) issue(i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nc; ++i) {
+    if (i + STAGES - 1 < nc) issue(i + STAGES - 1);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const char* st = ring + (i % STAGES) * BF16_STAGE;
+    uint4 wv[MT][2][2];
+#pragma unroll
+    for (int p = 0; p < MT; ++p)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wv[p][r][h] = *reinterpret_cast<const uint4*>(st + (((p * 2 + r) * 2 + h) * 32 + lane) * 16);
+    uint4 xv[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        xv[j][h] = *reinterpret_cast<const uint4*>(st + BF16_W_BYTES + ((j * 2 + h) * 32 + lane) * 16);
+    __syncwarp();
+#pragma unroll
+    for (int p = 0; p < MT; ++p) {
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const u32* wg = reinterpret_cast<const u32*>(&wv[p][0][s >> 1]);
+        const u32* wg8 = reinterpret_cast<const u32*>(&wv[p][1][s >> 1]);
+        const int q = (s & 1) * 2;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
+          mma_bf16(acc[p][j], wg[q], wg8[q], wg[q + 1], wg8[q + 1], xw[q], xw[q + 1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
+  if (warp == 0) store_tile(acc, nullptr, out, partial, M, N, row0, lane);
+}
+
+// out[m, n] = bf16(gs[n] * sum_s partial[s, m, n]), slices summed in slice order (batch invariant).
+extern "C" __global__ void splitk_reduce(const float* __restrict__ partial, const float* __restrict__ gs,
+                                         bf16* __restrict__ out, int M, int N, int S) {
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= M * N) return;
+  float a = partial[idx];
+  for (int s = 1; s < S; ++s) a += partial[(size_t)s * M * N + idx];
+  out[idx] = __float2bfloat16_rn(a * (gs ? gs[idx % N] : 1.0f));
+}
+
+// Prefill: rows [rg0 * 16 * MT, ...) of the packed weight -> bf16 out [rows, K] (gs applied in fp32, one
+// rounding). One thread per (row group, chunk, m16 tile, lane): 16 packed bytes -> 2 rows x 16 columns.
+extern "C" __global__ void nvfp4_dequant(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                                         const float* __restrict__ gs, bf16* __restrict__ out, int rg0,
+                                         int nrg, int N, int K, int C) {
+  const long idx = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (long)nrg * C * MT * 32) return;
+  const int lane = idx & 31;
+  const int p = (idx >> 5) % MT;
+  const int c = (int)((idx / (32 * MT)) % C);
+  const int rg = rg0 + (int)(idx / ((long)32 * MT * C));
+  const int g = lane >> 2, t = lane & 3;
+  const long src = ((long)rg * C + c) * MT + p;
+  const uint4 wv = qw[src * 32 + lane];
+  const u32 sv = qs[src * 32 + lane];
+  const u32 sg = scale2(sv, 0x4040), sg8 = scale2(sv, 0x4141);
+  const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
+  u32 rowg[8], rowg8[8];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    u32 A, B, Cr, D;
+    dequant8(words[s], A, B, Cr, D);
+    rowg[2 * s] = bmul2(A, sg);
+    rowg[2 * s + 1] = bmul2(Cr, sg);
+    rowg8[2 * s] = bmul2(B, sg8);
+    rowg8[2 * s + 1] = bmul2(D, sg8);
+  }
+  const int col = c * 64 + 16 * t;
+  if (col >= K) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = rg * MT * 16 + p * 16 + g + 8 * h;
+    if (n >= N) continue;
+    const float scale = gs[n];
+    const u32* v = h ? rowg8 : rowg;
+    u32 o[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[q]));
+      __nv_bfloat162 r = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+      o[q] = *reinterpret_cast<u32*>(&r);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + (size_t)(n - rg0 * MT * 16) * K + col);
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+  }
+}

@@ -1,0 +1,302 @@
+"""NVFP4 (W4A16) and BF16 linears: packing, launchers, fp32 references. Kernels in linear.cu.
+
+M <= 32 rows: one batch-invariant GEMV/GEMM kernel (mma.sync, fixed K order). Larger M (prefill): the
+packed weight is dequantised N-tile by N-tile into a bounded bf16 workspace and multiplied by cuBLAS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import nvfp4_dequantize
+from .compile import Kernel, compile_kernel
+
+MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
+ROWS = 16 * MT
+CHUNK = 64  # K columns per pipeline stage
+KW = 4  # warps per CTA sharing a row group's chunks (part of the K order: fixed)
+SMALL_M = 32  # largest M served by the GEMV kernel
+TARGET_CTAS = 264  # ~2 CTAs per H200 SM before split-K is worth its partial traffic
+MIN_WARP_CHUNKS = 4
+PREFILL_WORKSPACE = 64 << 20  # bytes of bf16 dequantised weight per prefill tile
+_SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
+
+
+@dataclass
+class PackedNVFP4:
+    """NVFP4 weight in the GEMV layout (see linear.cu). Fused shards are concatenated along N."""
+
+    qw: torch.Tensor  # [RG, C, MT, 32, 16] uint8
+    qs: torch.Tensor  # [RG, C, MT, 32] int16 (two e5m3 scale bytes)
+    gs: torch.Tensor  # [RG * 64] f32, weight_scale_2 of each row's shard (0 on padding)
+    n: int  # output features N
+    k: int  # input features K
+    splits: int  # split-K slices (fixed per weight: the K order never depends on M)
+    shard_sizes: tuple[int, ...]  # N of each fused shard, in order
+    partial: torch.Tensor | None  # [splits, 32, N] f32 workspace when splits > 1
+
+    @property
+    def chunks(self) -> int:
+        return self.qw.shape[1]
+
+    @property
+    def row_groups(self) -> int:
+        return self.qw.shape[0]
+
+
+def choose_splits(n: int, k: int) -> int:
+    rg, chunks = -(-n // ROWS), -(-k // CHUNK)
+    s = 1
+    while rg * s < TARGET_CTAS and chunks // (2 * s * KW) >= MIN_WARP_CHUNKS and s < 8:
+        s *= 2
+    return s
+
+
+def _encode_scales(weight_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [N, K/16] -> e5m3 bytes with bf16 bits == (byte << 4) + (117 << 7) (exact)."""
+    bits = weight_scale.float().abs().to(torch.bfloat16).view(torch.int16).int()
+    byte = (bits - (117 << 7)) >> 4
+    return torch.where(weight_scale.float() == 0, torch.zeros_like(byte), byte).clamp(0, 255)
+
+
+def pack_nvfp4(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    splits: int | None = None,
+) -> PackedNVFP4:
+    """ModelOpt NVFP4 (weight u8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 f32) -> PackedNVFP4."""
+    return pack_fused([(weight, weight_scale, weight_scale_2)], splits=splits)
+
+
+def pack_fused(
+    shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], splits: int | None = None
+) -> PackedNVFP4:
+    """Concatenate NVFP4 shards along N (gate+up, q/k/v/z): one launch, each shard keeps its global scale."""
+    k = shards[0][0].shape[1] * 2
+    for w, s, s2 in shards:
+        if (
+            w.dtype != torch.uint8
+            or w.shape[1] * 2 != k
+            or s.shape != (w.shape[0], k // 16)
+            or s2.numel() != 1
+        ):
+            raise ValueError(f"bad NVFP4 shard: weight {tuple(w.shape)} scale {tuple(s.shape)}, K={k}")
+    if k % 16:
+        raise ValueError(f"NVFP4 K={k} must be a multiple of 16")
+    device = shards[0][0].device
+    codes = torch.cat([w for w, _, _ in shards]).to(device)  # [N, K/2] u8
+    scales = torch.cat([s.float() for _, s, _ in shards]).to(device)  # [N, K/16] f32 (exact e4m3)
+    gs = torch.cat([torch.full((w.shape[0],), float(s2), device=device) for w, _, s2 in shards])
+    n = codes.shape[0]
+    rg, chunks = -(-n // ROWS), -(-k // CHUNK)
+    n_pad, k_pad = rg * ROWS, chunks * CHUNK
+
+    # Unpack codes to [N, K] u8 nibbles; a negative scale moves into the code signs, a zero scale zeroes
+    # the codes (the kernel's scale encoding has no zero).
+    nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(n, k)
+    nib = nib ^ ((scales < 0).repeat_interleave(16, dim=1).to(torch.uint8) << 3)
+    nib = nib * (scales != 0).repeat_interleave(16, dim=1).to(torch.uint8)
+    nib = torch.nn.functional.pad(nib, (0, k_pad - k, 0, n_pad - n))  # [Np, Kp] u8
+    sbyte = torch.nn.functional.pad(_encode_scales(scales), (0, k_pad // 16 - k // 16, 0, n_pad - n))
+
+    # nib[rg, p, h(0: row g, 1: row g+8), g, c, t, s, e(4 columns)] -> lane (g, t) word s.
+    v = nib.view(rg, MT, 2, 8, chunks, 4, 4, 4)
+    # fragment value q: (A.lo, A.hi, B.lo, B.hi, C.lo, C.hi, D.lo, D.hi) = (h, e) pairs below
+    order = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
+    word = torch.zeros(rg, chunks, MT, 8, 4, 4, dtype=torch.int64, device=device)  # [rg, c, p, g, t, s]
+    for q, (h, e) in enumerate(order):
+        val = v[:, :, h, :, :, :, :, e].permute(0, 3, 1, 2, 4, 5).long()  # [rg, c, p, g, t, s]
+        word |= (val & 0x7) << (4 * q)
+        word |= ((val >> 3) & 1) << _SIGN_BITS[q]
+    qw = (word - ((word >> 31) << 32)).to(torch.int32)  # u32 -> i32 bit pattern
+    qw = qw.contiguous().view(torch.uint8).view(rg, chunks, MT, 32, 16)
+
+    sb = sbyte.view(rg, MT, 2, 8, chunks, 4)  # [rg, p, h, g, c, t]
+    s16 = sb[:, :, 0] | (sb[:, :, 1] << 8)  # [rg, p, g, c, t]
+    s16 = s16.permute(0, 3, 1, 2, 4).reshape(rg, chunks, MT, 32)
+    qs = (s16 - ((s16 >> 15) << 16)).to(torch.int16).contiguous()
+
+    splits = choose_splits(n, k) if splits is None else splits
+    partial = torch.empty(splits, SMALL_M, n, device=device) if splits > 1 else None
+    gs_pad = torch.nn.functional.pad(gs, (0, n_pad - n)).contiguous()
+    sizes = tuple(w.shape[0] for w, _, _ in shards)
+    return PackedNVFP4(qw, qs, gs_pad, n, k, splits, sizes, partial)
+
+
+def split_fused(out: torch.Tensor, packed: PackedNVFP4) -> tuple[torch.Tensor, ...]:
+    """Views of a fused output [M, N] per shard."""
+    return tuple(out.split(packed.shard_sizes, dim=-1))
+
+
+STAGES = 4  # cp.async stages per warp for M <= 8; 3 for larger M (H200 sweep, docs/kernels.md)
+
+
+@functools.cache
+def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW) -> Kernel:
+    return compile_kernel("linear", name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw})
+
+
+def _stage_bytes(nt: int, bf16_weights: bool) -> int:
+    return (MT * 2048 if bf16_weights else MT * 576) + nt * 1024
+
+
+def _check_x(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    if x.data_ptr() % 16:
+        raise ValueError("x must be 16-byte aligned")
+
+
+def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    if out.dtype != torch.bfloat16 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous bf16 [{x.shape[0]}, {n}], got {out.dtype} {tuple(out.shape)}"
+        )
+    return out
+
+
+def _launch_small(
+    name: str,
+    weight_args: list[torch.Tensor],
+    x: torch.Tensor,
+    out: torch.Tensor,
+    partial: torch.Tensor | None,
+    n: int,
+    k: int,
+    rg: int,
+    chunks: int,
+    splits: int,
+    bf16_weights: bool,
+    stages: int | None = None,
+    kw: int = KW,
+) -> None:
+    m = x.shape[0]
+    nt = -(-m // 8)
+    stages = stages or (STAGES if nt == 1 else STAGES - 1)
+    cps = -(-chunks // splits)
+    kern = _kernel(name, nt, stages, kw)
+    shmem = kw * stages * _stage_bytes(nt, bf16_weights)
+    part = partial if splits > 1 else out
+    kern.launch((rg, splits), 32 * kw, [*weight_args, x, out, part, m, n, k, rg, chunks, cps], shmem)
+    if splits > 1:
+        gs = ctypes.c_void_p(0) if bf16_weights else weight_args[2]  # bf16 weights: no global scale
+        _kernel("splitk_reduce", 1).launch(-(-(m * n) // 256), 256, [partial, gs, out, m, n, splits])
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    packed: PackedNVFP4,
+    out: torch.Tensor | None = None,
+    stages: int | None = None,
+    kw: int = KW,
+) -> torch.Tensor:
+    """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
+
+    `stages` / `kw` are tuning knobs for benchmarks; `kw` changes the K order, so keep it fixed per model.
+    """
+    _check_x(x, packed.k)
+    out = _out(x, packed.n, out)
+    if x.shape[0] > SMALL_M:
+        return _prefill(x, packed, out)
+    if x.shape[0] == 0:
+        return out
+    weights = [packed.qw, packed.qs, packed.gs]
+    rg, chunks = packed.row_groups, packed.chunks
+    _launch_small(
+        "nvfp4_gemv",
+        weights,
+        x,
+        out,
+        packed.partial,
+        packed.n,
+        packed.k,
+        rg,
+        chunks,
+        packed.splits,
+        False,
+        stages,
+        kw,
+    )
+    return out
+
+
+def _prefill(x: torch.Tensor, packed: PackedNVFP4, out: torch.Tensor) -> torch.Tensor:
+    # Dequantise a bounded N-tile of the weight at a time (never a full bf16 copy of a big layer).
+    k = packed.k
+    tile_rg = max(1, PREFILL_WORKSPACE // (ROWS * k * 2))
+    tile_rg = min(tile_rg, packed.row_groups)
+    ws = torch.empty(tile_rg * ROWS, k, dtype=torch.bfloat16, device=x.device)
+    kern = _kernel("nvfp4_dequant", 1)
+    for rg0 in range(0, packed.row_groups, tile_rg):
+        nrg = min(tile_rg, packed.row_groups - rg0)
+        n0, n1 = rg0 * ROWS, min(packed.n, (rg0 + nrg) * ROWS)
+        threads = nrg * packed.chunks * MT * 32
+        kern.launch(
+            -(-threads // 256),
+            256,
+            [packed.qw, packed.qs, packed.gs, ws, rg0, nrg, packed.n, k, packed.chunks],
+        )
+        out[:, n0:n1] = x @ ws[: n1 - n0].t()
+    return out
+
+
+def bf16_linear(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, workspace: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x @ w^T with the same batch-invariant small-M kernel (bf16 w [N, K], K % 16 == 0)."""
+    n, k = w.shape
+    if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
+        raise ValueError(
+            f"w must be contiguous 16-byte aligned bf16 [N, K % 16 == 0], got {w.dtype} {w.shape}"
+        )
+    _check_x(x, k)
+    out = _out(x, n, out)
+    m = x.shape[0]
+    if m > SMALL_M:
+        return torch.matmul(x, w.t(), out=out)
+    if m == 0:
+        return out
+    splits = choose_splits(n, k)
+    if splits > 1 and workspace is None:
+        workspace = torch.empty(splits, SMALL_M, n, device=x.device)
+    rg, chunks = -(-n // ROWS), -(-k // CHUNK)
+    _launch_small("bf16_gemv", [w], x, out, workspace, n, k, rg, chunks, splits, True)
+    return out
+
+
+def nvfp4_linear_ref(x: torch.Tensor, weight, weight_scale, weight_scale_2) -> torch.Tensor:
+    """fp32 reference: dequantise (lumo.quant) then matmul; returns f32 [M, N]."""
+    w = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
+    return x.float() @ w.t()
+
+
+def bf16_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.float() @ w.float().t()
+
+
+def unpack_nvfp4(packed: PackedNVFP4) -> torch.Tensor:
+    """Decode the packed layout back to f32 [N, K] (gs applied), following linear.cu's layout comment."""
+    from ..quant import E2M1_LUT
+
+    rg, chunks = packed.row_groups, packed.chunks
+    words = packed.qw.view(torch.int32).view(rg, chunks, MT, 8, 4, 4).long() & 0xFFFFFFFF  # [rg,c,p,g,t,s]
+    vals = torch.zeros(rg, MT, 2, 8, chunks, 4, 4, 4)  # [rg, p, h, g, c, t, s, e]
+    order = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
+    lut = E2M1_LUT.to(words.device)
+    for q, (h, e) in enumerate(order):
+        code = ((words >> (4 * q)) & 0x7) | (((words >> _SIGN_BITS[q]) & 1) << 3)
+        vals[:, :, h, :, :, :, :, e] = lut[code].permute(0, 2, 3, 1, 4, 5).cpu()
+    s16 = packed.qs.long().cpu() & 0xFFFF  # [rg, c, p, lane]
+    sb = torch.stack([s16 & 0xFF, s16 >> 8], dim=-1).view(rg, chunks, MT, 8, 4, 2)  # [rg, c, p, g, t, h]
+    bits = (sb << 4) + (117 << 7)
+    scale = bits.to(torch.int16).view(torch.bfloat16).float().permute(0, 2, 5, 3, 1, 4)  # [rg, p, h, g, c, t]
+    w = vals * scale[..., None, None]
+    w = w.reshape(rg * ROWS, chunks * CHUNK)[: packed.n, : packed.k]
+    return w * packed.gs[: packed.n, None].cpu()

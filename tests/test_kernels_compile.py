@@ -1,0 +1,81 @@
+"""CPU (no GPU): every kernel source compiles for sm_90 and sm_121a; the NVFP4 packing round-trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumo.kernels import (
+    KernelCompileError,
+    compile_test_defines,
+    compile_to_cubin,
+    kernel_sources,
+    pack_fused,
+    pack_nvfp4,
+    unpack_nvfp4,
+)
+from lumo.kernels.compile import cached_cubin, define_options
+from lumo.quant import nvfp4_dequantize
+
+CASES = [
+    pytest.param(
+        path, defines, arch, id=f"{path.stem}-{'-'.join(f'{k}{v}' for k, v in defines.items())}-{arch}"
+    )
+    for path in kernel_sources()
+    for defines in compile_test_defines(path)
+    for arch in ("sm_90", "sm_121a")
+]
+
+
+def test_sources_found():
+    assert any(p.name == "linear.cu" for p in kernel_sources())
+
+
+@pytest.mark.parametrize("path,defines,arch", CASES)
+def test_compiles(path, defines, arch):
+    cubin = compile_to_cubin(path.read_text(), arch, define_options(defines), path.name)
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_error_carries_log():
+    with pytest.raises(KernelCompileError, match="undeclared_thing"):
+        compile_to_cubin('extern "C" __global__ void k() { undeclared_thing = 1; }', "sm_90")
+
+
+def test_cache_hits_and_cleans(tmp_path, monkeypatch):
+    monkeypatch.setenv("LUMO_CACHE_DIR", str(tmp_path))
+    src = 'extern "C" __global__ void k(float* p) { p[threadIdx.x] = 1.0f; }'
+    a = cached_cubin(src, "sm_90", (), "tiny.cu")
+    files = list(tmp_path.glob("*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == a
+    assert cached_cubin(src, "sm_90", (), "tiny.cu") == a
+    cached_cubin(src, "sm_90", ("-DX=1",), "tiny.cu")
+    assert len(list(tmp_path.glob("*.cubin"))) == 2
+    from lumo.kernels import clean_cache
+
+    assert clean_cache() == 2 and not list(tmp_path.glob("*.cubin"))
+
+
+def _rand_nvfp4(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    s = (torch.rand(n, k // 16, generator=gen) * 300 + 0.002).to(torch.float8_e4m3fn)
+    s[n // 2, 0] = 0  # an all-zero block
+    return w, s, torch.rand((), generator=gen) * 0.02 + 1e-3
+
+
+@pytest.mark.parametrize("n,k", [(48, 16 * 7), (100, 16 * 33), (130, 64)], ids=lambda v: str(v))
+def test_pack_roundtrip(n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    w, s, s2 = _rand_nvfp4(n, k, gen)
+    packed = pack_nvfp4(w, s, s2)
+    assert packed.qw.shape[1:] == (-(-k // 64), 4, 32, 16)
+    torch.testing.assert_close(unpack_nvfp4(packed), nvfp4_dequantize(w, s, s2), rtol=0, atol=0)
+
+
+def test_pack_fused_keeps_shard_scales():
+    gen = torch.Generator().manual_seed(7)
+    shards = [_rand_nvfp4(40, 112, gen), _rand_nvfp4(24, 112, gen)]
+    packed = pack_fused(shards)
+    ref = torch.cat([nvfp4_dequantize(*sh) for sh in shards])
+    assert packed.shard_sizes == (40, 24)
+    torch.testing.assert_close(unpack_nvfp4(packed), ref, rtol=0, atol=0)
