@@ -1,0 +1,97 @@
+"""The reference speculative event (CPU): exactness against plain decoding, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumo.config import TreeConfig
+from lumo.engine.decode import PlainDecoder, SpecDecoder
+from lumo.engine.sampling import SamplingParams
+from lumo.testing import make_tiny_checkpoint
+from lumo.weights import load_model
+
+TREE = TreeConfig(depth=4, topk=3, budget=8, rows=16)
+PROMPT = [5, 17, 99, 3, 42, 7, 64, 21, 8]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=1, dtype="float32", num_hidden_layers=4)
+    return load_model(d, progress=False)
+
+
+def run(decoder, n_tokens: int) -> list[int]:
+    out = decoder.prefill(PROMPT)
+    while len(out) < n_tokens:
+        out += decoder.step()
+    return out[:n_tokens]
+
+
+def assert_same_state(a, b):
+    assert a.length == b.length
+    L = a.length
+    for x, y in zip(a.kv_k + a.kv_v, b.kv_k + b.kv_v, strict=True):
+        assert torch.equal(x[:L], y[:L])
+    for x, y in zip(a.gdn_state + a.conv_state, b.gdn_state + b.conv_state, strict=True):
+        assert torch.equal(x, y)
+
+
+class OracleSpec(SpecDecoder):
+    """Drafts from a known continuation: the spine is right for `right` tokens then wrong; the sibling at
+    the first wrong depth carries the right token when `sibling` is set. Exercises every acceptance case."""
+
+    def __init__(self, *a, truth: list[int], right: int, sibling: bool, **kw):
+        super().__init__(*a, **kw)
+        self.truth, self.right, self.sibling, self.emitted = truth, right, sibling, 1
+
+    def _draft(self) -> list[int]:
+        t = self.tree
+        nxt = self.truth[self.emitted :] + [0] * 64
+        tokens = [0] * t.rows
+        tokens[0] = self.pending
+        for i in range(1, t.n_nodes):
+            d, r = int(t.depth[i]), int(t.rank[i])
+            good = nxt[d - 1]
+            if r == 0:
+                tokens[i] = good if d <= self.right else (good + 1) % 256
+            else:  # siblings: right only at the first wrong spine depth
+                tokens[i] = good if (self.sibling and d == self.right + 1 and r == 1) else (good + 2 + r) % 256
+        return tokens
+
+    def step(self):
+        out = super().step()
+        self.emitted += len(out)
+        return out
+
+
+def decoders(tiny, params, max_len=96):
+    cfg, w = tiny
+    plain = PlainDecoder(cfg, w, params, max_len, "cpu", torch.float32)
+    return cfg, w, plain
+
+
+@pytest.mark.parametrize("tree", [TREE, TreeConfig(depth=3, topk=1, budget=3, rows=4)], ids=["tree", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "sampled"])
+def test_spec_equals_plain(tiny, tree, temperature):
+    params = SamplingParams(temperature=temperature, top_k=50, top_p=0.95, seed=1234)
+    cfg, w, plain = decoders(tiny, params)
+    want = run(plain, 24)
+    spec = SpecDecoder(cfg, w, params, 96, "cpu", torch.float32, tree)
+    assert run(spec, 24) == want
+
+
+@pytest.mark.parametrize("right, sibling", [(0, False), (2, False), (1, True), (4, False), (0, True)])
+def test_every_acceptance_case_is_exact(tiny, right, sibling):
+    params = SamplingParams(temperature=0.0)
+    cfg, w, plain = decoders(tiny, params)
+    truth = run(plain, 40)
+    spec = OracleSpec(cfg, w, params, 96, "cpu", torch.float32, TREE, truth=truth, right=right, sibling=sibling)
+    out = run(spec, 16)
+    assert out == truth[:16]
+    expected = min(right + (1 if sibling else 0), TREE.depth)
+    assert spec.stats.accepted[:3] == [expected] * 3
+    # the committed state equals plain decoding's at the same length, bitwise
+    p2 = PlainDecoder(cfg, w, params, 96, "cpu", torch.float32)
+    run(p2, spec.cache.length - len(PROMPT) + 1)
+    assert_same_state(spec.cache, p2.cache)
