@@ -17,6 +17,27 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
+    p.add_argument("--spec", default="off", choices=["tree", "chain", "off"], help="speculative decoding (MTP)")
+    p.add_argument("--spec-depth", type=int, default=11, help="draft tree spine depth D")
+    p.add_argument("--spec-topk", type=int, default=3, help="candidates per spine depth (siblings + 1)")
+    p.add_argument("--spec-budget", type=int, default=27, help="draft nodes per tree, root excluded")
+
+
+def _llm(args: argparse.Namespace, progress: bool = False):
+    from .config import TreeConfig
+    from .engine.llm import LLM
+
+    rows = max(32, -(-(args.spec_budget + 1) // 8) * 8)  # verify rows are padded to a multiple of 8
+    tree = TreeConfig(depth=args.spec_depth, topk=args.spec_topk, budget=args.spec_budget, rows=rows)
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        progress=progress,
+        spec=args.spec,
+        tree=tree,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,9 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine.llm import LLM
-
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = _llm(args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -77,19 +96,20 @@ def _generate(args: argparse.Namespace) -> int:
     t_first = t_first or t1
     decode = t1 - t_first
     rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+    stats = getattr(llm.last_decoder, "stats", None)
+    spec = f", {stats.mean_accepted:.2f} accepted drafts/event" if stats and stats.events else ""
     print(
         f"[lumo] {n} tokens ({reason}), prefill {1000 * (t_first - t0):.0f} ms, "
-        f"{rate:.1f} tokens/s decode, model {llm.model_name} on {llm.device}",
+        f"{rate:.1f} tokens/s decode{spec}, model {llm.model_name} on {llm.device}",
         file=sys.stderr,
     )
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .engine.llm import LLM
     from .server.app import run_server
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, progress=True)
+    llm = _llm(args, progress=True)
     run_server(llm, host=args.host, port=args.port, model_name=args.served_model_name, max_queue=args.max_queue)
     return 0
 

@@ -74,6 +74,7 @@ class LLM:
         if spec not in ("off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use tree, chain or off")
         self.spec, self.tree = spec, tree or TreeConfig()
+        self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
         self.device = _pick_device(device)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
