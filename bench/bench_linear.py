@@ -94,22 +94,21 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(8, 32, n, device="cuda")
         res = {}
-        for st, kw in stages_sweep:
+        for st, rgw in [(None, None), *stages_sweep]:
             try:
-                res[f"{st}x{kw}"] = time_graph(
+                res[f"{st or 'd'}x{rgw or 'd'}"] = time_graph(
                     [
-                        lambda p=p, st=st, kw=kw, x=x, o=out: nvfp4_linear(x, p, out=o, stages=st, kw=kw)
+                        lambda p=p, st=st, rgw=rgw, x=x, o=out: nvfp4_linear(x, p, out=o, stages=st, rgw=rgw)
                         for p in packs
                     ],
                     reps,
                 )
             except RuntimeError as e:  # a variant that does not launch is reported, not fatal
-                print(f"{name} M={m} config {st}x{kw}: {e}", flush=True)
+                print(f"{name} M={m} config {st}x{rgw}: {e}", flush=True)
                 torch.cuda.synchronize()
-        # KW is part of the K order (batch invariance): the table uses the default KW=4, best over STAGES.
-        best = min((c for c in res if c.endswith("x4")), key=res.get)
-        us = res[best]
-        kw8 = min((v for c, v in res.items() if c.endswith("x8")), default=float("nan"))
+        # STAGES / RGW never change the result bits; the table reports the library default (dxd) and the best.
+        us = res["dxd"]
+        best = min(res, key=res.get)
         t_torch = time_graph([lambda w=w, x=x, o=out: torch.matmul(x, w.t(), out=o) for w in wbs], reps)
         t_bf16 = time_graph(
             [lambda w=w, x=x, o=out, ws=ws: bf16_linear(x, w, out=o, workspace=ws) for w in wbs], reps
@@ -124,7 +123,8 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
                 k=k,
                 n=n,
                 splits=packs[0].splits,
-                stages=best,
+                best_cfg=best,
+                best_us=res[best],
                 us=us,
                 bytes=nbytes,
                 gbs=gbs,
@@ -132,7 +132,6 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
                 torch_us=t_torch,
                 speedup_vs_torch=t_torch / us,
                 bf16_us=t_bf16,
-                kw8_us=kw8,
                 bf16_pct_bw=100 * bf16_gbs / bw,
                 config_sweep=res,
             )
@@ -145,7 +144,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 16, 32])
-    ap.add_argument("--configs", nargs="*", default=["4x4"], help="STAGESxKW variants to time, best reported")
+    ap.add_argument("--configs", nargs="*", default=[], help="STAGESxRGW variants timed besides the default")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -168,17 +167,17 @@ def main() -> None:
         json.dumps(dict(device=dev, copy_gbs=bw, copy=bws, copy_end=bw_end, rows=rows), indent=1)
     )
     print(f"\n{dev}: device copy {bw:.0f} GB/s (read+write); NVFP4 W4A16, times in us (median, graph replay)")
-    hdr = f"{'shape':22} {'M':>3} {'S':>2} {'cfg':>4} {'us':>8} {'MB':>8} {'GB/s':>6} {'%bw':>5} "
-    hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'KW8 us':>7}"
+    hdr = f"{'shape':22} {'M':>3} {'S':>2} {'us':>8} {'MB':>8} {'GB/s':>6} {'%bw':>5} "
+    hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'best':>5} {'cfg':>5}"
     print(hdr)
     m1 = {r["shape"]: r["us"] for r in rows if r["m"] == 1}
     for r in rows:
         rel = r["us"] / m1.get(r["shape"], r["us"])
         print(
-            f"{r['shape']:22} {r['m']:3d} {r['splits']:2d} {r['stages']:>4} {r['us']:8.1f} "
+            f"{r['shape']:22} {r['m']:3d} {r['splits']:2d} {r['us']:8.1f} "
             f"{r['bytes'] / 1e6:8.1f} {r['gbs']:6.0f} {r['pct_bw']:5.1f} {rel:5.2f} {r['torch_us']:9.1f} "
             f"{r['speedup_vs_torch']:7.2f} "
-            f"{r['bf16_us']:8.1f} {r['bf16_pct_bw']:7.1f} {r['kw8_us']:7.1f}"
+            f"{r['bf16_us']:8.1f} {r['bf16_pct_bw']:7.1f} {r['best_us']:5.1f} {r['best_cfg']:>5}"
         )
 
 

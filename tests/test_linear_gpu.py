@@ -14,6 +14,7 @@ from lumo.kernels import (
     pack_nvfp4,
     split_fused,
 )
+from lumo.quant import nvfp4_dequantize
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -78,6 +79,42 @@ def test_nvfp4_batch_invariant(splits):
     n, k = 64 * 3 + 5, 16 * 97
     packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=splits)
     _check_batch_invariant(lambda x: nvfp4_linear(x, packed), k, gen)
+
+
+def _all_codes_all_scales(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row: every finite e4m3 scale (both signs, zero) once, each block holding all 16 E2M1 codes."""
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = scales[~torch.isnan(scales.float())]  # [254]
+    gen = torch.Generator().manual_seed(2)
+    s = torch.stack([scales[torch.randperm(len(scales), generator=gen)] for _ in range(n)])  # [n, 254]
+    block = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE], dtype=torch.uint8)
+    w = block.repeat(n, len(scales))  # [n, 254 * 8]: codes 0..15 in every block
+    return w.to(DEV), s.to(DEV), torch.tensor(1.0, device=DEV)
+
+
+def test_dequant_exact_all_codes_all_scales():
+    # The kernels build each weight as bf16(E2M1 * 2^-126) (a subnormal for +-0.5) times bf16(scale * 2^119):
+    # HMUL2 must keep subnormal inputs and the product must be exact. One-hot x rows read W back exactly.
+    w, s, s2 = _all_codes_all_scales(64 + 5)
+    k = w.shape[1] * 2
+    ref = nvfp4_dequantize(w, s, s2)  # [n, k] f32, exact e4m3 * E2M1 products
+    packed = pack_nvfp4(w, s, s2, splits=1)
+    eye = torch.eye(k, device=DEV, dtype=torch.bfloat16)
+    got = torch.cat([nvfp4_linear(eye[i : i + 32], packed) for i in range(0, k, 32)])  # [k, n] = W^T
+    assert torch.equal(got.float().t(), ref)
+    assert torch.equal(nvfp4_linear(eye[:64], packed).float(), ref[:, :64].t())  # prefill dequant kernel
+
+
+def test_launch_knobs_do_not_change_bits():
+    gen = torch.Generator(DEV).manual_seed(17)
+    n, k = 64 * 9 + 3, 16 * 131
+    packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=2)
+    for m in (1, 9, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        base = nvfp4_linear(x, packed)
+        for stages in (2, 3, 5):
+            for rgw in (1, 2, 4, 8):
+                assert torch.equal(nvfp4_linear(x, packed, stages=stages, rgw=rgw), base), (m, stages, rgw)
 
 
 def test_bf16_batch_invariant():

@@ -3,27 +3,34 @@
 // out[m, n] = gs[n] * sum_k x[m, k] * W[n, k], bf16 in/out, fp32 accumulate on mma.sync m16n8k16 bf16.
 // Weights are the mma A operand (16 weight rows per m16 tile), activations the B operand (8 rows per n8
 // tile). Batch invariance: a row's result is the same whatever M is, because every mma column is computed
-// independently and the K order (mma k-steps, then chunks, then split-K slices in slice order) depends only
-// on (N, K) and the packing, never on M. NT (n8 tiles) only changes how many columns are computed.
+// independently and the K order (mma k-steps, then chunks in order, then split-K slices in slice order)
+// depends only on (N, K) and the packing, never on M. NT (n8 tiles) only changes how many columns are
+// computed.
 //
 // K permutation: in chunk c (64 columns) lane (g, t) handles columns 64c + 16t .. 64c + 16t + 15, mma
 // k-step s taking 16t + 4s + {0,1} as mma k {2t, 2t+1} and 16t + 4s + {2,3} as mma k {2t+8, 2t+9}. So a
 // lane's activations are 32 contiguous bytes, and its weights of a chunk lie in one NVFP4 scale block.
 //
-// Work split: a CTA owns one row group (16*MT rows) and one split-K slice; its KW warps take the slice's
-// chunks round-robin (warp w: chunks c0 + w, c0 + w + KW, ...), each through its own cp.async ring, and
-// their accumulators are summed in warp order at the end (fixed order, so still batch invariant).
+// NVFP4 work split (nvfp4_gemv): a CTA owns RGW row groups (one warp each) and one split-K slice; every
+// warp walks the slice's chunks in order. The activation tile of a chunk is loaded once per CTA into
+// shared memory and read by all RGW warps (x traffic from L2 is 1/RGW of one-row-group-per-CTA). RGW is
+// a launch choice only: it never changes a row's K order.
 //
 // Packed NVFP4 (lumo/kernels/linear.py:pack_nvfp4), MT m16 tiles per warp ("row group", 16*MT rows):
-//   qw [RG][C][MT][32 lanes][16 B]: lane (g, t) word s (4 B) holds rows g, g+8, columns 16t + 4s + {0..3}:
-//       magnitude slot q (bits 4q..4q+2) for fragment value q = (A.lo, A.hi, B.lo, B.hi, C.lo, C.hi, D.lo,
-//       D.hi) and its sign at bit (15, 31, 11, 27, 7, 23, 3, 19)[q]; A,B,C,D are the mma A registers.
+//   qw [RG][C][MT][32 lanes][16 B]: lane (g, t) word s (4 B) holds rows g, g+8, columns 16t + 4s + {0..3}
+//       as the mma A registers (A, B, C, D) = (row g k-lo, row g+8 k-lo, row g k-hi, row g+8 k-hi), each a
+//       bf16 pair. Code bits sit where `dequant8` finds them: register A = w & MASK, B = rotl(w, 4) & MASK,
+//       C = rotl(w, 10) & MASK, D = (rotl(w, 6) & m-bits) | (rotl(w, 30) & rest) with MASK = 0x81C081C0:
+//       sign to bf16 bit 15, (e1 e0 m) to bits 8..6, i.e. the bf16 of (E2M1 value) * 2^-126 (a subnormal
+//       for +-0.5). linear.py:_bit_positions is the same table.
 //   qs [RG][C][MT][32 lanes] u16: scale byte of row g (low) and row g+8 (high) for block 4c + t, stored as
-//       e5m3 such that bf16 bits = (byte << 4) + (117 << 7) are the exact e4m3 value.
+//       e5m3 such that bf16 bits = (byte << 4) + (117 << 7) are the exact e4m3 value; the kernel adds
+//       119 to the exponent (scale * 2^119), so one exact HMUL2 gives E2M1 * scale * 2^-7, and 2^7 goes
+//       into the fp32 epilogue with gs.
 //   gs [N_pad] f32: weight_scale_2 per row (fused shards keep their own).
 //
-// lumo:test-defines NT=1 STAGES=4
-// lumo:test-defines NT=4 STAGES=3
+// lumo:test-defines NT=1 STAGES=4 RGW=4
+// lumo:test-defines NT=4 STAGES=3 RGW=8
 
 #include <cuda_bf16.h>
 
@@ -37,7 +44,10 @@
 #define STAGES 4  // cp.async pipeline depth per warp
 #endif
 #ifndef KW
-#define KW 4  // warps per CTA, splitting the CTA's chunks round-robin
+#define KW 4  // bf16_gemv: warps per CTA, splitting the CTA's chunks round-robin
+#endif
+#ifndef RGW
+#define RGW 4  // nvfp4_gemv: warps (row groups) per CTA sharing one activation tile
 #endif
 
 typedef unsigned int u32;
@@ -47,7 +57,7 @@ typedef __nv_bfloat16 bf16;
 #define Q_BYTES (MT * 512)
 #define S_BYTES (MT * 64)
 #define X_BYTES (NT * 1024)
-#define FP4_STAGE (Q_BYTES + S_BYTES + X_BYTES)
+#define FP4_STAGE (X_BYTES + RGW * (Q_BYTES + S_BYTES))  // per CTA: x tile, then each warp's weights
 #define BF16_W_BYTES (MT * 2048)
 #define BF16_STAGE (BF16_W_BYTES + X_BYTES)
 
@@ -79,25 +89,21 @@ __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
   return *reinterpret_cast<u32*>(&r);
 }
 
-// 8 E2M1 codes -> 4 bf16x2 mma registers (unscaled). Magnitudes through two byte-permute lookups (low and
-// high byte of the bf16 of 0, .5, 1, 1.5, 2, 3, 4, 6), signs moved into place by one shift each.
+// 8 E2M1 codes -> 4 bf16x2 mma registers holding E2M1 * 2^-126 (bit placement only: 9 ALU ops).
 __device__ __forceinline__ void dequant8(u32 w, u32& A, u32& B, u32& C, u32& D) {
-  const u32 m = w & 0x77777777u;  // drop signs: a set selector msb would mean "replicate sign"
-  const u32 mh = m >> 16;
-  const u32 lo0 = __byte_perm(0xC0800000u, 0xC0804000u, m);
-  const u32 hi0 = __byte_perm(0x3F3F3F00u, 0x40404040u, m);
-  const u32 lo1 = __byte_perm(0xC0800000u, 0xC0804000u, mh);
-  const u32 hi1 = __byte_perm(0x3F3F3F00u, 0x40404040u, mh);
-  A = __byte_perm(lo0, hi0, 0x5140) | (w & 0x80008000u);
-  B = __byte_perm(lo0, hi0, 0x7362) | ((w << 4) & 0x80008000u);
-  C = __byte_perm(lo1, hi1, 0x5140) | ((w << 8) & 0x80008000u);
-  D = __byte_perm(lo1, hi1, 0x7362) | ((w << 12) & 0x80008000u);
+  const u32 mask = 0x81C081C0u;  // sign 15 / 31, e1 e0 m at 8..6 / 24..22
+  A = w & mask;
+  B = __funnelshift_l(w, w, 4) & mask;
+  C = __funnelshift_l(w, w, 10) & mask;
+  D = (__funnelshift_l(w, w, 6) & 0x00400040u) | (__funnelshift_l(w, w, 30) & 0x81808180u);
 }
 
-// e5m3 scale byte (selected by `sel`) broadcast to both halves as bf16x2.
+// e5m3 scale byte (selected by `sel`) broadcast to both halves as bf16x2 of scale * 2^119 (exponent field
+// 117 + 119 + e5 <= 254: always finite). Times dequant8's E2M1 * 2^-126 this is E2M1 * scale * 2^-7, exact.
 __device__ __forceinline__ u32 scale2(u32 bytes, u32 sel) {
-  return __byte_perm(bytes, 0u, sel) * 16u + 0x3A803A80u;
+  return __byte_perm(bytes, 0u, sel) * 16u + 0x76007600u;
 }
+#define DQ_UNSCALE 128.0f  // 2^7 left over by scale2 * dequant8, applied with gs in fp32 (exact)
 
 // Activation rows 8j+g, columns k0 + 16t .. +15 of every n8 tile j into this warp's stage (zero padded).
 __device__ __forceinline__ void load_x(char* xs, const bf16* __restrict__ x, int M, int K, int k0, int lane) {
@@ -115,7 +121,7 @@ __device__ __forceinline__ void load_x(char* xs, const bf16* __restrict__ x, int
 
 __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __restrict__ gs,
                                            bf16* __restrict__ out, float* __restrict__ partial, int M,
-                                           int N, int row0, int lane) {
+                                           int N, int row0, int lane, float unscale = 1.0f) {
   const int g = lane >> 2, t = lane & 3;
   const bool split = gridDim.y > 1;
   float* part = partial + (size_t)blockIdx.y * M * N;
@@ -132,7 +138,7 @@ __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __r
         for (int e = 0; e < 2; ++e) {
           const int m = 8 * j + 2 * t + e;
           if (m >= M) continue;
-          const float v = acc[i][j][2 * h + e];
+          const float v = acc[i][j][2 * h + e] * unscale;  // a power of two: exact
           if (split) {
             part[(size_t)m * N + n] = v;
           } else {
@@ -168,30 +174,47 @@ __device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, in
   }
 }
 
-// grid (RG, S), block 32 * KW, dynamic smem KW * STAGES * FP4_STAGE.
+// grid (ceil(RG / RGW), S), block 32 * RGW, dynamic smem STAGES * FP4_STAGE.
 // Split s covers chunks [s * cps, min(C, (s + 1) * cps)); with S > 1 it writes fp32 partials [S, M, N].
-extern "C" __global__ void __launch_bounds__(KW * 32)
+// One cp.async ring per CTA: stage i holds chunk c0 + i's activation tile (loaded by all threads) and each
+// warp's weights + scales for it (loaded by that warp). One __syncthreads per chunk.
+extern "C" __global__ void __launch_bounds__(RGW * 32)
     nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
                float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
   extern __shared__ uint4 smem[];
+  char* ring = reinterpret_cast<char*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rg = blockIdx.x;
-  char* ring = reinterpret_cast<char*>(smem) + warp * STAGES * FP4_STAGE;
+  const int rg = blockIdx.x * RGW + warp;
+  const bool active = rg < RG;  // the last CTA may have idle warps (they still load x and sync)
   const char* wsrc = reinterpret_cast<const char*>(qw) + (size_t)rg * C * Q_BYTES;
   const char* ssrc = reinterpret_cast<const char*>(qs) + (size_t)rg * C * S_BYTES;
-  const int c0 = blockIdx.y * cps + warp;
-  const int c1 = min(C, (int)(blockIdx.y + 1) * cps);
-  const int nc = c0 < c1 ? (c1 - c0 + KW - 1) / KW : 0;  // this warp's chunks: c0, c0 + KW, ...
+  const int c0 = blockIdx.y * cps;
+  const int nc = max(0, min(C, c0 + cps) - c0);
+  const int wofs = X_BYTES + warp * (Q_BYTES + S_BYTES);
 
   auto issue = [&](int i) {
     char* st = ring + (i % STAGES) * FP4_STAGE;
-    const int c = c0 + i * KW;
+    const int c = c0 + i;
+    if (active) {
 #pragma unroll
-    for (int p = 0; p < MT; ++p)
-      cp_async16(st + (p * 32 + lane) * 16, wsrc + (size_t)c * Q_BYTES + (p * 32 + lane) * 16, 16, false);
-    if (lane < MT * 4) cp_async16(st + Q_BYTES + lane * 16, ssrc + (size_t)c * S_BYTES + lane * 16, 16, false);
-    load_x(st + Q_BYTES + S_BYTES, x, M, K, c * 64, lane);
+      for (int p = 0; p < MT; ++p)
+        cp_async16(st + wofs + (p * 32 + lane) * 16, wsrc + (size_t)c * Q_BYTES + (p * 32 + lane) * 16, 16,
+                   false);
+      if (lane < MT * 4)
+        cp_async16(st + wofs + Q_BYTES + lane * 16, ssrc + (size_t)c * S_BYTES + lane * 16, 16, false);
+    }
+    // x tile: NT * 64 pieces of 16 B; piece (j, h, lane') = row 8j + g', columns 64c + 16t' + 8h.
+    constexpr int XITER = (NT * 64 + RGW * 32 - 1) / (RGW * 32);
+#pragma unroll
+    for (int r = 0; r < XITER; ++r) {
+      const int q = threadIdx.x + r * RGW * 32;
+      if ((NT * 64) % (RGW * 32) != 0 && q >= NT * 64) break;
+      const int l = q & 31, j = q >> 6, h = (q >> 5) & 1;
+      const int row = 8 * j + (l >> 2), col = c * 64 + 16 * (l & 3) + 8 * h;
+      const bool ok = row < M && col < K;
+      cp_async16(st + q * 16, ok ? x + (size_t)row * K + col : x, ok ? 16 : 0, true);
+    }
   };
 
   float acc[MT][NT][4];
@@ -208,29 +231,23 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
     cp_async_commit();
   }
   for (int i = 0; i < nc; ++i) {
-    if (i + STAGES - 1 < nc) issue(i + STAGES - 1);
+    cp_async_wait<STAGES - 2>();  // chunk i has landed (this thread's copies)
+    __syncthreads();              // ... everyone's, and everyone is done with chunk i - 1's stage
+    if (i + STAGES - 1 < nc) issue(i + STAGES - 1);  // refills chunk i - 1's stage
     cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
+    if (!active) continue;
     const char* st = ring + (i % STAGES) * FP4_STAGE;
-    uint4 wv[MT];
-    u32 sv[MT];
-#pragma unroll
-    for (int p = 0; p < MT; ++p) {
-      wv[p] = *reinterpret_cast<const uint4*>(st + (p * 32 + lane) * 16);
-      sv[p] = *reinterpret_cast<const unsigned short*>(st + Q_BYTES + (p * 32 + lane) * 2);
-    }
     uint4 xv[NT][2];
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        xv[j][h] = *reinterpret_cast<const uint4*>(st + Q_BYTES + S_BYTES + ((j * 2 + h) * 32 + lane) * 16);
-    __syncwarp();  // every lane has read this stage before it is refilled
+      for (int h = 0; h < 2; ++h) xv[j][h] = *reinterpret_cast<const uint4*>(st + ((j * 2 + h) * 32 + lane) * 16);
 #pragma unroll
     for (int p = 0; p < MT; ++p) {
-      const u32 sg = scale2(sv[p], 0x4040), sg8 = scale2(sv[p], 0x4141);
-      const u32 words[4] = {wv[p].x, wv[p].y, wv[p].z, wv[p].w};
+      const uint4 wv = *reinterpret_cast<const uint4*>(st + wofs + (p * 32 + lane) * 16);
+      const u32 sv = *reinterpret_cast<const unsigned short*>(st + wofs + Q_BYTES + (p * 32 + lane) * 2);
+      const u32 sg = scale2(sv, 0x4040), sg8 = scale2(sv, 0x4141);
+      const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         u32 A, B, Cr, D;
@@ -248,8 +265,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
     }
   }
   cp_async_wait<0>();
-  reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
-  if (warp == 0) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane);
+  if (active) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
 }
 
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
@@ -380,7 +396,7 @@ extern "C" __global__ void nvfp4_dequant(const uint4* __restrict__ qw, const uns
   for (int h = 0; h < 2; ++h) {
     const int n = rg * MT * 16 + p * 16 + g + 8 * h;
     if (n >= N) continue;
-    const float scale = gs[n];
+    const float scale = gs[n] * DQ_UNSCALE;  // exact (power of two)
     const u32* v = h ? rowg8 : rowg;
     u32 o[8];
 #pragma unroll

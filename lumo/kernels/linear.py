@@ -18,12 +18,35 @@ from .compile import Kernel, compile_kernel
 MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
 ROWS = 16 * MT
 CHUNK = 64  # K columns per pipeline stage
-KW = 4  # warps per CTA sharing a row group's chunks (part of the K order: fixed)
+KW = 4  # bf16_gemv: warps per CTA sharing a row group's chunks (part of its K order: fixed)
 SMALL_M = 32  # largest M served by the GEMV kernel
-TARGET_CTAS = 264  # ~2 CTAs per H200 SM before split-K is worth its partial traffic
+TARGET_WARPS = 1024  # nvfp4: ~8 row-group warps per H200 SM before split-K is worth its partial traffic
+MIN_SLICE_CHUNKS = 8
+MAX_SPLITS = 16
+TARGET_CTAS = 264  # bf16_gemv: ~2 CTAs per H200 SM
 MIN_WARP_CHUNKS = 4
 PREFILL_WORKSPACE = 64 << 20  # bytes of bf16 dequantised weight per prefill tile
-_SIGN_BITS = (15, 31, 11, 27, 7, 23, 3, 19)
+
+
+def _bit_positions() -> tuple[tuple[int, int, int, int], ...]:
+    """Word bit of (m, e0, e1, sign) of fragment value q = (A.lo, A.hi, B.lo, ..., D.hi); linear.cu dequant8.
+
+    Register r takes its value bits from rotl(w, rot): A 0, B 4, C 10; D takes m through rotl 6 and the rest
+    through rotl 30. Targets: m, e0, e1 at bf16 bits 6, 7, 8 and the sign at 15 (+16 for the high half).
+    """
+    pos = []
+    for q in range(8):
+        reg, half = divmod(q, 2)
+        bits = []
+        for b, target in enumerate((6, 7, 8, 15)):
+            rot = (0, 4, 10)[reg] if reg < 3 else (6 if b == 0 else 30)
+            bits.append((target + 16 * half - rot) % 32)
+        pos.append(tuple(bits))
+    assert len({b for p in pos for b in p}) == 32
+    return tuple(pos)
+
+
+_BITS = _bit_positions()
 
 
 @dataclass
@@ -49,6 +72,15 @@ class PackedNVFP4:
 
 
 def choose_splits(n: int, k: int) -> int:
+    """Split-K slices of an NVFP4 weight: part of the K order, so a function of (N, K) only."""
+    rg, chunks = -(-n // ROWS), -(-k // CHUNK)
+    s = 1
+    while rg * s < TARGET_WARPS and chunks // (2 * s) >= MIN_SLICE_CHUNKS and s < MAX_SPLITS:
+        s *= 2
+    return s
+
+
+def _bf16_splits(n: int, k: int) -> int:
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     s = 1
     while rg * s < TARGET_CTAS and chunks // (2 * s * KW) >= MIN_WARP_CHUNKS and s < 8:
@@ -111,8 +143,8 @@ def pack_fused(
     word = torch.zeros(rg, chunks, MT, 8, 4, 4, dtype=torch.int64, device=device)  # [rg, c, p, g, t, s]
     for q, (h, e) in enumerate(order):
         val = v[:, :, h, :, :, :, :, e].permute(0, 3, 1, 2, 4, 5).long()  # [rg, c, p, g, t, s]
-        word |= (val & 0x7) << (4 * q)
-        word |= ((val >> 3) & 1) << _SIGN_BITS[q]
+        for b in range(4):  # code bits m, e0, e1, sign
+            word |= ((val >> b) & 1) << _BITS[q][b]
     qw = (word - ((word >> 31) << 32)).to(torch.int32)  # u32 -> i32 bit pattern
     qw = qw.contiguous().view(torch.uint8).view(rg, chunks, MT, 32, 16)
 
@@ -133,16 +165,31 @@ def split_fused(out: torch.Tensor, packed: PackedNVFP4) -> tuple[torch.Tensor, .
     return tuple(out.split(packed.shard_sizes, dim=-1))
 
 
-STAGES = 4  # cp.async stages per warp for M <= 8; 3 for larger M (H200 sweep, docs/kernels.md)
+STAGES = 4  # bf16_gemv: cp.async stages per warp for M <= 8; 3 for larger M
+FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 sweep, docs/kernels.md)
 
 
 @functools.cache
-def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW) -> Kernel:
-    return compile_kernel("linear", name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw})
+def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4) -> Kernel:
+    return compile_kernel("linear", name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw})
 
 
 def _stage_bytes(nt: int, bf16_weights: bool) -> int:
     return (MT * 2048 if bf16_weights else MT * 576) + nt * 1024
+
+
+def _fp4_stage_bytes(nt: int, rgw: int) -> int:
+    return nt * 1024 + rgw * MT * 576
+
+
+def choose_rgw(row_groups: int, splits: int, nt: int) -> int:
+    """Row groups (warps) per CTA: as many as keep >= 2 CTAs per SM (x is read once per CTA). Launch-only."""
+    if nt == 1:
+        return 4  # x is a few hundred bytes per chunk: nothing to share
+    for rgw in (8, 4):
+        if -(-row_groups // rgw) * splits >= 264:
+            return rgw
+    return 2
 
 
 def _check_x(x: torch.Tensor, k: int) -> None:
@@ -162,32 +209,25 @@ def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _launch_small(
-    name: str,
-    weight_args: list[torch.Tensor],
-    x: torch.Tensor,
-    out: torch.Tensor,
-    partial: torch.Tensor | None,
-    n: int,
-    k: int,
-    rg: int,
-    chunks: int,
-    splits: int,
-    bf16_weights: bool,
-    stages: int | None = None,
-    kw: int = KW,
+def _reduce(partial: torch.Tensor, gs: object, out: torch.Tensor, m: int, n: int, splits: int) -> None:
+    _kernel("splitk_reduce", 1).launch(-(-(m * n) // 256), 256, [partial, gs, out, m, n, splits])
+
+
+def _launch_bf16(
+    w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, partial: torch.Tensor | None, splits: int
 ) -> None:
-    m = x.shape[0]
+    m, (n, k) = x.shape[0], w.shape
+    rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     nt = -(-m // 8)
-    stages = stages or (STAGES if nt == 1 else STAGES - 1)
+    stages = STAGES if nt == 1 else STAGES - 1
     cps = -(-chunks // splits)
-    kern = _kernel(name, nt, stages, kw)
-    shmem = kw * stages * _stage_bytes(nt, bf16_weights)
+    shmem = KW * stages * _stage_bytes(nt, True)
     part = partial if splits > 1 else out
-    kern.launch((rg, splits), 32 * kw, [*weight_args, x, out, part, m, n, k, rg, chunks, cps], shmem)
+    _kernel("bf16_gemv", nt, stages, KW).launch(
+        (rg, splits), 32 * KW, [w, x, out, part, m, n, k, rg, chunks, cps], shmem
+    )
     if splits > 1:
-        gs = ctypes.c_void_p(0) if bf16_weights else weight_args[2]  # bf16 weights: no global scale
-        _kernel("splitk_reduce", 1).launch(-(-(m * n) // 256), 256, [partial, gs, out, m, n, splits])
+        _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
 def nvfp4_linear(
@@ -195,35 +235,30 @@ def nvfp4_linear(
     packed: PackedNVFP4,
     out: torch.Tensor | None = None,
     stages: int | None = None,
-    kw: int = KW,
+    rgw: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
-    `stages` / `kw` are tuning knobs for benchmarks; `kw` changes the K order, so keep it fixed per model.
+    `stages` / `rgw` (row groups per CTA) are benchmark knobs; neither changes the result bits.
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)
-    if x.shape[0] > SMALL_M:
+    m = x.shape[0]
+    if m > SMALL_M:
         return _prefill(x, packed, out)
-    if x.shape[0] == 0:
+    if m == 0:
         return out
-    weights = [packed.qw, packed.qs, packed.gs]
-    rg, chunks = packed.row_groups, packed.chunks
-    _launch_small(
-        "nvfp4_gemv",
-        weights,
-        x,
-        out,
-        packed.partial,
-        packed.n,
-        packed.k,
-        rg,
-        chunks,
-        packed.splits,
-        False,
-        stages,
-        kw,
-    )
+    rg, chunks, splits = packed.row_groups, packed.chunks, packed.splits
+    nt = -(-m // 8)
+    stages = stages or FP4_STAGES[nt]
+    rgw = rgw or choose_rgw(rg, splits, nt)
+    cps = -(-chunks // splits)
+    part = packed.partial if splits > 1 else out
+    args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
+    kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
+    kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw))
+    if splits > 1:
+        _reduce(packed.partial, packed.gs, out, m, packed.n, splits)
     return out
 
 
@@ -263,11 +298,10 @@ def bf16_linear(
         return torch.matmul(x, w.t(), out=out)
     if m == 0:
         return out
-    splits = choose_splits(n, k)
+    splits = _bf16_splits(n, k)
     if splits > 1 and workspace is None:
         workspace = torch.empty(splits, SMALL_M, n, device=x.device)
-    rg, chunks = -(-n // ROWS), -(-k // CHUNK)
-    _launch_small("bf16_gemv", [w], x, out, workspace, n, k, rg, chunks, splits, True)
+    _launch_bf16(w, x, out, workspace, splits)
     return out
 
 
@@ -291,7 +325,7 @@ def unpack_nvfp4(packed: PackedNVFP4) -> torch.Tensor:
     order = [(0, 0), (0, 1), (1, 0), (1, 1), (0, 2), (0, 3), (1, 2), (1, 3)]
     lut = E2M1_LUT.to(words.device)
     for q, (h, e) in enumerate(order):
-        code = ((words >> (4 * q)) & 0x7) | (((words >> _SIGN_BITS[q]) & 1) << 3)
+        code = sum(((words >> _BITS[q][b]) & 1) << b for b in range(4))
         vals[:, :, h, :, :, :, :, e] = lut[code].permute(0, 2, 3, 1, 4, 5).cpu()
     s16 = packed.qs.long().cpu() & 0xFFFF  # [rg, c, p, lane]
     sb = torch.stack([s16 & 0xFF, s16 >> 8], dim=-1).view(rg, chunks, MT, 8, 4, 2)  # [rg, c, p, g, t, h]

@@ -1,0 +1,127 @@
+// GDN causal depthwise conv (kernel KC) + SiLU: prefill, gathered decode (plain / chain / tree), commit.
+//
+// For channel c and a window of KC pre-conv inputs (oldest first) in_0 .. in_{KC-1} (in_{KC-1} = the row's
+// own input):  y = bf16(silu(bf16(sum_j w[c, j] * in_j)))   (fp32 fmaf chain, j = 0 .. KC-1 in order)
+// The inner bf16 rounding is lumo.model's: it runs F.conv1d in the model dtype, then silu.
+// Every kernel uses the same conv_silu(), so a row's bits depend only on its window: prefill of T tokens,
+// T one-token decodes and a chain/tree gather of the same windows agree bitwise (batch invariance).
+//
+// State: [C, KC-1] bf16 per channel, the last KC-1 PRE-conv inputs, oldest first (lumo.model.Cache).
+// x: [T, C] bf16 pre-conv inputs with row stride x_rs (a view into the fused projection output is fine).
+//
+// conv_prefill:  grid (ceil(C / CT), ceil(T / TT)), block CT; thread = one channel over TT tokens. The CTA
+//                row of the first token tile also writes the new state (it alone reads the old one).
+// conv_gather:   grid (ceil(C / CT), T), block CT; window of row t: pred[t][j] >= 0 is row pred[t][j] of x,
+//                pred[t][j] < 0 is state column -1 - pred[t][j]; j = 0 .. KC-2 oldest first, then x[t].
+// conv_state_commit: grid ceil(C / CT), block CT; appends x[rows[0]], x[rows[1]], ... (stops at the first
+//                negative entry: a fixed-size, -1-padded rows buffer replays in a CUDA graph) to the state.
+//
+// lumo:test-defines KC=4
+
+#include <cuda_bf16.h>
+
+#ifndef KC
+#define KC 4  // conv kernel size K
+#endif
+#define CT 128  // channels (threads) per CTA
+#define TT 64   // conv_prefill: tokens per thread
+
+static_assert(KC >= 2 && TT >= KC - 1, "conv_prefill's first token tile must cover the state");
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ float ldf(const bf16* p) { return __bfloat162float(*p); }
+
+// The one conv + SiLU every kernel shares (see the header for its rounding).
+__device__ __forceinline__ float conv_silu(const float (&win)[KC - 1], float xin, const float (&w)[KC]) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) acc = fmaf(w[j], win[j], acc);
+  acc = fmaf(w[KC - 1], xin, acc);
+  const float a = __bfloat162float(__float2bfloat16_rn(acc));
+  return __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));  // torch silu: x / (1 + exp(-x))
+}
+
+__device__ __forceinline__ void load_w(const bf16* __restrict__ w, int c, float (&wv)[KC]) {
+#pragma unroll
+  for (int j = 0; j < KC; ++j) wv[j] = ldf(w + (size_t)c * KC + j);
+}
+
+extern "C" __global__ void __launch_bounds__(CT)
+    conv_prefill(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w, bf16* __restrict__ state,
+                 bf16* __restrict__ y, int T, int C) {
+  const int c = blockIdx.x * CT + threadIdx.x;
+  if (c >= C) return;
+  const int t0 = blockIdx.y * TT;
+  const int t1 = min(t0 + TT, T);
+  float wv[KC], win[KC - 1], old[KC - 1];
+  load_w(w, c, wv);
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) {
+    const int src = t0 - (KC - 1) + j;  // token index of window slot j (negative: state column KC-1+src)
+    if (src < 0) {
+      old[j] = ldf(state + (size_t)c * (KC - 1) + (KC - 1) + src);
+      win[j] = old[j];
+    } else {
+      win[j] = ldf(x + src * x_rs + c);
+    }
+  }
+  for (int t = t0; t < t1; ++t) {
+    const float xin = ldf(x + t * x_rs + c);
+    y[(size_t)t * C + c] = __float2bfloat16_rn(conv_silu(win, xin, wv));
+#pragma unroll
+    for (int j = 0; j < KC - 2; ++j) win[j] = win[j + 1];
+    win[KC - 2] = xin;
+  }
+  if (blockIdx.y == 0) {
+    // New state = the last KC-1 inputs of cat(old state, x). Only this tile read the old state (t0 = 0,
+    // all of old[] loaded above), so writing it here races with nothing.
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) {
+      const int src = T - (KC - 1) + j;
+      float val = 0.0f;
+      if (src >= 0) {
+        val = ldf(x + src * x_rs + c);
+      } else {
+#pragma unroll
+        for (int m = 0; m < KC - 1; ++m) val = m == (KC - 1) + src ? old[m] : val;  // no local-memory index
+      }
+      state[(size_t)c * (KC - 1) + j] = __float2bfloat16_rn(val);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(CT)
+    conv_gather(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w,
+                const bf16* __restrict__ state, const int* __restrict__ pred, bf16* __restrict__ y, int C) {
+  const int c = blockIdx.x * CT + threadIdx.x;
+  if (c >= C) return;
+  const int t = blockIdx.y;
+  float wv[KC], win[KC - 1];
+  load_w(w, c, wv);
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) {
+    const int p = pred[t * (KC - 1) + j];
+    win[j] = p >= 0 ? ldf(x + p * x_rs + c) : ldf(state + (size_t)c * (KC - 1) + (-1 - p));
+  }
+  y[(size_t)t * C + c] = __float2bfloat16_rn(conv_silu(win, ldf(x + t * x_rs + c), wv));
+}
+
+extern "C" __global__ void __launch_bounds__(CT)
+    conv_state_commit(bf16* __restrict__ state, const bf16* __restrict__ x, long long x_rs,
+                      const int* __restrict__ rows, int n, int C) {
+  const int c = blockIdx.x * CT + threadIdx.x;
+  if (c >= C) return;
+  bf16 win[KC - 1];
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) win[j] = state[(size_t)c * (KC - 1) + j];
+  for (int i = 0; i < n; ++i) {
+    const int r = rows[i];
+    if (r < 0) break;
+#pragma unroll
+    for (int j = 0; j < KC - 2; ++j) win[j] = win[j + 1];
+    win[KC - 2] = x[r * x_rs + c];
+  }
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) state[(size_t)c * (KC - 1) + j] = win[j];
+}

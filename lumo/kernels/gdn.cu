@@ -1,0 +1,97 @@
+// Gated DeltaNet recurrence over T tokens of one sequence with the state tile on chip (decode: T = 1;
+// commit replay and, for now, prefill: T > 1). Per-token arithmetic lives in gdn_step.cuh (shared with the
+// tree verifier), so T tokens in one launch give bitwise the same outputs and state as T launches of one.
+//
+// Grid (NV, DV / DVT), one warp per CTA; the warp owns state[h, :, j0 : j0 + DVT] in registers
+// (DK * DVT / 32 floats per lane) for the whole launch: read once, written once.
+// Inputs per token t: mixed[t] = post-conv [q (NK*DK) | k (NK*DK) | v (NV*DV)] bf16, a[t, h], b[t, h]
+// raw bf16 (in_proj_a / in_proj_b outputs), A_log, dt_bias [NV] (f32, or bf16 with PARAM_BF16=1).
+// Output o [T, NV, DV] f32, or bf16 with OUT_BF16=1 (lumo.model.gdn_mixer rounds o to the model dtype).
+// state_in / state_out [NV, DK, DV] f32: equal pointers update in place; distinct ones leave state_in
+// untouched (verifier scratch, tests).
+//
+// lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVT=16 PARAM_BF16=0 OUT_BF16=1
+// lumo:test-defines NK=2 NV=4 DK=64 DV=64 DVT=16 PARAM_BF16=1 OUT_BF16=0
+// lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVT=8 PARAM_BF16=0 OUT_BF16=0
+
+#include <cuda_bf16.h>
+
+#ifndef NK
+#define NK 16
+#endif
+#ifndef NV
+#define NV 48
+#endif
+#ifndef DK
+#define DK 128
+#endif
+#ifndef DV
+#define DV 128
+#endif
+#ifndef DVT
+#define DVT 16  // state columns per warp: part of the arithmetic (fixes the reduction tree), see gdn.py
+#endif
+#ifndef PARAM_BF16
+#define PARAM_BF16 0
+#endif
+#ifndef OUT_BF16
+#define OUT_BF16 1
+#endif
+
+#include "gdn_step.cuh"
+
+typedef __nv_bfloat16 bf16;
+
+__device__ __forceinline__ void gdn_write_o(bf16* o, float4 y) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(y.x, y.y), hi = __floats2bfloat162_rn(y.z, y.w);
+  uint2 w;
+  w.x = *reinterpret_cast<unsigned*>(&lo);
+  w.y = *reinterpret_cast<unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(o) = w;
+}
+__device__ __forceinline__ void gdn_write_o(float* o, float4 y) { *reinterpret_cast<float4*>(o) = y; }
+
+#if OUT_BF16
+typedef bf16 gdn_out_t;
+#else
+typedef float gdn_out_t;
+#endif
+
+// Strides are in elements (rows of mixed / a / b may be views into wider fused outputs). T >= 1.
+// rows (nullable, int [T]): token t reads row rows[t] of mixed / a / b (commit replay of a tree path);
+// count (nullable, one int on the device): only the first min(T, *count) tokens run, so a captured graph
+// can replay a data-dependent number of accepted tokens. o rows >= that count are not written.
+extern "C" __global__ void __launch_bounds__(32)
+    gdn_recurrent(const bf16* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ a, int a_stride,
+                  const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
+                  const gdn_param_t* __restrict__ dt_bias, const float* state_in, float* state_out,
+                  gdn_out_t* __restrict__ o, int T, const int* __restrict__ rows, const int* __restrict__ count) {
+  const int h = blockIdx.x, j0 = blockIdx.y * DVT, lane = threadIdx.x;
+  const size_t soff = gdn_state_offset(h, j0, lane);
+  float4 S[GDN_R];  // [GDN_R rows][4 columns] of the state tile
+  gdn_load_state(state_in + soff, S);
+  const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
+
+  if (count != nullptr) T = min(T, max(*count, 0));  // commit replay: accepted count lives on the device
+  if (T == 0) {
+    if (state_out != state_in) gdn_store_state(state_out + soff, S);
+    return;
+  }
+  GdnRaw next;
+  size_t r = rows != nullptr ? rows[0] : 0;
+  gdn_fetch(mixed + r * mixed_stride, h, j0, lane, __bfloat162float(a[r * a_stride + h]),
+            __bfloat162float(b[r * b_stride + h]), next);
+  for (int t = 0; t < T; ++t) {
+    const GdnRaw raw = next;
+    if (t + 1 < T) {  // prefetch token t+1 while token t is computed
+      r = rows != nullptr ? rows[t + 1] : t + 1;
+      gdn_fetch(mixed + r * mixed_stride, h, j0, lane, __bfloat162float(a[r * a_stride + h]),
+                __bfloat162float(b[r * b_stride + h]), next);
+    }
+    GdnToken tok;
+    gdn_prepare(raw, A, dtb, tok);
+    const float4 y = gdn_step(S, tok);
+    if (lane < GDN_CQ) gdn_write_o(o + ((size_t)t * NV + h) * DV + j0 + 4 * lane, y);
+  }
+  gdn_store_state(state_out + soff, S);
+}

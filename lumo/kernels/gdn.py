@@ -1,0 +1,202 @@
+"""Gated delta rule (GDN) on the GPU: decode / replay / first-version prefill, and fp32 torch references.
+
+One kernel (gdn.cu `gdn_recurrent`) walks T tokens of one sequence with the [dk, DVT] state tile of each
+(value head, dv tile) in one warp's registers. Its per-token step is gdn_step.cuh, shared with the tree
+verifier, so T tokens in one launch equal T one-token launches bit for bit. Inputs are what
+lumo.model.gdn_mixer has after the causal conv: mixed [T, C] = [q nk*dk | k nk*dk | v nv*dv] bf16 and the
+raw in_proj_a / in_proj_b outputs; l2norm, q scaling, the gate g and beta are computed in the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from .compile import Kernel, compile_kernel
+
+
+def gdn_dvt(dk: int, dv: int) -> int:
+    """State columns per warp. Part of the arithmetic (it fixes the dk reduction tree), so a function of
+    (dk, dv) only: the tree verifier must use the same value. 16 at both model-family shapes."""
+    for dvt in (16, 8, 4):
+        rg = 32 // (dvt // 4)  # row groups per warp
+        if dv % dvt == 0 and dk % (2 * rg) == 0:
+            return dvt
+    raise ValueError(f"GDN kernel needs dv % 4 == 0 and dk % 64 == 0 at least, got dk={dk} dv={dv}")
+
+
+@functools.cache
+def _kernel(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool) -> Kernel:
+    defines = {
+        "NK": nk,
+        "NV": nv,
+        "DK": dk,
+        "DV": dv,
+        "DVT": gdn_dvt(dk, dv),
+        "PARAM_BF16": int(param_bf16),
+        "OUT_BF16": int(out_bf16),
+    }
+    return compile_kernel("gdn", "gdn_recurrent", defines)
+
+
+def _heads(mixed: torch.Tensor, state: torch.Tensor) -> tuple[int, int, int, int]:
+    """(nk, nv, dk, dv) from mixed [T, C] and state [nv, dk, dv]."""
+    if state.dim() != 3:
+        raise ValueError(f"state must be [nv, dk, dv], got {tuple(state.shape)}")
+    nv, dk, dv = state.shape
+    rest = mixed.shape[-1] - nv * dv
+    nk = rest // (2 * dk)
+    if rest <= 0 or rest % (2 * dk) or nv % nk:
+        raise ValueError(f"mixed width {mixed.shape[-1]} is not 2*nk*{dk} + {nv}*{dv} with nv % nk == 0")
+    return nk, nv, dk, dv
+
+
+def _check_state(s: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if s.dtype != torch.float32 or tuple(s.shape) != shape or not s.is_contiguous() or s.data_ptr() % 16:
+        raise ValueError(
+            f"{what} must be contiguous 16-byte aligned f32 {list(shape)}, got {s.dtype} {tuple(s.shape)}"
+        )
+
+
+def _check_rows(x: torch.Tensor, t: int, n: int, what: str) -> None:
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or tuple(x.shape) != (t, n) or (t and x.stride(1) != 1):
+        raise ValueError(
+            f"{what} must be bf16 [{t}, {n}] with unit column stride, got {x.dtype} {tuple(x.shape)}"
+        )
+
+
+def gdn_decode(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    out: torch.Tensor | None = None,
+    state_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    rows: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated delta rule over T consecutive tokens of one sequence (decode: T = 1; commit replay: T > 1).
+
+    mixed [T, C] bf16 post-conv [q | k | v] (row stride % 8 == 0, 16-byte aligned); a, b [T, nv] bf16 raw
+    in_proj_a / in_proj_b outputs (any row stride); A_log, dt_bias [nv] f32 or bf16 (same dtype);
+    state [nv, dk, dv] f32, updated in place unless state_out (same shape) is given, which then receives
+    the final state while `state` is left untouched. Returns o [T, nv, dv] (`out`, or out_dtype: bf16 as
+    gdn_mixer feeds the gated norm, or f32). Never syncs; allocates only when `out` is None.
+    Commit replay: `rows` (int32 [T] on the device, values < mixed rows, not checked) makes token t read
+    row rows[t] of mixed / a / b; `count` (int32 [1] on the device) runs only the first min(T, count)
+    tokens (o rows past it are left as they were) so one captured graph serves any accepted length.
+    """
+    nk, nv, dk, dv = _heads(mixed, state)
+    n_rows = mixed.shape[0]
+    _check_rows(mixed, n_rows, mixed.shape[1], "mixed")
+    if n_rows and (mixed.stride(0) % 8 or mixed.data_ptr() % 16):
+        raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
+    _check_rows(a, n_rows, nv, "a")
+    _check_rows(b, n_rows, nv, "b")
+    T = n_rows
+    for name, idx in (("rows", rows), ("count", count)):
+        if idx is not None and (idx.dtype != torch.int32 or idx.dim() != 1 or not idx.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous int32 vector, got {idx.dtype} {tuple(idx.shape)}")
+    if rows is not None:
+        T = rows.shape[0]
+    if count is not None and count.shape != (1,):
+        raise ValueError(f"count must be int32 [1], got {tuple(count.shape)}")
+    if A_log.dtype != dt_bias.dtype or A_log.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"A_log / dt_bias must both be f32 or both bf16, got {A_log.dtype} / {dt_bias.dtype}"
+        )
+    if (
+        A_log.shape != (nv,)
+        or dt_bias.shape != (nv,)
+        or not (A_log.is_contiguous() and dt_bias.is_contiguous())
+    ):
+        raise ValueError(f"A_log / dt_bias must be contiguous [{nv}]")
+    _check_state(state, (nv, dk, dv), "state")
+    if state_out is None:
+        state_out = state
+    else:
+        _check_state(state_out, (nv, dk, dv), "state_out")
+    if out is None:
+        out = torch.empty(T, nv, dv, dtype=out_dtype, device=mixed.device)
+    if (
+        out.dtype not in (torch.float32, torch.bfloat16)
+        or out.shape != (T, nv, dv)
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be contiguous f32/bf16 [{T}, {nv}, {dv}], got {out.dtype} {tuple(out.shape)}"
+        )
+    if out.data_ptr() % 16:
+        raise ValueError("out must be 16-byte aligned")
+    if T == 0:
+        if state_out is not state:
+            state_out.copy_(state)
+        return out
+    kern = _kernel(nk, nv, dk, dv, A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16)
+    args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, state_out, out, T]
+    args += [ctypes.c_void_p(0) if t is None else t for t in (rows, count)]
+    kern.launch((nv, dv // gdn_dvt(dk, dv)), 32, args)
+    return out
+
+
+def gdn_prefill(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    out: torch.Tensor | None = None,
+    state_out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Prefill T tokens from `state` (same arguments as gdn_decode). First version: the sequential kernel
+    (bitwise equal to T decode steps); a chunked tensor-core kernel is planned (docs/kernels-gdn.md).
+    Long prompts may be fed in pieces: the state carries over exactly."""
+    return gdn_decode(mixed, a, b, A_log, dt_bias, state, out, state_out, out_dtype)
+
+
+def _ref_operands(mixed, a, b, A_log, dt_bias, state):
+    from ..model import gdn_prepare  # lazy: lumo.model may import lumo.kernels
+
+    nk, nv, dk, dv = _heads(mixed, state)
+    T = mixed.shape[0]
+    q, k, v = mixed.float().split([nk * dk, nk * dk, nv * dv], dim=-1)
+    qn, kn, g, beta = gdn_prepare(
+        q.view(T, nk, dk), k.view(T, nk, dk), a.float(), b.float(), A_log.float(), dt_bias.float()
+    )
+    return qn, kn, v.reshape(T, nv, dv), g, beta, state.float()
+
+
+def gdn_decode_ref(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 token-by-token reference (lumo.model.gdn_recurrent): (o [T, nv, dv] f32, new state). Pure."""
+    from ..model import gdn_recurrent
+
+    return gdn_recurrent(*_ref_operands(mixed, a, b, A_log, dt_bias, state))
+
+
+def gdn_prefill_ref(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 chunked reference (lumo.model.gdn_chunked): (o [T, nv, dv] f32, new state). Pure."""
+    from ..model import gdn_chunked
+
+    return gdn_chunked(*_ref_operands(mixed, a, b, A_log, dt_bias, state), chunk=chunk)
