@@ -1,0 +1,158 @@
+"""GPU: the GDN recurrence kernel vs the fp32 references, T-invariance (replay == decode chain), modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumo.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+# (nk, nv, dk, dv): 27B, embedded model, odd ones (DVT 8 with 2 rows per lane; 12 rows per lane, r = 3).
+SHAPES = [(16, 48, 128, 128), (2, 4, 64, 64), (2, 6, 32, 24), (3, 9, 96, 48)]
+IDS = [f"nk{nk}-nv{nv}-dk{dk}-dv{dv}" for nk, nv, dk, dv in SHAPES]
+
+
+def make(T: int, nk: int, nv: int, dk: int, dv: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * nk * dk + nv * dv
+    a = torch.randn(T, nv, generator=gen) * 2
+    if T:
+        a[0, 0] = 25.0  # softplus identity branch
+    inp = dict(
+        mixed=torch.randn(T, C, generator=gen).to(torch.bfloat16),
+        a=a.to(torch.bfloat16),
+        b=(torch.randn(T, nv, generator=gen) * 2).to(torch.bfloat16),
+        A_log=torch.rand(nv, generator=gen) * 2 - 1,
+        dt_bias=torch.randn(nv, generator=gen),
+        state=torch.randn(nv, dk, dv, generator=gen),
+    )
+    return {k: v.to(DEV) for k, v in inp.items()}
+
+
+def cpu(inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.cpu() for k, v in inp.items()}
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(x).all(), "non-finite output (unwritten element?)"
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def poisoned(T: int, nv: int, dv: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((T, nv, dv), float("nan"), dtype=dtype, device=DEV)
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["of32", "obf16"])
+def test_decode_matches_reference(nk, nv, dk, dv, dtype):
+    inp = make(1, nk, nv, dk, dv, seed=nv + dk)
+    o_ref, s_ref = gdn_decode_ref(**cpu(inp))
+    state = inp["state"].clone()
+    o = gdn_decode(**{**inp, "state": state}, out=poisoned(1, nv, dv, dtype))
+    assert rel(o, o_ref) < (1e-5 if dtype == torch.float32 else 5e-3)
+    assert rel(state, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
+@pytest.mark.parametrize("T", [2, 65, 333])
+def test_prefill_matches_chunked_reference(nk, nv, dk, dv, T):
+    inp = make(T, nk, nv, dk, dv, seed=T * 7 + nv)
+    o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
+    state = inp["state"].clone()
+    o = gdn_prefill(**{**inp, "state": state}, out=poisoned(T, nv, dv, torch.float32))
+    assert rel(o, o_ref) < 1e-4 and rel(state, s_ref) < 1e-4
+
+
+def test_long_prefill_27b():
+    T = 3000
+    inp = make(T, 16, 48, 128, 128, seed=9)
+    o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
+    o = gdn_prefill(**inp, out_dtype=torch.float32)  # state updated in place
+    assert rel(o, o_ref) < 1e-4 and rel(inp["state"], s_ref) < 1e-4
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
+def test_one_launch_equals_token_by_token(nk, nv, dk, dv):
+    """Replay (T tokens in one launch) == plain decoding (T launches of one token), bit for bit."""
+    T = 23
+    inp = make(T, nk, nv, dk, dv, seed=5 + nv)
+    s_chain = inp["state"].clone()
+    outs = []
+    for t in range(T):
+        step = {"mixed": inp["mixed"][t : t + 1], "a": inp["a"][t : t + 1], "b": inp["b"][t : t + 1]}
+        outs.append(gdn_decode(**{**inp, **step, "state": s_chain}, out_dtype=torch.float32))
+    s_one = inp["state"].clone()
+    o_one = gdn_decode(**{**inp, "state": s_one}, out_dtype=torch.float32)
+    assert torch.equal(o_one, torch.cat(outs)) and torch.equal(s_one, s_chain)
+
+
+def test_state_out_leaves_state_untouched():
+    inp = make(5, 2, 6, 32, 24, seed=2)
+    state0 = inp["state"].clone()
+    s_out = torch.full_like(state0, float("nan"))
+    o = gdn_decode(**inp, state_out=s_out)
+    assert torch.equal(inp["state"], state0)
+    o_in = gdn_decode(**inp)  # now in place
+    assert torch.equal(o, o_in) and torch.equal(s_out, inp["state"])
+
+
+def test_strided_views_and_param_dtypes():
+    nk, nv, dk, dv, T = 2, 4, 64, 64, 9
+    inp = make(T, nk, nv, dk, dv, seed=4)
+    C = inp["mixed"].shape[1]
+    wide = torch.zeros(T, C + 24, dtype=torch.bfloat16, device=DEV)
+    wide[:, 8 : 8 + C] = inp["mixed"]
+    ab = torch.cat([inp["b"], inp["a"]], dim=1)  # like a fused in_proj_b | in_proj_a output [T, 2nv]
+    ref = gdn_decode(**inp, state_out=torch.empty_like(inp["state"]), out_dtype=torch.float32)
+    views = {"mixed": wide[:, 8 : 8 + C], "a": ab[:, nv:], "b": ab[:, :nv]}
+    y = gdn_decode(**{**inp, **views}, state_out=torch.empty_like(inp["state"]), out_dtype=torch.float32)
+    assert torch.equal(y, ref)
+    # bf16 gate parameters give the bits of their exact f32 values; bf16 o is f32 o rounded once.
+    A16, dt16 = inp["A_log"].bfloat16(), inp["dt_bias"].bfloat16()
+    s1, s2 = torch.empty_like(inp["state"]), torch.empty_like(inp["state"])
+    y16 = gdn_decode(**{**inp, "A_log": A16, "dt_bias": dt16}, state_out=s1, out_dtype=torch.float32)
+    y32 = gdn_decode(**{**inp, "A_log": A16.float(), "dt_bias": dt16.float()}, state_out=s2)
+    assert torch.equal(s1, s2) and torch.equal(y16.bfloat16(), y32)
+
+
+def test_graph_replay_equals_eager():
+    nk, nv, dk, dv = 16, 48, 128, 128
+    inp = make(1, nk, nv, dk, dv, seed=8)
+    eager_state = inp["state"].clone()
+    out = poisoned(1, nv, dv, torch.bfloat16)
+    gdn_decode(**{**inp, "state": inp["state"].clone()}, out=out)  # compile and load outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gdn_decode(**inp, out=out)
+    for step in range(3):
+        fresh = make(1, nk, nv, dk, dv, seed=100 + step)
+        for key in ("mixed", "a", "b"):
+            inp[key].copy_(fresh[key])
+        out.fill_(float("nan"))
+        graph.replay()
+        o_eager = gdn_decode(**{**inp, "state": eager_state})
+        torch.cuda.synchronize()
+        assert torch.equal(out, o_eager) and torch.equal(inp["state"], eager_state)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4, 6])
+def test_replay_rows_and_device_count(n):
+    """Commit replay: tokens from gathered rows, the accepted count read on the device (graph-friendly)."""
+    nk, nv, dk, dv, R = 3, 9, 96, 48, 12
+    inp = make(R, nk, nv, dk, dv, seed=20 + n)
+    path = torch.tensor([0, 2, 3, 7, 8, 11], dtype=torch.int32, device=DEV)
+    count = torch.tensor([n], dtype=torch.int32, device=DEV)
+    s_replay = inp["state"].clone()
+    o = gdn_decode(
+        **{**inp, "state": s_replay}, rows=path, count=count, out=poisoned(6, nv, dv, torch.float32)
+    )
+    idx = path[:n].long()
+    s_plain = inp["state"].clone()
+    gathered = {k: inp[k][idx].contiguous() for k in ("mixed", "a", "b")}
+    o_plain = gdn_decode(**{**inp, **gathered, "state": s_plain}, out_dtype=torch.float32)
+    assert torch.equal(s_replay, s_plain) and torch.equal(o[:n], o_plain)
+    assert torch.isnan(o[n:]).all(), "rows past the count must not be written"
