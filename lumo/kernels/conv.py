@@ -8,6 +8,7 @@ decoding is the one-row case: pred = conv_pred([-1], K) = [[-1, -2, ..., -(K-1)]
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 
@@ -69,6 +70,10 @@ def conv_commit_rows(path: Sequence[int], capacity: int) -> torch.Tensor:
 # Launchers.
 
 
+def _rs(x: torch.Tensor) -> ctypes.c_longlong:
+    return ctypes.c_longlong(x.stride(0))  # the kernels take long long row strides
+
+
 def _check_x(x: torch.Tensor, C: int) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != C or x.stride(1) != 1:
         raise ValueError(f"x must be bf16 [T, {C}] with contiguous rows, got {x.dtype} {list(x.shape)}")
@@ -79,7 +84,9 @@ def _check_wstate(w: torch.Tensor, state: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"w must be contiguous bf16 [C, K >= 2], got {w.dtype} {list(w.shape)}")
     C, K = w.shape
     if state.dtype != torch.bfloat16 or tuple(state.shape) != (C, K - 1) or not state.is_contiguous():
-        raise ValueError(f"state must be contiguous bf16 [{C}, {K - 1}], got {state.dtype} {list(state.shape)}")
+        raise ValueError(
+            f"state must be contiguous bf16 [{C}, {K - 1}], got {state.dtype} {list(state.shape)}"
+        )
     return C, K
 
 
@@ -103,7 +110,7 @@ def conv_prefill(
     if T == 0:
         return out
     grid = (-(-C // CT), -(-T // TT))
-    _kernel("conv_prefill", K).launch(grid, CT, [x, x.stride(0), w, state, out, T, C])
+    _kernel("conv_prefill", K).launch(grid, CT, [x, _rs(x), w, state, out, T, C])
     return out
 
 
@@ -126,7 +133,7 @@ def conv_gather(
     out = _out(out, T, C, x.device)
     if T == 0:
         return out
-    _kernel("conv_gather", K).launch((-(-C // CT), T), CT, [x, x.stride(0), w, state, pred, out, C])
+    _kernel("conv_gather", K).launch((-(-C // CT), T), CT, [x, _rs(x), w, state, pred, out, C])
     return out
 
 
@@ -140,7 +147,7 @@ def conv_state_commit(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) 
         raise ValueError(f"rows must be contiguous int32 [n], got {rows.dtype} {list(rows.shape)}")
     if rows.numel() == 0 or K < 2:
         return
-    _kernel("conv_state_commit", K).launch(-(-C // CT), CT, [state, x, x.stride(0), rows, rows.numel(), C])
+    _kernel("conv_state_commit", K).launch(-(-C // CT), CT, [state, x, _rs(x), rows, rows.numel(), C])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +169,9 @@ def conv_prefill_ref(
     return _conv_silu_ref(windows, w), full[:, full.shape[1] - (K - 1) :].to(state.dtype)
 
 
-def conv_gather_ref(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+def conv_gather_ref(
+    x: torch.Tensor, w: torch.Tensor, state: torch.Tensor, pred: torch.Tensor
+) -> torch.Tensor:
     """f32 [T, C]: each row's window gathered through pred (rows of x, or -1 - state column)."""
     pred = pred.long().to(x.device)
     T = x.shape[0]

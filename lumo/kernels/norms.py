@@ -99,13 +99,14 @@ def gated_rmsnorm(
             raise ValueError(f"{name} must have contiguous heads (strides [*, {dv}, 1]), got {t.stride()}")
         if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             raise ValueError(f"{name} rows must be 16-byte aligned")
-    if not out.is_contiguous() or not w.is_contiguous():
-        raise ValueError("out and w must be contiguous")
+    if not out.is_contiguous() or not w.is_contiguous() or out.data_ptr() % 16 or w.data_ptr() % 16:
+        raise ValueError("out and w must be contiguous and 16-byte aligned")
     if T == 0:
         return out
     kern = _kernel("gated_rmsnorm", dv=dv, o_f32=int(o.dtype == torch.float32))
     grid = -(-(T * nv) // GWARPS)
-    kern.launch(grid, 32 * GWARPS, [o, o.stride(0), z, z.stride(0), w, out, T, nv, float(eps)])
+    o_rs, z_rs = ctypes.c_longlong(o.stride(0)), ctypes.c_longlong(z.stride(0))  # long long in the kernel
+    kern.launch(grid, 32 * GWARPS, [o, o_rs, z, z_rs, w, out, T, nv, float(eps)])
     return out
 
 

@@ -7,6 +7,7 @@ o_proj input prep reads it strided instead of paying a copy here.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -29,7 +30,9 @@ def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "c
     return 1.0 / (theta ** (ar / rotary_dim))
 
 
-def _check_heads(t: torch.Tensor, name: str, shape: tuple[int, int, int], head_stride: int, align: int) -> None:
+def _check_heads(
+    t: torch.Tensor, name: str, shape: tuple[int, int, int], head_stride: int, align: int
+) -> None:
     if t.dtype != torch.bfloat16 or tuple(t.shape) != shape:
         raise ValueError(f"{name} must be bf16 {list(shape)}, got {t.dtype} {list(t.shape)}")
     if t.stride(2) != 1 or t.stride(1) != head_stride:
@@ -80,12 +83,19 @@ def qk_norm_rope_kv(
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w.dtype != torch.bfloat16 or tuple(w.shape) != (d,) or not w.is_contiguous():
             raise ValueError(f"{name} must be contiguous bf16 [{d}], got {w.dtype} {list(w.shape)}")
+        if w.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
     if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or not inv_freq.is_contiguous():
         raise ValueError("inv_freq must be contiguous f32 [rotary / 2] (rope_inv_freq)")
     _check_index(positions, "positions", T)
     _check_index(slots, "slots", T)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dtype != torch.bfloat16 or c.dim() != 3 or tuple(c.shape[1:]) != (nkv, d) or not c.is_contiguous():
+        if (
+            c.dtype != torch.bfloat16
+            or c.dim() != 3
+            or tuple(c.shape[1:]) != (nkv, d)
+            or not c.is_contiguous()
+        ):
             raise ValueError(f"{name} must be contiguous bf16 [max_len, {nkv}, {d}], got {list(c.shape)}")
         if c.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
@@ -97,7 +107,8 @@ def qk_norm_rope_kv(
         raise ValueError("q_out must be 16-byte aligned")
     if T == 0:
         return q_out
-    args = [qg, qg.stride(0), k, k.stride(0), v, v.stride(0), q_norm, k_norm, inv_freq, positions, slots]
+    qs, ks, vs = (ctypes.c_longlong(t.stride(0)) for t in (qg, k, v))  # long long row strides
+    args = [qg, qs, k, ks, v, vs, q_norm, k_norm, inv_freq, positions, slots]
     args += [q_out, k_cache, v_cache, nh, nkv, float(eps)]
     _kernel(d, rd).launch((T, -(-(nh + nkv) // RWARPS)), 32 * RWARPS, args)
     return q_out
