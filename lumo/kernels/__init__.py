@@ -15,6 +15,18 @@ from .compile import (
     compile_to_cubin,
     kernel_sources,
 )
+from .conv import (
+    conv_commit_rows,
+    conv_gather,
+    conv_gather_ref,
+    conv_pred,
+    conv_pred_chain,
+    conv_prefill,
+    conv_prefill_ref,
+    conv_state_commit,
+    conv_state_commit_ref,
+)
+from .gdn import gdn_decode, gdn_decode_ref, gdn_dvt, gdn_prefill, gdn_prefill_ref
 from .linear import (
     PackedNVFP4,
     bf16_linear,
@@ -26,8 +38,31 @@ from .linear import (
     split_fused,
     unpack_nvfp4,
 )
+from .norms import gated_rmsnorm, gated_rmsnorm_ref, rmsnorm1p, rmsnorm1p_ref
+from .rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, rope_inv_freq
 
 __all__ = [
+    "conv_commit_rows",
+    "conv_gather",
+    "conv_gather_ref",
+    "conv_pred",
+    "conv_pred_chain",
+    "conv_prefill",
+    "conv_prefill_ref",
+    "conv_state_commit",
+    "conv_state_commit_ref",
+    "gated_rmsnorm",
+    "gated_rmsnorm_ref",
+    "gdn_decode",
+    "gdn_decode_ref",
+    "gdn_dvt",
+    "gdn_prefill",
+    "gdn_prefill_ref",
+    "qk_norm_rope_kv",
+    "qk_norm_rope_kv_ref",
+    "rmsnorm1p",
+    "rmsnorm1p_ref",
+    "rope_inv_freq",
     "Kernel",
     "KernelCompileError",
     "PackedNVFP4",
