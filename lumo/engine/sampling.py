@@ -44,7 +44,16 @@ def uniform_noise(seed: int, position: int, n: int, device: torch.device | str =
     key = _fmix32(key ^ _fmix32(torch.tensor((position * 0x632BE5AB) & _M32, dtype=torch.int64)))
     idx = torch.arange(n, dtype=torch.int64, device=device)
     h = _fmix32(_fmix32(idx ^ key.to(device)) ^ ((seed >> 32) & _M32))
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: ((h >> 9) + 0.5) * 2^-23 is exact in fp32 and < 1 (with 24 bits the top value rounds to 1.0).
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def gumbel_of_uniform(u: torch.Tensor) -> torch.Tensor:
+    """g = rn32(-log(rn32(-log(u)))) with each log in double, so every step is correctly rounded and the
+    CPU and the GPU kernel agree bit for bit (an fp32 log is off by an ulp on ~0.1% of inputs somewhere,
+    enough to flip a near-tie of logits + noise)."""
+    e = (-torch.log(u.double())).float()
+    return (-torch.log(e.double())).float()
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -70,5 +79,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
         return int(torch.argmax(logits))
     x = filter_logits(logits, params)
     u = uniform_noise(params.seed, position, x.numel(), x.device)
-    gumbel = -torch.log(-torch.log(u))
-    return int(torch.argmax(x + gumbel))
+    return int(torch.argmax(x + gumbel_of_uniform(u)))

@@ -5,6 +5,7 @@ Each op is a .cu source, a thin launcher and a plain fp32 torch reference side b
 
 from __future__ import annotations
 
+from .attention import attn_decode, attn_decode_ref, attn_decode_workspace, attn_prefill, attn_prefill_ref
 from .compile import (
     Kernel,
     KernelCompileError,
@@ -40,8 +41,18 @@ from .linear import (
 )
 from .norms import gated_rmsnorm, gated_rmsnorm_ref, rmsnorm1p, rmsnorm1p_ref
 from .rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, rope_inv_freq
+from .sampling import gumbel_noise_ref, sample_tokens, sample_tokens_ref, sample_workspace
 
 __all__ = [
+    "attn_decode",
+    "attn_decode_ref",
+    "attn_decode_workspace",
+    "attn_prefill",
+    "attn_prefill_ref",
+    "gumbel_noise_ref",
+    "sample_tokens",
+    "sample_tokens_ref",
+    "sample_workspace",
     "conv_commit_rows",
     "conv_gather",
     "conv_gather_ref",

@@ -1,0 +1,184 @@
+"""Attention: decode / tree-verify split-K kernel (attention.cu), chunked prefill (torch SDPA), references.
+
+Decode rows see the committed prefix [0, len) of the cache and the tree slots len + j whose bit j is set in
+their ancestor mask (plain decode: T = 1, mask = 1, the new token's K/V already written at slot len). `len`
+and the masks are device tensors, so a captured CUDA graph replays for any length. The kernel is batch
+invariant (see attention.cu): a tree row is bitwise the plain decode of the same token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from .compile import Kernel, compile_kernel
+
+CHUNK = 256  # positions per split-K partial (must match attention.cu)
+THREADS = 256  # 32 * NSUB * RW in attention.cu
+_SUB, _NSUB, _RW = 64, 4, 2
+
+
+@functools.cache
+def _kernels(d: int, g: int) -> tuple[Kernel, Kernel]:
+    defines = {"D": d, "G": g}
+    return (
+        compile_kernel("attention.cu", "attn_decode_chunk", defines),
+        compile_kernel("attention.cu", "attn_decode_merge", defines),
+    )
+
+
+def _shmem(d: int, g: int) -> int:
+    return 4 * (_NSUB * _RW * g * _SUB + _RW * _NSUB * g * (d + 2))
+
+
+def attn_decode_workspace(
+    t: int, nh: int, d: int, max_len: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials for t rows and a max_len-slot cache: (acc [t, nh, nch, d] f32, ml [t, nh, nch, 2])."""
+    nch = -(-max_len // CHUNK)
+    return (
+        torch.empty(t, nh, nch, d, dtype=torch.float32, device=device),
+        torch.empty(t, nh, nch, 2, dtype=torch.float32, device=device),
+    )
+
+
+def attn_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    mask: torch.Tensor,
+    gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Attention of T rows q [T, nh, d] bf16 over k/v_cache [max_len, nkv, d] bf16 -> [T, nh, d] bf16.
+
+    length: [1] int32 committed positions; mask: [T] int64, bit j = row may see tree slot length + j.
+    gate: [T, nh, d] bf16 or None; with it the output is attention * sigmoid(gate) (fused, fp32).
+    Pass out= and workspace= (attn_decode_workspace) on the hot path: then nothing is allocated.
+    """
+    T, nh, d = q.shape
+    max_len, nkv, dk = k_cache.shape
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
+        raise TypeError("attn_decode: q, k_cache, v_cache must be bf16")
+    if dk != d or v_cache.shape != k_cache.shape or nh % nkv or d not in (64, 128, 256):
+        raise ValueError(f"attn_decode: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("attn_decode: q and the caches must be contiguous")
+    if length.dtype != torch.int32 or length.numel() != 1:
+        raise ValueError("attn_decode: length must be a [1] int32 device tensor")
+    if mask.dtype != torch.int64 or mask.shape != (T,) or not mask.is_contiguous():
+        raise ValueError(f"attn_decode: mask must be [{T}] int64")
+    if gate is not None and (
+        gate.shape != q.shape or gate.dtype != torch.bfloat16 or not gate.is_contiguous()
+    ):
+        raise ValueError("attn_decode: gate must be a contiguous bf16 tensor shaped like q")
+    nch = -(-max_len // CHUNK)
+    if workspace is None:
+        workspace = attn_decode_workspace(T, nh, d, max_len, q.device)
+    acc, ml = workspace
+    if acc.shape[0] < T or acc.shape[1:] != (nh, nch, d) or ml.shape[1:] != (nh, nch, 2):
+        raise ValueError(f"attn_decode: workspace {tuple(acc.shape)} too small for T={T} nh={nh} nch={nch}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
+    chunk_k, merge_k = _kernels(d, nh // nkv)
+    chunk_k.launch(
+        (nch, nkv),
+        THREADS,
+        (q, k_cache, v_cache, length, mask, acc, ml, T, nkv, max_len, nch),
+        shmem=_shmem(d, nh // nkv),
+    )
+    merge_k.launch(
+        T * nh,
+        d,
+        (acc, ml, length, mask, gate if gate is not None else q, out, nh, nch, int(gate is not None)),
+    )
+    return out
+
+
+def attn_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: int | torch.Tensor,
+    mask: torch.Tensor,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain fp32 reference of attn_decode: row t attends to [0, len) and the tree slots set in mask[t]."""
+    T, nh, d = q.shape
+    nkv = k_cache.shape[1]
+    n = int(length)
+    out = torch.empty(T, nh, d, dtype=torch.float32, device=q.device)
+    for t in range(T):
+        bits = int(mask[t])
+        slots = list(range(n)) + [n + j for j in range(64) if bits >> j & 1]
+        idx = torch.tensor(slots, device=q.device)
+        k = k_cache[idx].float().repeat_interleave(nh // nkv, dim=1)  # [S, nh, d]
+        v = v_cache[idx].float().repeat_interleave(nh // nkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,shd->hs", q[t].float(), k) * d**-0.5, dim=-1)  # [nh, S]
+        out[t] = torch.einsum("hs,shd->hd", p, v)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
+    return out
+
+
+def attn_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a chunk q [T, nh, d] at positions start.. over cache [0, start + T) -> [T, nh, d].
+
+    The chunk's K/V must already be in the cache. torch SDPA per kv head: the kv head is broadcast to its G
+    query heads with a stride-0 view (no copy, no reliance on enable_gqa support in every backend), and
+    the offset causal mask is SDPA's lower-right causal bias, which flash attention implements natively
+    (query i sees keys <= start + i); CPU falls back to the math backend with the same mask.
+    """
+    T, nh, d = q.shape
+    nkv = k_cache.shape[1]
+    S, G = start + T, nh // nkv
+    if k_cache.shape[0] < S or nh % nkv or k_cache.shape[2] != d:
+        raise ValueError(f"attn_prefill: q {tuple(q.shape)}, start {start} vs cache {tuple(k_cache.shape)}")
+    if out is None:
+        out = torch.empty_like(q)
+    bias = causal_lower_right(T, S)
+    for h in range(nkv):
+        qh = q[:, h * G : (h + 1) * G].transpose(0, 1)[None]  # [1, G, T, d]
+        kh = k_cache[:S, h][None, None].expand(1, G, S, d)  # [1, G, S, d] stride 0 over G
+        vh = v_cache[:S, h][None, None].expand(1, G, S, d)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)[0].transpose(0, 1)  # [T, G, d]
+        if gate is not None:
+            o = (o.float() * torch.sigmoid(gate[:, h * G : (h + 1) * G].float())).to(out.dtype)
+        out[:, h * G : (h + 1) * G] = o
+    return out
+
+
+def attn_prefill_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain fp32 reference of attn_prefill."""
+    T, nh, d = q.shape
+    nkv = k_cache.shape[1]
+    S = start + T
+    k = k_cache[:S].float().repeat_interleave(nh // nkv, dim=1)  # [S, nh, d]
+    v = v_cache[:S].float().repeat_interleave(nh // nkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k) * d**-0.5  # [nh, T, S]
+    visible = torch.arange(S, device=q.device)[None, :] <= start + torch.arange(T, device=q.device)[:, None]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out = torch.einsum("hts,shd->thd", p, v)
+    if gate is not None:
+        out = out * torch.sigmoid(gate.float())
+    return out

@@ -1,0 +1,120 @@
+"""GPU token sampling (sampling.cu): greedy / temperature / top-k / top-p Gumbel-max, no host sync.
+
+The noise is the CPU sampler's (lumo/engine/sampling.py): a counter hash of (seed, position, vocab index),
+so a token at a given absolute position gets the same noise in plain decoding and in a tree, and the GPU
+draws the same token as the CPU on bitwise-equal logits. `gumbel_noise_ref` is the exact fp32 noise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..engine.sampling import gumbel_of_uniform, uniform_noise
+from .compile import Kernel, compile_kernel
+
+NCAND = 256  # candidates per row for top-k / top-p (sampling.cu); top_k > NCAND acts as NCAND
+SPAN = 8192  # vocab entries per partial CTA (sampling.cu)
+THREADS = 512
+_M32 = 0xFFFFFFFF
+
+
+@functools.cache
+def _kernel(name: str) -> Kernel:
+    return compile_kernel("sampling.cu", name)
+
+
+def sample_workspace(t: int, v: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """Per-CTA partials for t rows of a v-entry vocabulary: (val f32, idx i32, sum f32, keys i64)."""
+    nb = -(-v // SPAN)
+    return (
+        torch.empty(t, nb, dtype=torch.float32, device=device),
+        torch.empty(t, nb, dtype=torch.int32, device=device),
+        torch.empty(t, nb, dtype=torch.float32, device=device),
+        torch.empty(t, nb, NCAND, dtype=torch.int64, device=device),
+    )
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """Tokens [T] int32 from logits [T, V] f32 with per-row params on the device.
+
+    temperature [T] f32 (<= 0: greedy), top_k [T] int32 (0: off), top_p [T] f32 (1: off), seed [T] int64,
+    position [T] int64 (absolute position of the token being sampled).
+    """
+    T, V = logits.shape
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError("sample_tokens: logits must be contiguous f32 [T, V]")
+    for name, x, dt in (
+        ("temperature", temperature, torch.float32),
+        ("top_k", top_k, torch.int32),
+        ("top_p", top_p, torch.float32),
+        ("seed", seed, torch.int64),
+        ("position", position, torch.int64),
+    ):
+        if x.dtype != dt or x.shape != (T,) or not x.is_contiguous() or x.device != logits.device:
+            raise ValueError(
+                f"sample_tokens: {name} must be a contiguous [{T}] {dt} tensor on {logits.device}"
+            )
+    nb = -(-V // SPAN)
+    if workspace is None:
+        workspace = sample_workspace(T, V, logits.device)
+    val, idx, ssum, keys = workspace
+    if val.shape[0] < T or val.shape[1] != nb or keys.shape[1:] != (nb, NCAND):
+        raise ValueError(f"sample_tokens: workspace too small for T={T}, V={V}")
+    if out is None:
+        out = torch.empty(T, dtype=torch.int32, device=logits.device)
+    elif out.shape != (T,) or out.dtype != torch.int32:
+        raise ValueError(f"sample_tokens: out must be [{T}] int32")
+    params = (temperature, top_k, top_p, seed, position)
+    _kernel("sample_partial").launch((nb, T), THREADS, (logits, *params, val, idx, ssum, keys, V, nb))
+    _kernel("sample_final").launch(T, THREADS, (*params, val, idx, ssum, keys, out, V, nb))
+    return out
+
+
+def sample_noise(seed: int, position: int, n: int, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's (u, gumbel) [n] f32 for one (seed, position); raw: u's integer part = index (tests)."""
+    s = torch.tensor([seed], dtype=torch.int64, device="cuda")
+    p = torch.tensor([position], dtype=torch.int64, device="cuda")
+    u = torch.empty(n, dtype=torch.float32, device="cuda")
+    g = torch.empty_like(u)
+    _kernel("sample_noise").launch(-(-n // 256), 256, (s, p, n, int(raw), u, g))
+    return u, g
+
+
+def gumbel_noise_ref(seed: int, position: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n] f32 Gumbel noise of the kernel, bit for bit: the engine's own formula."""
+    return gumbel_of_uniform(uniform_noise(seed, position, n, device))
+
+
+# The kernel's noise is specified by the engine's sampler; re-exported for the tests.
+uniform_noise_ref = uniform_noise
+
+
+def sample_tokens_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    position: torch.Tensor,
+) -> torch.Tensor:
+    """The CPU sampler (lumo.engine.sampling.sample) row by row: the specification of sample_tokens."""
+    from ..engine.sampling import SamplingParams, sample
+
+    rows = []
+    for t in range(logits.shape[0]):
+        params = SamplingParams(
+            temperature=float(temperature[t]), top_k=int(top_k[t]), top_p=float(top_p[t]), seed=int(seed[t])
+        )
+        rows.append(sample(logits[t].cpu(), params, position=int(position[t])))
+    return torch.tensor(rows, dtype=torch.int32)

@@ -1,0 +1,69 @@
+"""CPU: the attention references (and the SDPA prefill) agree with lumo.model.attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumo.kernels.attention import attn_decode_ref, attn_prefill, attn_prefill_ref
+from lumo.model import attention
+
+
+def rand_cache(max_len: int, nkv: int, d: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.randn(max_len, nkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(max_len, nkv, d, generator=gen).to(torch.bfloat16)
+    return k, v
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("length,T,nh,nkv,d", [(0, 5, 4, 2, 64), (37, 7, 6, 2, 64), (300, 3, 24, 4, 256)])
+def test_decode_ref_chain_is_causal_attention(length, T, nh, nkv, d):
+    gen = torch.Generator().manual_seed(length + T)
+    kc, vc = rand_cache(length + T + 5, nkv, d, gen)
+    q = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
+    mask = torch.tensor([(1 << (i + 1)) - 1 for i in range(T)], dtype=torch.int64)  # a chain: causal
+    got = attn_decode_ref(q, kc, vc, length, mask)
+    ref = attention(q[None].float(), kc[None, : length + T].float(), vc[None, : length + T].float(), length)[
+        0
+    ]
+    assert rel_err(got, ref) < 1e-5
+
+
+def test_decode_ref_tree_rows_are_their_paths():
+    gen = torch.Generator().manual_seed(3)
+    nh, nkv, d, length = 4, 2, 64, 19
+    # spine 0-1-2-3, siblings 4 (child of 0), 5 (child of 1), 6 (child of 2)
+    parent = [-1, 0, 1, 2, 0, 1, 2]
+    T = len(parent)
+    anc = []
+    for i in range(T):
+        bits, j = 0, i
+        while j >= 0:
+            bits |= 1 << j
+            j = parent[j]
+        anc.append(bits)
+    kc, vc = rand_cache(length + T + 3, nkv, d, gen)
+    q = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
+    gate = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
+    got = attn_decode_ref(q, kc, vc, length, torch.tensor(anc), gate=gate)
+    for i in range(T):
+        slots = list(range(length)) + [length + j for j in range(T) if anc[i] >> j & 1]
+        k, v = kc[slots][None].float(), vc[slots][None].float()
+        ref = attention(q[None, i : i + 1].float(), k, v, offset=len(slots) - 1)[0, 0]
+        assert rel_err(got[i], ref * torch.sigmoid(gate[i].float())) < 1e-5, i
+
+
+@pytest.mark.parametrize("start,T,nh,nkv,d", [(0, 9, 4, 2, 64), (13, 6, 6, 2, 64), (40, 17, 6, 3, 32)])
+def test_prefill_matches_model_attention(start, T, nh, nkv, d):
+    gen = torch.Generator().manual_seed(start * 7 + T)
+    kc, vc = rand_cache(start + T + 4, nkv, d, gen)
+    q = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
+    ref = attention(q[None].float(), kc[None, : start + T].float(), vc[None, : start + T].float(), start)[0]
+    assert rel_err(attn_prefill_ref(q, kc, vc, start), ref) < 1e-5
+    assert rel_err(attn_prefill(q, kc, vc, start), ref) < 1e-2  # bf16 output
+    gate = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
+    gated = attn_prefill(q, kc, vc, start, gate=gate)
+    assert rel_err(gated, ref * torch.sigmoid(gate.float())) < 1e-2
