@@ -95,3 +95,24 @@ def test_every_acceptance_case_is_exact(tiny, right, sibling):
     p2 = PlainDecoder(cfg, w, params, 96, "cpu", torch.float32)
     run(p2, spec.cache.length - len(PROMPT) + 1)
     assert_same_state(spec.cache, p2.cache)
+
+
+EMBEDDED_PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    def __init__(self", "for i in range(10):"]
+
+
+@pytest.mark.parametrize("spec", ["tree", "chain"])
+def test_embedded_model_spec_equals_plain(spec):
+    """On the embedded model (whose MTP head really predicts): greedy tree/chain == greedy plain."""
+    from lumo.engine.llm import LLM, embedded_model_path
+
+    if not (embedded_model_path() / "config.json").exists():
+        pytest.skip("the embedded model is not in lumo/assets (run bench/train_tiny.py)")
+    plain = LLM(device="cpu", spec="off")
+    fast = LLM(device="cpu", spec=spec)
+    accepted = []
+    for prompt in EMBEDDED_PROMPTS:
+        want = plain.generate(prompt, max_tokens=40, temperature=0).token_ids
+        assert fast.generate(prompt, max_tokens=40, temperature=0).token_ids == want
+        accepted += fast.last_decoder.stats.accepted
+    # the trained MTP head drafts tokens the target accepts (random weights accept ~0)
+    assert sum(accepted) / len(accepted) > 0.5
