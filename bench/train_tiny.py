@@ -451,7 +451,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output folder (lumo-tiny/, metrics.json, log)")
     p.add_argument("--minutes", type=float, default=8.0, help="training time budget (ignored with --steps)")
     p.add_argument(
-        "--corpus-root", type=Path, default=None, help="a CPython Lib/ folder (default: this interpreter's stdlib)"
+        "--corpus-root",
+        type=Path,
+        default=None,
+        help="a CPython Lib/ folder (default: this interpreter's stdlib)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny corpus and a few steps: the CPU CI check")
     p.add_argument("--quantize-only", action="store_true", help="make OUT/lumo-tiny-nvfp4 and evaluate it")

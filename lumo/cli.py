@@ -17,7 +17,9 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
-    p.add_argument("--spec", default="off", choices=["tree", "chain", "off"], help="speculative decoding (MTP)")
+    p.add_argument(
+        "--spec", default="off", choices=["tree", "chain", "off"], help="speculative decoding (MTP)"
+    )
     p.add_argument("--spec-depth", type=int, default=11, help="draft tree spine depth D")
     p.add_argument("--spec-topk", type=int, default=3, help="candidates per spine depth (siblings + 1)")
     p.add_argument("--spec-budget", type=int, default=27, help="draft nodes per tree, root excluded")
@@ -66,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("src")
     q.add_argument("dst")
     q.add_argument("--format", default="nvfp4", choices=["nvfp4", "w4a16_nvfp4"])
-    q.add_argument("--exclude", nargs="+", default=None, help="fnmatch patterns kept in BF16 (replaces the defaults)")
+    q.add_argument(
+        "--exclude", nargs="+", default=None, help="fnmatch patterns kept in BF16 (replaces the defaults)"
+    )
     return parser
 
 
@@ -110,7 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
 
     llm = _llm(args, progress=True)
-    run_server(llm, host=args.host, port=args.port, model_name=args.served_model_name, max_queue=args.max_queue)
+    run_server(
+        llm, host=args.host, port=args.port, model_name=args.served_model_name, max_queue=args.max_queue
+    )
     return 0
 
 

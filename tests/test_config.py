@@ -41,8 +41,12 @@ def test_wrapper_and_explicit_layer_types():
     inner.pop("rope_parameters")
     inner["partial_rotary_factor"] = 0.5
     inner["rope_theta"] = 5e6
-    d = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": inner,
-         "tie_word_embeddings": False}
+    d = {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "text_config": inner,
+        "tie_word_embeddings": False,
+    }
     cfg = ModelConfig.from_hf(d)
     assert cfg.layer_types == tuple(types)
     assert cfg.rotary_dim == 128 and cfg.rope_theta == 5e6

@@ -56,7 +56,9 @@ class OracleSpec(SpecDecoder):
             if r == 0:
                 tokens[i] = good if d <= self.right else (good + 1) % 256
             else:  # siblings: right only at the first wrong spine depth
-                tokens[i] = good if (self.sibling and d == self.right + 1 and r == 1) else (good + 2 + r) % 256
+                tokens[i] = (
+                    good if (self.sibling and d == self.right + 1 and r == 1) else (good + 2 + r) % 256
+                )
         return tokens
 
     def step(self):
@@ -86,7 +88,9 @@ def test_every_acceptance_case_is_exact(tiny, right, sibling):
     params = SamplingParams(temperature=0.0)
     cfg, w, plain = decoders(tiny, params)
     truth = run(plain, 40)
-    spec = OracleSpec(cfg, w, params, 96, "cpu", torch.float32, TREE, truth=truth, right=right, sibling=sibling)
+    spec = OracleSpec(
+        cfg, w, params, 96, "cpu", torch.float32, TREE, truth=truth, right=right, sibling=sibling
+    )
     out = run(spec, 16)
     assert out == truth[:16]
     expected = min(right + (1 if sibling else 0), TREE.depth)
@@ -97,7 +101,11 @@ def test_every_acceptance_case_is_exact(tiny, right, sibling):
     assert_same_state(spec.cache, p2.cache)
 
 
-EMBEDDED_PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    def __init__(self", "for i in range(10):"]
+EMBEDDED_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\nclass Config:\n    def __init__(self",
+    "for i in range(10):",
+]
 
 
 @pytest.mark.parametrize("spec", ["tree", "chain"])

@@ -19,7 +19,9 @@ def test_default_tree_shape():
     assert not t.valid[28:].any() and (t.owner[28:] == -1).all()
 
 
-@pytest.mark.parametrize("cfg", [TreeConfig(), TreeConfig(depth=4, topk=4, budget=10, rows=16), chain_config(5)])
+@pytest.mark.parametrize(
+    "cfg", [TreeConfig(), TreeConfig(depth=4, topk=4, budget=10, rows=16), chain_config(5)]
+)
 def test_buffers_are_consistent(cfg):
     t = build_tree(cfg)
     for i in range(t.n_nodes):
@@ -36,7 +38,7 @@ def test_buffers_are_consistent(cfg):
     for p in range(t.n_paths):
         nodes = t.paths[p, : int(t.path_len[p])].tolist()
         assert nodes[0] == 0 and t.children(nodes[-1]) == []
-        assert all(int(t.parent[b]) == a for a, b in zip(nodes, nodes[1:]))
+        assert all(int(t.parent[b]) == a for a, b in zip(nodes, nodes[1:], strict=False))
     # each node is owned by exactly one path
     assert sorted(set(t.owner[: t.n_nodes].tolist())) == list(range(t.n_paths))
 

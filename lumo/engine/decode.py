@@ -27,7 +27,9 @@ class PlainDecoder:
 
     extra_positions = 0  # cache slots needed beyond prompt + output
 
-    def __init__(self, cfg: ModelConfig, w: ModelWeights, params: SamplingParams, max_len: int, device, dtype):
+    def __init__(
+        self, cfg: ModelConfig, w: ModelWeights, params: SamplingParams, max_len: int, device, dtype
+    ):
         self.cfg, self.w, self.params = cfg, w, params
         self.device = device
         self.cache = M.new_cache(cfg, max_len + self.extra_positions, device, dtype)
@@ -81,7 +83,7 @@ class SpecDecoder(PlainDecoder):
         self.stats = SpecStats()
 
     def _after_prefill(self, prompt_ids: list[int], hidden: torch.Tensor) -> None:
-        # The MTP sees pair (h_q, x_{q+1}) for every prompt position q, the last one pairing the pending token.
+        # The MTP sees the pair (h_q, x_{q+1}) of every prompt position q; the last pairs the pending token.
         self._feed_mtp(hidden, prompt_ids[1:] + [self.pending], 0)
 
     def _feed_mtp(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
@@ -102,7 +104,9 @@ class SpecDecoder(PlainDecoder):
                 if int(t.depth[i]) == d:
                     tokens[i] = top[int(t.rank[i])]
             if d < t.depth_max:
-                lg, out = M.mtp_forward(self.cfg, self.w, hidden[None], self._ids([tokens[d]]), self.cache, pos)
+                lg, out = M.mtp_forward(
+                    self.cfg, self.w, hidden[None], self._ids([tokens[d]]), self.cache, pos
+                )
                 logits, hidden, pos = lg[0, -1], out[0], pos + 1
         return tokens
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from ..config import TreeConfig
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
-from ..config import TreeConfig
 from .decode import make_decoder
 from .sampling import SamplingParams
 
@@ -88,7 +88,9 @@ class LLM:
             self.model_name = EMBEDDED_NAME
         else:
             path = resolve_model_path(str(model))
-            self.model_name = str(model).rstrip("/").split("/")[-1] if Path(str(model)).exists() else str(model)
+            self.model_name = (
+                str(model).rstrip("/").split("/")[-1] if Path(str(model)).exists() else str(model)
+            )
         self.path = path
         self.config, self.weights = load_model(path, device=self.device, dtype=self.dtype, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
@@ -109,7 +111,9 @@ class LLM:
             reason = chunk.finish_reason or reason
         t1 = time.perf_counter()
         t_first = t_first or t1
-        return GenerationResult(ids, "".join(text), reason or "length", prompt_ids, t_first - t0, t1 - t_first)
+        return GenerationResult(
+            ids, "".join(text), reason or "length", prompt_ids, t_first - t0, t1 - t_first
+        )
 
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
         return self._stream(self._encode(prompt), max_tokens, **kw)
@@ -158,7 +162,8 @@ class LLM:
         n = len(prompt_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(
-                f"the prompt has {n} tokens but the context holds {self.max_model_len} (prompt + at least 1 new)"
+                f"the prompt has {n} tokens but the context holds {self.max_model_len} "
+                "(prompt + at least 1 new token)"
             )
         max_tokens = min(max_tokens, self.max_model_len - n)
         params = self.sampling_params(temperature, top_k, top_p, seed)
@@ -170,8 +175,14 @@ class LLM:
         self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str]
     ) -> Iterator[StreamChunk]:
         decoder = make_decoder(
-            self.config, self.weights, params, len(prompt_ids) + max_tokens, self.device, self.dtype,
-            self.spec, self.tree,
+            self.config,
+            self.weights,
+            params,
+            len(prompt_ids) + max_tokens,
+            self.device,
+            self.dtype,
+            self.spec,
+            self.tree,
         )
         self.last_decoder = decoder
         detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])

@@ -23,7 +23,9 @@ class TreeBuffers:
     parent: torch.Tensor  # [rows] int32, -1 for the root and padding
     depth: torch.Tensor  # [rows] int32, 0 for root and padding
     rank: torch.Tensor  # [rows] int32: 0 spine, r = r-th best MTP candidate at its depth, -1 padding
-    anc: torch.Tensor  # [rows] int64 bitmask: bit j set iff node j is an ancestor of the row or the row itself
+    anc: (
+        torch.Tensor
+    )  # [rows] int64 bitmask: bit j set iff node j is an ancestor of the row or the row itself
     paths: torch.Tensor  # [P, D+1] int32 root-to-leaf node ids, -1 past the leaf
     path_len: torch.Tensor  # [P] int32 nodes on each path
     owner: torch.Tensor  # [rows] int32: the path that writes this node's outputs (-1 padding)
