@@ -6,6 +6,10 @@ One `lumo serve` subprocess (tiny checkpoint without a reachable end-of-sequence
 
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
+
 import asyncio
 import json
 import re

@@ -1,0 +1,65 @@
+"""The LLM on a GPU (reference model in torch, bf16): speculation exact, and close to the CPU fp32 model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumo import model as M
+from lumo.engine.llm import LLM, embedded_model_path
+from lumo.weights import load_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\ndef list_files(path):",
+    "class Stack:\n    def __init__(self):",
+    "for i in range(10):",
+    "    def __repr__(self):\n        return",
+    "try:\n    import json\nexcept ImportError:",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "with open(filename) as f:",
+    "if __name__ == '__main__':",
+    "    @property\n    def name(self):",
+    "def test_basic(self):\n        self.assertEqual(",
+    "raise ValueError(",
+]
+
+
+def assets(variant: str) -> str:
+    path = embedded_model_path().parent / variant
+    if not (path / "config.json").exists():
+        pytest.skip(f"{variant} is not in lumo/assets")
+    return str(path)
+
+
+@pytest.mark.parametrize("variant", ["lumo-tiny", "lumo-tiny-nvfp4"])
+def test_tree_and_chain_equal_plain_on_gpu(variant):
+    path = assets(variant)
+    plain = LLM(path, device="cuda", spec="off")
+    tree = LLM(path, device="cuda", spec="tree")
+    chain = LLM(path, device="cuda", spec="chain")
+    accepted = []
+    for i, prompt in enumerate(PROMPTS):
+        want = plain.generate(prompt, max_tokens=64, temperature=0).token_ids
+        assert tree.generate(prompt, max_tokens=64, temperature=0).token_ids == want, prompt
+        accepted += tree.last_decoder.stats.accepted
+        if i < 3:
+            assert chain.generate(prompt, max_tokens=64, temperature=0).token_ids == want, prompt
+            kw = dict(max_tokens=48, temperature=0.8, top_p=0.95, top_k=40, seed=i)
+            assert tree.generate(prompt, **kw).token_ids == plain.generate(prompt, **kw).token_ids
+    mean = sum(accepted) / len(accepted)
+    print(f"{variant}: {mean:.2f} accepted drafts per event over {len(accepted)} events")
+
+
+def test_gpu_logits_close_to_cpu_reference():
+    path = assets("lumo-tiny")
+    cfg, w_cpu = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    _, w_gpu = load_model(path, device="cuda", dtype=torch.bfloat16, progress=False)
+    ids = torch.randint(0, cfg.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
+    ref, _ = M.forward(cfg, w_cpu, ids)
+    got, _ = M.forward(cfg, w_gpu, ids.cuda())
+    err = float((got.cpu() - ref).norm() / ref.norm())
+    print(f"bf16 GPU vs fp32 CPU logits: rel err {err:.2e}")
+    assert err < 3e-2
