@@ -16,7 +16,6 @@ import re
 
 import httpx
 import openai
-import pytest
 import torch
 
 from lumo.engine.llm import LLM
@@ -245,3 +244,20 @@ def test_metrics_exposition(server):
         assert line.startswith("#") or re.fullmatch(
             r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? \S+', line
         )
+
+
+def test_embedded_model_with_tree_speculation():
+    """`lumo serve` with no model serves the embedded model; with --spec tree the output is plain greedy's
+    and /metrics counts accepted drafts per event."""
+    from lumo.engine.llm import embedded_model_path
+
+    if not (embedded_model_path() / "config.json").exists():
+        pytest.skip("the embedded model is not in lumo/assets")
+    prompt = "def fibonacci(n):"
+    want = LLM(device="cpu").generate(prompt, max_tokens=24, temperature=0).text
+    with serve_subprocess(None, "--spec", "tree", "--device", "cpu", env={"OMP_NUM_THREADS": "1"}) as srv:
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["lumo-tiny"]
+        body = {"model": "lumo-tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        assert r["choices"][0]["text"] == want
+        assert _metric(srv.url, "lumo_spec_accepted_drafts_count") > 0

@@ -17,7 +17,6 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from lumo.server.testing import serve_subprocess
 from lumo.testing import make_tiny_checkpoint

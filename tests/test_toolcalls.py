@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import openai
-import pytest
 import uvicorn
 
 from lumo.server.app import create_app

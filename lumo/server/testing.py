@@ -34,10 +34,10 @@ class ServerProcess:
 
 @contextmanager
 def serve_subprocess(
-    model: str | os.PathLike, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0
+    model: str | os.PathLike | None, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60.0
 ) -> Iterator[ServerProcess]:
-    """`python -m lumo.cli serve MODEL --port P *args` with `env` added to the environment; yields once
-    /health answers and stops the server after."""
+    """`python -m lumo.cli serve [MODEL] --port P *args` with `env` added to the environment (no MODEL: the
+    embedded model); yields once /health answers and stops the server after."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "server.log"
@@ -46,7 +46,7 @@ def serve_subprocess(
             "-m",
             "lumo.cli",
             "serve",
-            str(model),
+            *([] if model is None else [str(model)]),
             "--host",
             "127.0.0.1",
             "--port",

@@ -142,6 +142,9 @@ class EngineWorker:
                 job._post(chunk)
                 if chunk.finish_reason is not None:
                     break
+            stats = getattr(getattr(self.llm, "last_decoder", None), "stats", None)
+            for accepted in stats.accepted if stats is not None else ():
+                m.spec_accepted.observe(accepted)
             if job.cancelled.is_set():
                 m.cancelled.inc()
             else:
