@@ -28,6 +28,7 @@ from .conv import (
     conv_state_commit_ref,
 )
 from .gdn import gdn_decode, gdn_decode_ref, gdn_dvt, gdn_prefill, gdn_prefill_ref
+from .gdn_tree import gdn_tree, gdn_tree_ref
 from .linear import (
     PackedNVFP4,
     bf16_linear,
@@ -42,8 +43,34 @@ from .linear import (
 from .norms import gated_rmsnorm, gated_rmsnorm_ref, rmsnorm1p, rmsnorm1p_ref
 from .rope_kv import qk_norm_rope_kv, qk_norm_rope_kv_ref, rope_inv_freq
 from .sampling import gumbel_noise_ref, sample_tokens, sample_tokens_ref, sample_workspace
+from .tree_ops import (
+    KVTable,
+    accept_buffers,
+    draft_node_table,
+    kv_remap,
+    kv_remap_ref,
+    kv_table,
+    topk_select,
+    topk_select_ref,
+    topk_workspace,
+    tree_accept,
+    tree_accept_ref,
+)
 
 __all__ = [
+    "KVTable",
+    "accept_buffers",
+    "draft_node_table",
+    "gdn_tree",
+    "gdn_tree_ref",
+    "kv_remap",
+    "kv_remap_ref",
+    "kv_table",
+    "topk_select",
+    "topk_select_ref",
+    "topk_workspace",
+    "tree_accept",
+    "tree_accept_ref",
     "attn_decode",
     "attn_decode_ref",
     "attn_decode_workspace",
