@@ -12,3 +12,6 @@ for m in "" "--model lumo/assets/lumo-tiny-nvfp4"; do
   python -m lumo.cli generate $m --device cuda --spec tree --prompt "def fibonacci(n):" --max-tokens 64 \
     --temperature 0 2>&1 >/dev/null | tail -1
 done
+python -m lumo.cli generate --device cuda --backend kernels --prompt "def fibonacci(n):" --max-tokens 64 \
+  --temperature 0 2>&1 >/dev/null | tail -1
+python bench/bench_decode.py 2>&1 | tail -30

@@ -18,6 +18,9 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     p.add_argument(
+        "--backend", default="auto", choices=["auto", "torch", "kernels"], help="kernels: lumo's CUDA runner"
+    )
+    p.add_argument(
         "--spec", default="off", choices=["tree", "chain", "off"], help="speculative decoding (MTP)"
     )
     p.add_argument("--spec-depth", type=int, default=11, help="draft tree spine depth D")
@@ -39,6 +42,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         progress=progress,
         spec=args.spec,
         tree=tree,
+        backend=args.backend,
     )
 
 
@@ -104,7 +108,7 @@ def _generate(args: argparse.Namespace) -> int:
     spec = f", {stats.mean_accepted:.2f} accepted drafts/event" if stats and stats.events else ""
     print(
         f"[lumo] {n} tokens ({reason}), prefill {1000 * (t_first - t0):.0f} ms, "
-        f"{rate:.1f} tokens/s decode{spec}, model {llm.model_name} on {llm.device}",
+        f"{rate:.1f} tokens/s decode{spec}, model {llm.model_name} on {llm.device} ({llm.backend})",
         file=sys.stderr,
     )
     return 0

@@ -37,7 +37,7 @@ def assets(variant: str) -> str:
 @pytest.mark.parametrize("variant", ["lumo-tiny", "lumo-tiny-nvfp4"])
 def test_tree_and_chain_equal_plain_on_gpu(variant):
     path = assets(variant)
-    plain = LLM(path, device="cuda", spec="off")
+    plain = LLM(path, device="cuda", spec="off", backend="torch")
     tree = LLM(path, device="cuda", spec="tree")
     chain = LLM(path, device="cuda", spec="chain")
     accepted = []

@@ -70,9 +70,12 @@ class LLM:
         progress: bool = False,
         spec: str = "off",
         tree: TreeConfig | None = None,
+        backend: str = "auto",
     ):
         if spec not in ("off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use tree, chain or off")
+        if backend not in ("auto", "torch", "kernels"):
+            raise ValueError(f"unknown backend {backend!r}: use auto, torch or kernels")
         self.spec, self.tree = spec, tree or TreeConfig()
         self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
         self.device = _pick_device(device)
@@ -92,11 +95,26 @@ class LLM:
                 str(model).rstrip("/").split("/")[-1] if Path(str(model)).exists() else str(model)
             )
         self.path = path
-        self.config, self.weights = load_model(path, device=self.device, dtype=self.dtype, progress=progress)
+        # "torch": the reference model in plain torch (CPU or GPU). "kernels": lumo's CUDA kernels with a
+        # CUDA-graph decode step (plain decoding only so far). auto = torch until the kernel runner has
+        # passed its GPU tests (docs/runner.md).
+        self.backend = "torch" if backend == "auto" else backend
+        if self.backend == "kernels" and (
+            self.device.type != "cuda" or spec != "off" or self.dtype != torch.bfloat16
+        ):
+            raise ValueError("--backend kernels needs --device cuda, bfloat16 and --spec off (for now)")
+        load_device = "cpu" if self.backend == "kernels" else self.device  # packing moves weights to the GPU
+        self.config, self.weights = load_model(path, device=load_device, dtype=self.dtype, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         limit = self.config.max_position_embeddings
         self.max_model_len = min(max_model_len or limit, limit)
         self._defaults = _generation_defaults(path)
+        self._gpu = None
+        if self.backend == "kernels":
+            from .gpu_decode import GPUBackend
+
+            self._gpu = GPUBackend(self.config, self.weights, self.max_model_len, self.device)
+            self.weights = None  # the packed copy on the GPU is the only one kept
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
@@ -174,16 +192,13 @@ class LLM:
     def _run(
         self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str]
     ) -> Iterator[StreamChunk]:
-        decoder = make_decoder(
-            self.config,
-            self.weights,
-            params,
-            len(prompt_ids) + max_tokens,
-            self.device,
-            self.dtype,
-            self.spec,
-            self.tree,
-        )
+        n = len(prompt_ids) + max_tokens
+        if self._gpu is not None:
+            decoder = self._gpu.decoder(params, n)
+        else:
+            decoder = make_decoder(
+                self.config, self.weights, params, n, self.device, self.dtype, self.spec, self.tree
+            )
         self.last_decoder = decoder
         detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
         eos = set(self.tokenizer.eos_token_ids)

@@ -1,0 +1,355 @@
+"""Plain decoding of the 27B model with the kernel runner, against its memory floor and transformers.
+
+Weights: random NVFP4 at the real 27B config (lumo.engine.gpu_weights.random_model_weights, generated on the
+GPU, no files). One table, printed last:
+- decode step time (median of CUDA-graph replays, GPU time) at several contexts next to its floor = bytes a
+  step must move (every linear weight + embedding row + GDN/conv state read and written + K/V of the
+  context + logits) / the device-copy bandwidth measured in this run, and the ratio; plus the end-to-end
+  step with the one host sync (tokens/s). Decode at context L is timed by pointing the runner at position L
+  (`seek`): a step's cost depends on L, not on what the cache holds;
+- prefill tokens/s for the given prompt lengths (real chunked prefill) and the peak GPU memory;
+- the peer: transformers' Qwen3_5ForCausalLM `generate` (BF16, same random weights dequantised) at 1k
+  context, tokens/s, against the runner on the same layer count;
+- a kernel-by-kernel breakdown of a decode step from torch.profiler (launch count, busy time, idle time).
+JSON goes to $OUT or bench/results/bench_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from lumo.config import ModelConfig
+from lumo.engine.gpu_weights import GPUWeights, config_27b, pack_weights, random_model_weights
+from lumo.engine.runner import GPURunner, linear_weight_bytes, memory_plan
+from lumo.weights import GDNWeights, ModelWeights
+
+GB = 1e9
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s (read + written) of a 2 GiB device copy: the best of cudaMemcpy and an elementwise kernel."""
+    n = 2 << 30
+    src = torch.randn(n // 4, device="cuda")
+    dst = torch.empty_like(src)
+    best = 0.0
+    for fn in (lambda: dst.copy_(src), lambda: torch.mul(src, 1.0, out=dst)):
+        for _ in range(50):  # clocks up first
+            fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(20):
+            fn()
+        b.record()
+        b.synchronize()
+        best = max(best, 2 * n * 20 / (a.elapsed_time(b) * 1e-3))
+    return best  # the 4 GiB of buffers are freed on return (main empties the cache)
+
+
+def step_bytes(cfg: ModelConfig, gw: GPUWeights, context: int) -> int:
+    """Bytes one decode step must move at a context of `context` positions."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    nkv, d, nv, dk, dv = (
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+    )
+    n_full = len(cfg.full_attention_layers)
+    n_gdn = cfg.num_layers - n_full
+    state = 2 * n_gdn * (nv * dk * dv * 4 + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2)  # r + w
+    kv = n_full * (context + 1) * nkv * d * 2 * 2  # K and V of the context read, the new row written
+    return gw.nbytes() + 2 * H + state + kv + V * (2 + 2 + 4 + 4)
+
+
+def time_decode(runner: GPURunner, context: int, steps: int, trials: int = 5) -> tuple[float, float]:
+    """(median GPU ms per graph-replayed step, ms per step including the host read of each token)."""
+    per = []
+    for _ in range(trials):
+        runner.seek(context)
+        for _ in range(3):
+            runner.decode_step()
+        runner.seek(context)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            runner.decode_step()  # enqueues a replay; the host runs ahead of the GPU
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b) / steps)
+    runner.seek(context)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner.decode_step()
+        runner.token()
+    e2e = (time.perf_counter() - t0) * 1e3 / steps
+    return statistics.median(per), e2e
+
+
+def time_prefill(runner: GPURunner, n: int, vocab: int) -> tuple[float, int]:
+    """(seconds, peak bytes allocated during the prefill) of an n-token prompt from an empty slot."""
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    runner.reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    runner.prefill(ids)
+    runner.token()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
+
+
+def profile_step(runner: GPURunner, context: int, steps: int = 5) -> dict:
+    """Kernels of `steps` graph-replayed decode steps (eager if the profiler sees no graph kernels)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def dev_time(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    for use_graph in (True, False):
+        runner.seek(context)
+        runner.decode_step(use_graph)  # warm
+        runner.seek(context)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner.decode_step(use_graph)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        if kernels:
+            break
+    rows = sorted(((e.key, e.count / steps, dev_time(e) / steps) for e in kernels), key=lambda r: -r[2])
+    return {
+        "mode": "graph" if use_graph else "eager",
+        "launches_per_step": sum(r[1] for r in rows),
+        "busy_us_per_step": sum(r[2] for r in rows),
+        "kernels": [{"name": k, "calls": c, "us": t} for k, c, t in rows],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The peer: transformers on the same weights in BF16.
+
+
+def hf_tensors(w: ModelWeights):
+    """(checkpoint name, bf16 tensor) of every weight, in transformers' Qwen3_5ForCausalLM names."""
+
+    def deq(lin):
+        return lin.dequantize(torch.float32).to(torch.bfloat16)
+
+    yield "model.embed_tokens.weight", w.embed_tokens
+    yield "model.norm.weight", w.norm
+    yield "lm_head.weight", deq(w.lm_head)
+    for i, lw in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", lw.input_layernorm
+        yield p + "post_attention_layernorm.weight", lw.post_attention_layernorm
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            yield f"{p}mlp.{n}.weight", deq(getattr(lw.mlp, n))
+        m = lw.mixer
+        if isinstance(m, GDNWeights):
+            q = p + "linear_attn."
+            for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+                yield f"{q}{n}.weight", deq(getattr(m, n))
+            yield q + "conv1d.weight", m.conv1d[:, None, :]
+            yield q + "dt_bias", m.dt_bias
+            yield q + "A_log", m.A_log
+            yield q + "norm.weight", m.norm
+        else:
+            q = p + "self_attn."
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                yield f"{q}{n}.weight", deq(getattr(m, n))
+            yield q + "q_norm.weight", m.q_norm
+            yield q + "k_norm.weight", m.k_norm
+
+
+@torch.no_grad()
+def peer_decode(cfg: ModelConfig, w: ModelWeights, prompt: int, new: int) -> dict:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    hf_cfg = Qwen3_5TextConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        layer_types=list(cfg.layer_types),
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        linear_num_key_heads=cfg.linear_num_key_heads,
+        linear_num_value_heads=cfg.linear_num_value_heads,
+        linear_key_head_dim=cfg.linear_key_head_dim,
+        linear_value_head_dim=cfg.linear_value_head_dim,
+        linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        },
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # build in BF16 directly (fp32 first would double the memory)
+    try:
+        with torch.device("cuda"):
+            hf = Qwen3_5ForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    sd = hf.state_dict()
+    seen = set()
+    for name, t in hf_tensors(w):
+        sd[name].copy_(t)
+        seen.add(name)
+    if missing := set(sd) - seen:
+        raise RuntimeError(f"peer weights not set: {sorted(missing)[:5]}")
+    hf.generation_config.eos_token_id = None
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt), device="cuda")
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)  # warm up
+    t1, tn = run(1), run(1 + new)
+    gib = sum(p.numel() * p.element_size() for p in hf.parameters()) / GB
+    return {"ms_per_token": (tn - t1) * 1e3 / new, "prefill_s": t1, "weights_gb": gib}
+
+
+def truncated(cfg: ModelConfig, gw: GPUWeights, n: int) -> tuple[ModelConfig, GPUWeights]:
+    return replace(cfg, layer_types=cfg.layer_types[:n]), replace(gw, layers=gw.layers[:n])
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=64, help="model depth (64 = the real 27B)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per timing trial")
+    ap.add_argument("--peer-layers", type=int, default=64, help="0: no peer; else its depth (BF16)")
+    ap.add_argument("--peer-tokens", type=int, default=16)
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args()
+
+    cfg = config_27b(num_layers=args.layers)
+    dev = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0)
+    gw = pack_weights(cfg, w, "cuda")
+    torch.cuda.synchronize()
+    t_pack = time.perf_counter() - t0
+    max_len = max(args.contexts + args.prefill) + 4 * args.steps + 64
+    runner = GPURunner(cfg, gw, max_len)
+    runner.capture()
+    print(f"{dev}: copy {bw / GB:.0f} GB/s; weights made + packed in {t_pack:.1f} s; max_len {max_len}")
+
+    decode = []
+    for L in args.contexts:
+        gpu_ms, e2e_ms = time_decode(runner, L, args.steps)
+        floor_ms = step_bytes(cfg, gw, L) / bw * 1e3
+        decode.append({"context": L, "ms": gpu_ms, "e2e_ms": e2e_ms, "floor_ms": floor_ms})
+        x = gpu_ms / floor_ms
+        print(f"decode @ {L}: {gpu_ms:.3f} ms (floor {floor_ms:.3f}, x{x:.2f}), e2e {e2e_ms:.3f}")
+
+    time_prefill(runner, 2048, cfg.vocab_size)  # warm-up: cuBLAS, SDPA, kernels
+    prefill = []
+    for n in args.prefill:
+        s, peak = time_prefill(runner, n, cfg.vocab_size)
+        prefill.append({"tokens": n, "s": s, "tok_s": n / s, "peak_gb": peak / GB})
+        print(f"prefill {n}: {s:.2f} s, {n / s:.0f} tokens/s, peak {peak / GB:.1f} GB")
+    peak_all = torch.cuda.max_memory_allocated()
+    plan = memory_plan(cfg, max_len)
+
+    prof = None if args.no_profile else profile_step(runner, args.contexts[0])
+    peer = None
+    if args.peer_layers:
+        n = min(args.peer_layers, cfg.num_layers)
+        ours_ms = decode[0]["e2e_ms"]
+        if n != cfg.num_layers:
+            c2, g2 = truncated(cfg, gw, n)
+            r2 = GPURunner(c2, g2, args.contexts[0] + 4 * args.steps + 64)
+            r2.capture()
+            ours_ms = time_decode(r2, args.contexts[0], args.steps)[1]
+            del r2
+        del runner, gw
+        torch.cuda.empty_cache()
+        wp = replace(w, layers=w.layers[:n])
+        p = peer_decode(replace(cfg, layer_types=cfg.layer_types[:n]), wp, args.contexts[0], args.peer_tokens)
+        torch.cuda.empty_cache()
+        peer = {"layers": n, **p, "ours_ms_per_token": ours_ms, "speedup": p["ms_per_token"] / ours_ms}
+
+    # ---- the table ----
+    print(f"\n## bench_decode: {dev}, 27B config ({cfg.num_layers} layers), random NVFP4 weights")
+    wgb = linear_weight_bytes(cfg) / GB
+    print(f"copy bandwidth {bw / GB:.0f} GB/s (read + write); linear weights {wgb:.2f} GB\n")
+    print("| context | step ms (graph) | floor ms | x floor | e2e ms | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for d in decode:
+        x = d["ms"] / d["floor_ms"]
+        print(
+            f"| {d['context']} | {d['ms']:.3f} | {d['floor_ms']:.3f} | {x:.2f} | {d['e2e_ms']:.3f} | "
+            f"{1e3 / d['e2e_ms']:.1f} |"
+        )
+    for p in prefill:
+        tail = f"{p['tok_s']:.0f} (peak {p['peak_gb']:.1f} GB)"
+        print(f"| prefill {p['tokens']} | {p['s']:.2f} s | | | | {tail} |")
+    print(
+        f"\npeak GPU memory {peak_all / GB:.1f} GB (plan for max_len {max_len}: "
+        f"{sum(plan.values()) / GB:.1f} GB: " + ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.items()) + ")"
+    )
+    if peer:
+        print(
+            f"peer: transformers Qwen3_5ForCausalLM.generate, BF16, {peer['layers']} layers "
+            f"({peer['weights_gb']:.1f} GB), 1k context: {peer['ms_per_token']:.1f} ms/token vs lumo "
+            f"{peer['ours_ms_per_token']:.2f} ms/token: lumo x{peer['speedup']:.1f}"
+        )
+    if prof:
+        step = decode[0]["ms"] * 1e3
+        print(
+            f"profile ({prof['mode']}, context {args.contexts[0]}): "
+            f"{prof['launches_per_step']:.0f} launches/step, "
+            f"kernels busy {prof['busy_us_per_step']:.0f} us of {step:.0f} us "
+            f"(idle {max(step - prof['busy_us_per_step'], 0):.0f} us)"
+        )
+        print("| kernel | calls/step | us/step | % of step |")
+        print("|---|---|---|---|")
+        for k in prof["kernels"][:15]:
+            print(f"| {k['name'][:60]} | {k['calls']:.0f} | {k['us']:.1f} | {100 * k['us'] / step:.1f} |")
+
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_decode.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "device": dev,
+        "copy_bandwidth_gbs": bw / GB,
+        "layers": cfg.num_layers,
+        "decode": decode,
+        "prefill": prefill,
+        "peak_gb": peak_all / GB,
+        "memory_plan_gb": {k: v / GB for k, v in plan.items()},
+        "peer": peer,
+        "profile": prof,
+    }
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""ModelWeights packed once for the GPU kernels (lumo.kernels), plus random 27B-shaped weights for benchmarks.
+
+Linears that read the same input are fused into one launch: a GDN layer's [q | k | v | z] (in_proj_qkv +
+in_proj_z) and [b | a], an attention layer's [q | k | v], an MLP's [gate | up]. NVFP4 shards go through
+`pack_fused` (each keeps its weight_scale_2), dense shards are concatenated as bf16, FP8 is dequantised to
+bf16 here. Shards of different kinds (a "mixed" checkpoint) become several parts of one `GPULinear`
+writing column ranges of the same output. Everything here is plain torch and also runs on the CPU
+(tests/test_gpu_weights.py checks the bookkeeping there); only the launches need CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..config import FULL, ModelConfig
+from ..kernels.linear import PackedNVFP4, _bf16_splits, bf16_linear, nvfp4_linear, pack_fused
+from ..kernels.rope_kv import rope_inv_freq
+from ..weights import (
+    AttnWeights,
+    DenseLinear,
+    FP8Linear,
+    GDNWeights,
+    LayerWeights,
+    Linear,
+    MLPWeights,
+    ModelWeights,
+    NVFP4Linear,
+)
+
+SMALL_M = 32  # rows served by the batch-invariant GEMV kernels (lumo.kernels.linear.SMALL_M)
+
+
+@dataclass
+class LinearPart:
+    """One launch: a packed NVFP4 weight or a dense bf16 weight, N output columns."""
+
+    packed: PackedNVFP4 | None = None
+    weight: torch.Tensor | None = None  # [N, K] bf16, dense parts only
+    workspace: torch.Tensor | None = None  # [splits, 32, N] f32 split-K partials of a dense part
+
+    @property
+    def n(self) -> int:
+        return self.packed.n if self.packed is not None else self.weight.shape[0]
+
+    def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return nvfp4_linear(x, self.packed, out=out)
+        return bf16_linear(x, self.weight, out=out, workspace=self.workspace)
+
+    def nbytes(self) -> int:
+        if self.packed is not None:
+            p = self.packed
+            return sum(t.numel() * t.element_size() for t in (p.qw, p.qs, p.gs))
+        return self.weight.numel() * self.weight.element_size()
+
+
+@dataclass
+class GPULinear:
+    """x [M, K] bf16 -> [M, N] bf16 for the concatenation of `shard_sizes` linears (in order)."""
+
+    parts: list[LinearPart]
+    shard_sizes: tuple[int, ...]  # N of each original linear
+    k: int  # input features K
+
+    @property
+    def n(self) -> int:
+        return sum(self.shard_sizes)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if len(self.parts) == 1:
+            return self.parts[0].run(x, out)
+        if out is None:
+            out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16, device=x.device)
+        col = 0
+        for p in self.parts:
+            dst = out[:, col : col + p.n]
+            # One row (decode) is a contiguous slice: written in place. Several rows (prefill) are not.
+            if dst.is_contiguous() and dst.data_ptr() % 16 == 0:
+                p.run(x, dst)
+            else:
+                dst.copy_(p.run(x, None))
+            col += p.n
+        return out
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of an output [M, N] per original linear."""
+        return tuple(y.split(self.shard_sizes, dim=-1))
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+
+@dataclass
+class GPUGDN:
+    qkvz: GPULinear  # [C + nv*dv, H]: [q | k | v] pre-conv, then z
+    ba: GPULinear  # [2*nv, H]: [b | a] (raw; beta and g are computed in the GDN kernel)
+    conv1d: torch.Tensor  # [C, K] bf16
+    A_log: torch.Tensor  # [nv] f32 (exact copy of the checkpoint's values)
+    dt_bias: torch.Tensor  # [nv] f32
+    norm: torch.Tensor  # [dv] bf16, plain-weight gated rmsnorm
+    out_proj: GPULinear  # [H, nv*dv]
+
+
+@dataclass
+class GPUAttn:
+    qkv: GPULinear  # [nh*2d + 2*nkv*d, H]: [q+gate per head | k | v]
+    o_proj: GPULinear  # [H, nh*d]
+    q_norm: torch.Tensor  # [d] bf16, 1+w
+    k_norm: torch.Tensor  # [d] bf16, 1+w
+
+
+@dataclass
+class GPULayer:
+    input_layernorm: torch.Tensor  # [H] bf16, 1+w
+    post_attention_layernorm: torch.Tensor  # [H] bf16, 1+w
+    mixer: GPUGDN | GPUAttn
+    gate_up: GPULinear  # [2I, H]: [gate | up]
+    down: GPULinear  # [H, I]
+
+
+@dataclass
+class GPUWeights:
+    embed: torch.Tensor  # [V, H] bf16
+    layers: list[GPULayer]
+    norm: torch.Tensor  # [H] bf16, 1+w
+    lm_head: GPULinear  # [V, H]
+    inv_freq: torch.Tensor  # [rotary/2] f32, lumo.model's RoPE table (rope_inv_freq)
+
+    def nbytes(self) -> int:
+        """Bytes of every linear weight (what one decode step reads), lm_head included, embedding not."""
+        lins = [self.lm_head]
+        for lw in self.layers:
+            m = lw.mixer
+            lins += [lw.gate_up, lw.down]
+            lins += [m.qkvz, m.ba, m.out_proj] if isinstance(m, GPUGDN) else [m.qkv, m.o_proj]
+        return sum(lin.nbytes() for lin in lins)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing.
+
+
+def _kind(lin: Linear) -> str:
+    return "nvfp4" if isinstance(lin, NVFP4Linear) else "dense"
+
+
+def _dense_bf16(lin: Linear, device: torch.device) -> torch.Tensor:
+    if isinstance(lin, FP8Linear):  # FP8 -> bf16 once at load (W = float(weight) * scale, rounded once)
+        return lin.dequantize(torch.float32).to(device=device, dtype=torch.bfloat16)
+    if isinstance(lin, DenseLinear):
+        return lin.weight.to(device=device, dtype=torch.bfloat16)
+    raise TypeError(f"not a dense linear: {type(lin).__name__}")
+
+
+def _dense_part(weight: torch.Tensor) -> LinearPart:
+    n, k = weight.shape
+    if k % 16:
+        raise ValueError(f"dense linear with K={k}: the bf16 kernel needs K % 16 == 0")
+    weight = _aligned(weight)
+    splits = _bf16_splits(n, k)
+    ws = torch.empty(splits, SMALL_M, n, device=weight.device) if splits > 1 else None
+    return LinearPart(weight=weight, workspace=ws)
+
+
+def pack_linear(lins: list[Linear], device: torch.device | str) -> GPULinear:
+    """Fuse linears sharing their input into one GPULinear; consecutive shards of one kind share a part."""
+    device = torch.device(device)
+    k = lins[0].shape[1]
+    if any(lin.shape[1] != k for lin in lins):
+        raise ValueError(f"fused linears must share K, got {[lin.shape for lin in lins]}")
+    groups: list[list[Linear]] = []
+    for lin in lins:
+        if groups and _kind(groups[-1][0]) == _kind(lin):
+            groups[-1].append(lin)
+        else:
+            groups.append([lin])
+    parts = []
+    for g in groups:
+        if _kind(g[0]) == "nvfp4":
+            shards = [
+                (lin.weight.to(device), lin.weight_scale.to(device), lin.weight_scale_2.to(device))
+                for lin in g
+            ]
+            parts.append(LinearPart(packed=pack_fused(shards)))
+        else:
+            parts.append(_dense_part(torch.cat([_dense_bf16(lin, device) for lin in g])))
+    return GPULinear(parts, tuple(lin.shape[0] for lin in lins), k)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (the kernels' vector loads); a tensor read straight from a
+    safetensors file on the CPU may sit at any offset."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _vec(t: torch.Tensor, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return _aligned(t.to(device=device, dtype=dtype))
+
+
+def pack_layer(cfg: ModelConfig, lw: LayerWeights, device: torch.device | str) -> GPULayer:
+    device = torch.device(device)
+    m = lw.mixer
+    if isinstance(m, GDNWeights):
+        mixer: GPUGDN | GPUAttn = GPUGDN(
+            qkvz=pack_linear([m.in_proj_qkv, m.in_proj_z], device),
+            ba=pack_linear([m.in_proj_b, m.in_proj_a], device),
+            conv1d=_vec(m.conv1d, device),
+            A_log=_vec(m.A_log, device, torch.float32),
+            dt_bias=_vec(m.dt_bias, device, torch.float32),
+            norm=_vec(m.norm, device),
+            out_proj=pack_linear([m.out_proj], device),
+        )
+    elif isinstance(m, AttnWeights):
+        mixer = GPUAttn(
+            qkv=pack_linear([m.q_proj, m.k_proj, m.v_proj], device),
+            o_proj=pack_linear([m.o_proj], device),
+            q_norm=_vec(m.q_norm, device),
+            k_norm=_vec(m.k_norm, device),
+        )
+    else:
+        raise TypeError(f"unknown mixer {type(m).__name__}")
+    return GPULayer(
+        input_layernorm=_vec(lw.input_layernorm, device),
+        post_attention_layernorm=_vec(lw.post_attention_layernorm, device),
+        mixer=mixer,
+        gate_up=pack_linear([lw.mlp.gate_proj, lw.mlp.up_proj], device),
+        down=pack_linear([lw.mlp.down_proj], device),
+    )
+
+
+def pack_weights(cfg: ModelConfig, w: ModelWeights, device: torch.device | str = "cuda") -> GPUWeights:
+    """Pack for the kernels (the MTP head is not packed: plain decoding). Weights may live on any device;
+    each linear is moved to `device` as it is packed, so GPU memory holds only the packed copy when the
+    source weights are on the CPU."""
+    device = torch.device(device)
+    kinds = [FULL if isinstance(lw.mixer, AttnWeights) else "linear_attention" for lw in w.layers]
+    if tuple(kinds) != cfg.layer_types:
+        raise ValueError("the weights' layer kinds do not match cfg.layer_types")
+    return GPUWeights(
+        embed=_vec(w.embed_tokens, device),
+        layers=[pack_layer(cfg, lw, device) for lw in w.layers],
+        norm=_vec(w.norm, device),
+        lm_head=pack_linear([w.lm_head], device),
+        inv_freq=rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights (benchmarks and shape smoke tests: no files). Magnitudes keep a deep stack finite in
+# bf16: every linear maps a unit-RMS input to an output of RMS ~`gain`.
+
+
+def config_27b(num_layers: int = 64, vocab_size: int = 248320) -> ModelConfig:
+    """The Qwen3.8-27B text config (MODEL.md), optionally with fewer layers (pattern kept: GDN x3, full)."""
+    return ModelConfig.from_hf(
+        {
+            "model_type": "qwen3_5_text",
+            "vocab_size": vocab_size,
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": num_layers,
+            "full_attention_interval": 4,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 48,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_theta": 1e7, "partial_rotary_factor": 0.25},
+            "max_position_embeddings": 262144,
+            "mtp_num_hidden_layers": 0,
+        }
+    )
+
+
+E2M1_RMS = math.sqrt(sum(v * v for v in (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)) / 8)  # uniform codes
+
+
+def _random_nvfp4(n: int, k: int, gen: torch.Generator, device: torch.device, gain: float) -> NVFP4Linear:
+    codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    scale = (0.75 + 0.5 * torch.rand(n, k // 16, device=device, generator=gen)).to(torch.float8_e4m3fn)
+    s2 = torch.tensor(gain / (E2M1_RMS * math.sqrt(k)), device=device)
+    return NVFP4Linear(codes, scale, s2)
+
+
+def random_model_weights(
+    cfg: ModelConfig, device: torch.device | str = "cuda", nvfp4: bool = True, seed: int = 0
+) -> ModelWeights:
+    """ModelWeights with random values at cfg's shapes: NVFP4 linears (in_proj_b/a dense bf16, as
+    ModelOpt checkpoints leave them) or all dense bf16. Generated on `device`."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bf = torch.bfloat16
+
+    def randn(*shape: int, std: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, generator=gen) * std).to(bf)
+
+    def lin(n: int, k: int, gain: float = 0.5, dense: bool = False) -> Linear:
+        if nvfp4 and not dense:
+            return _random_nvfp4(n, k, gen, device, gain)
+        return DenseLinear(randn(n, k, std=gain / math.sqrt(k)))
+
+    def norm(n: int) -> torch.Tensor:  # 1+w weights near 1
+        return randn(n, std=0.1)
+
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nv, dv, C, K = (
+        cfg.linear_num_value_heads,
+        cfg.linear_value_head_dim,
+        cfg.conv_dim,
+        cfg.linear_conv_kernel_dim,
+    )
+    layers = []
+    for kind in cfg.layer_types:
+        if kind == FULL:
+            mixer: GDNWeights | AttnWeights = AttnWeights(
+                q_proj=lin(nh * 2 * d, H),
+                k_proj=lin(nkv * d, H),
+                v_proj=lin(nkv * d, H),
+                o_proj=lin(H, nh * d),
+                q_norm=norm(d),
+                k_norm=norm(d),
+            )
+        else:
+            A = 1.0 + 15.0 * torch.rand(nv, device=device, generator=gen)  # HF init: A ~ U(1, 16)
+            mixer = GDNWeights(
+                in_proj_qkv=lin(C, H),
+                in_proj_z=lin(nv * dv, H),
+                in_proj_b=lin(nv, H, gain=1.0, dense=True),
+                in_proj_a=lin(nv, H, gain=1.0, dense=True),
+                conv1d=randn(C, K, std=0.5),
+                dt_bias=torch.ones(nv, device=device, dtype=bf),
+                A_log=torch.log(A).to(bf),
+                norm=(1.0 + randn(dv, std=0.1).float()).to(bf),
+                out_proj=lin(H, nv * dv),
+            )
+        mlp = MLPWeights(lin(I, H, gain=1.0), lin(I, H, gain=1.0), lin(H, I))
+        layers.append(LayerWeights(norm(H), norm(H), mixer, mlp))
+    return ModelWeights(
+        embed_tokens=randn(V, H), layers=layers, norm=norm(H), lm_head=lin(V, H, gain=2.0), mtp=None
+    )

@@ -1,0 +1,400 @@
+"""GPURunner: the model on the GPU for one sequence slot, with its caches, chunked prefill and a decode step
+that replays as one CUDA graph.
+
+Every per-step value lives in a device buffer (the input token, its position, the sampling parameters and
+the sampling position), and the step itself advances them, so replaying the graph N times decodes N tokens
+with nothing but one 4-byte device-to-host read per token. The eager step (`use_graph=False`, or before
+`capture()`) launches exactly the same kernels, so graph replay equals eager bitwise.
+
+Device state after `prefill(ids)` of n tokens (and after every step, with n = length):
+  caches hold positions [0, n); tok = the sampled, not yet forwarded token (position n);
+  pos = n (tok's position = its KV slot = attn_decode's committed length); sample_pos = n + 1.
+`decode_step()` forwards tok, writes its K/V at slot n, updates the GDN / conv states, samples the next
+token at absolute position n + 1 (exactly decode.PlainDecoder's positions) into tok, then pos += 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..config import FULL, ModelConfig
+from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
+from ..kernels.conv import conv_gather, conv_pred_chain, conv_prefill, conv_state_commit
+from ..kernels.gdn import gdn_decode, gdn_prefill
+from ..kernels.norms import gated_rmsnorm, rmsnorm1p
+from ..kernels.rope_kv import qk_norm_rope_kv
+from ..kernels.sampling import sample_tokens, sample_workspace
+from ..weights import ModelWeights
+from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights
+from .sampling import SamplingParams
+
+PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
+
+
+class GPURunner:
+    """One sequence on the GPU: packed weights, caches of capacity max_len, static decode buffers."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights | GPUWeights,
+        max_len: int,
+        prefill_chunk: int = PREFILL_CHUNK,
+        device: torch.device | str = "cuda",
+    ):
+        if max_len < 1 or prefill_chunk < 1:
+            raise ValueError("max_len and prefill_chunk must be positive")
+        self.cfg, self.max_len, self.prefill_chunk = cfg, max_len, prefill_chunk
+        self.device = dev = torch.device(device)
+        self.w = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, dev)
+        bf, i32, i64, f32 = torch.bfloat16, torch.int32, torch.int64, torch.float32
+        H, V, I = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size  # noqa: E741
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        C, K = cfg.conv_dim, cfg.linear_conv_kernel_dim
+        n_full = len(cfg.full_attention_layers)
+        n_gdn = cfg.num_layers - n_full
+
+        # ---- caches of the sequence slot ----
+        self.kv_k = [torch.zeros(max_len, nkv, d, dtype=bf, device=dev) for _ in range(n_full)]
+        self.kv_v = [torch.zeros(max_len, nkv, d, dtype=bf, device=dev) for _ in range(n_full)]
+        self.gdn_state = [torch.zeros(nv, dk, dv, dtype=f32, device=dev) for _ in range(n_gdn)]
+        self.conv_state = [torch.zeros(C, K - 1, dtype=bf, device=dev) for _ in range(n_gdn)]
+        self.length = 0  # host mirror of pos: committed tokens (checked against max_len without a sync)
+
+        # ---- per-step values (device): what the captured graph reads and advances ----
+        self.tok = torch.zeros(1, dtype=i32, device=dev)  # [1] input token of the next step
+        self.pos = torch.zeros(1, dtype=i32, device=dev)  # [1] its position = KV slot = attention length
+        self.sample_pos = torch.ones(1, dtype=i64, device=dev)  # [1] absolute position being sampled
+        self.temperature = torch.zeros(1, dtype=f32, device=dev)  # [1] <= 0: greedy
+        self.top_k = torch.zeros(1, dtype=i32, device=dev)  # [1] 0: off
+        self.top_p = torch.ones(1, dtype=f32, device=dev)  # [1] 1: off
+        self.seed = torch.zeros(1, dtype=i64, device=dev)  # [1]
+        self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
+        self.pred = conv_pred_chain(1, K).to(dev)  # [1, K-1] conv window: the state columns
+        self.commit_rows = torch.zeros(1, dtype=i32, device=dev)  # [1] append row 0 to the conv state
+
+        # ---- static activations of one decode row ----
+        self.h = torch.zeros(1, H, dtype=bf, device=dev)  # residual stream
+        self.x = torch.zeros(1, H, dtype=bf, device=dev)  # normed input of a block
+        self.delta = torch.zeros(1, H, dtype=bf, device=dev)  # block output, added by the next norm
+        self.hidden = torch.zeros(1, H, dtype=bf, device=dev)  # final-norm output
+        self.gdn_proj = torch.zeros(1, C + nv * dv, dtype=bf, device=dev)  # [q | k | v | z]
+        self.gdn_ba = torch.zeros(1, 2 * nv, dtype=bf, device=dev)  # [b | a]
+        self.conv_out = torch.zeros(1, C, dtype=bf, device=dev)
+        self.gdn_o = torch.zeros(1, nv, dv, dtype=bf, device=dev)
+        self.gdn_y = torch.zeros(1, nv * dv, dtype=bf, device=dev)
+        self.attn_proj = torch.zeros(1, nh * 2 * d + 2 * nkv * d, dtype=bf, device=dev)
+        self.q = torch.zeros(1, nh, d, dtype=bf, device=dev)
+        self.gate = torch.zeros(1, nh, d, dtype=bf, device=dev)
+        self.attn_out = torch.zeros(1, nh, d, dtype=bf, device=dev)
+        self.gate_up = torch.zeros(1, 2 * I, dtype=bf, device=dev)
+        self.act = torch.zeros(1, I, dtype=bf, device=dev)
+        self.logits_bf16 = torch.zeros(1, V, dtype=bf, device=dev)
+        self.logits = torch.zeros(1, V, dtype=f32, device=dev)  # [1, V] f32 of the latest step
+        self.attn_ws = attn_decode_workspace(1, nh, d, max_len, dev)
+        self.sample_ws = sample_workspace(1, V, dev)
+        # Views into the static buffers, made once (the step only launches).
+        self._qg, self._k, self._v = self._attn_views(self.attn_proj, 1)
+        self._mixed, self._z = self.gdn_proj[:, :C], self.gdn_proj[:, C:].view(1, nv, dv)
+        self._b, self._a = self.gdn_ba[:, :nv], self.gdn_ba[:, nv:]
+        self._g, self._u = self.gate_up[:, :I], self.gate_up[:, I:]
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Host-side control (setup, not per step).
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Empty the slot: zero GDN and conv states, length 0. K/V need no clearing (read only below len)."""
+        for s in self.gdn_state + self.conv_state:
+            s.zero_()
+        self.length = 0
+        self.pos.zero_()
+        self.sample_pos.fill_(1)
+
+    @torch.inference_mode()
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.temperature.fill_(params.temperature)
+        self.top_k.fill_(params.top_k)
+        self.top_p.fill_(params.top_p)
+        self.seed.fill_(params.seed)
+
+    @torch.inference_mode()
+    def seek(self, length: int, token: int = 0) -> None:
+        """Point the next decode step at position `length` with input `token`, keeping whatever the caches
+        hold (benchmarks time steps at a given context this way; tests feed chosen tokens)."""
+        if not 0 <= length < self.max_len:
+            raise ValueError(f"length {length} outside [0, {self.max_len})")
+        self.length = length
+        self.pos.fill_(length)
+        self.sample_pos.fill_(length + 1)
+        self.tok.fill_(token)
+
+    def token(self) -> int:
+        """The latest sampled token (the one host sync per step)."""
+        return int(self.tok.item())
+
+    # ------------------------------------------------------------------------------------------
+    # Prefill.
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int] | torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Append the prompt at positions length.., in chunks of `chunk` tokens (default prefill_chunk), then
+        sample the first token at position length (into tok). Returns the last row's logits [V] f32."""
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(self.device)
+        n, chunk = ids.numel(), chunk or self.prefill_chunk
+        if n == 0:
+            raise ValueError("prefill needs at least one token")
+        if self.length + n > self.max_len:
+            raise ValueError(f"prompt of {n} tokens after {self.length} exceeds max_len {self.max_len}")
+        for s in range(0, n, chunk):
+            self._prefill_chunk(ids[s : s + chunk], self.length)
+            self.length += min(chunk, n - s)
+        self.pos.fill_(self.length)
+        self.sample_pos.fill_(self.length)
+        self._sample()
+        self.sample_pos.fill_(self.length + 1)
+        return self.logits[0]
+
+    def _prefill_chunk(self, ids: torch.Tensor, start: int) -> None:
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        T = ids.numel()
+        h = w.embed.index_select(0, ids)  # [T, H] bf16 residual stream
+        x = torch.empty_like(h)
+        positions = torch.arange(start, start + T, dtype=torch.int32, device=self.device)  # [T]
+        delta = None
+        i_full = i_gdn = 0
+        for kind, lw in zip(cfg.layer_types, w.layers, strict=True):
+            rmsnorm1p(h, lw.input_layernorm, eps, delta=delta, out=x)
+            if kind == FULL:
+                delta = self._attn_prefill(lw.mixer, x, positions, start, i_full)
+                i_full += 1
+            else:
+                delta = self._gdn_prefill(lw.mixer, x, i_gdn)
+                i_gdn += 1
+            rmsnorm1p(h, lw.post_attention_layernorm, eps, delta=delta, out=x)
+            delta = self._mlp(lw, x)
+        # Only the last row's logits are needed (the first token); no MTP here.
+        rmsnorm1p(h[-1:], w.norm, eps, delta=delta[-1:], out=self.hidden)
+        self._logits()
+
+    def _attn_prefill(
+        self, a: GPUAttn, x: torch.Tensor, positions: torch.Tensor, start: int, i: int
+    ) -> torch.Tensor:
+        T, d = x.shape[0], self.cfg.head_dim
+        qg, k, v = self._attn_views(a.qkv(x), T)
+        q = qk_norm_rope_kv(
+            qg,
+            k,
+            v,
+            a.q_norm,
+            a.k_norm,
+            positions,
+            positions,
+            self.kv_k[i],
+            self.kv_v[i],
+            self.w.inv_freq,
+            self.cfg.rms_norm_eps,
+        )
+        o = attn_prefill(q, self.kv_k[i], self.kv_v[i], start, gate=qg[:, :, d:])  # [T, nh, d]
+        return a.o_proj(o.view(T, -1))
+
+    def _gdn_prefill(self, g: GPUGDN, x: torch.Tensor, i: int) -> torch.Tensor:
+        cfg = self.cfg
+        T, C, nv, dv = x.shape[0], cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        proj, ba = g.qkvz(x), g.ba(x)  # [T, C + nv*dv], [T, 2nv]
+        mixed = conv_prefill(proj[:, :C], g.conv1d, self.conv_state[i])  # [T, C], state updated
+        o = gdn_prefill(mixed, ba[:, nv:], ba[:, :nv], g.A_log, g.dt_bias, self.gdn_state[i])  # [T, nv, dv]
+        y = gated_rmsnorm(o, proj[:, C:].view(T, nv, dv), g.norm, cfg.rms_norm_eps)  # [T, nv*dv]
+        return g.out_proj(y)
+
+    def _mlp(self, lw: GPULayer, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        I = self.cfg.intermediate_size  # noqa: E741
+        if out is None:  # prefill rows
+            gu = lw.gate_up(x)  # [T, 2I]
+            g, u = gu[:, :I], gu[:, I:]
+            act = torch.empty_like(u, memory_format=torch.contiguous_format)
+        else:  # the decode row: static buffers
+            lw.gate_up(x, out=self.gate_up)
+            g, u, act = self._g, self._u, self.act
+        # silu rounded to bf16, then the product rounded: lumo.model.mlp's two roundings
+        F.silu(g, inplace=True)
+        torch.mul(g, u, out=act)
+        return lw.down(act, out=out)
+
+    def _attn_views(self, proj: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nh, nkv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        qg, k, v = proj.split([nh * 2 * d, nkv * d, nkv * d], dim=-1)
+        return qg.view(T, nh, 2 * d), k.view(T, nkv, d), v.view(T, nkv, d)
+
+    def _logits(self) -> None:
+        self.w.lm_head(self.hidden, out=self.logits_bf16)
+        self.logits.copy_(self.logits_bf16)  # lumo.model: bf16 logits, then f32
+
+    def _sample(self) -> None:
+        sample_tokens(
+            self.logits,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+            self.sample_pos,
+            out=self.tok,
+            workspace=self.sample_ws,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Decode: one token through every layer, launches only (no allocation, no sync).
+
+    def _step(self) -> None:
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        torch.index_select(w.embed, 0, self.tok, out=self.h)
+        delta = None
+        i_full = i_gdn = 0
+        for kind, lw in zip(cfg.layer_types, w.layers, strict=True):
+            rmsnorm1p(self.h, lw.input_layernorm, eps, delta=delta, out=self.x)
+            if kind == FULL:
+                self._attn_decode(lw.mixer, i_full)
+                i_full += 1
+            else:
+                self._gdn_decode(lw.mixer, i_gdn)
+                i_gdn += 1
+            rmsnorm1p(self.h, lw.post_attention_layernorm, eps, delta=self.delta, out=self.x)
+            self._mlp(lw, self.x, out=self.delta)
+            delta = self.delta
+        rmsnorm1p(self.h, w.norm, eps, delta=delta, out=self.hidden)
+        self._logits()
+        self._sample()
+        self.pos.add_(1)
+        self.sample_pos.add_(1)
+
+    def _attn_decode(self, a: GPUAttn, i: int) -> None:
+        d = self.cfg.head_dim
+        a.qkv(self.x, out=self.attn_proj)
+        kc, vc = self.kv_k[i], self.kv_v[i]
+        qk_norm_rope_kv(
+            self._qg,
+            self._k,
+            self._v,
+            a.q_norm,
+            a.k_norm,
+            self.pos,
+            self.pos,
+            kc,
+            vc,
+            self.w.inv_freq,
+            self.cfg.rms_norm_eps,
+            q_out=self.q,
+        )
+        self.gate.copy_(self._qg[:, :, d:])  # attn_decode wants a contiguous gate
+        attn_decode(
+            self.q, kc, vc, self.pos, self.mask, gate=self.gate, out=self.attn_out, workspace=self.attn_ws
+        )
+        a.o_proj(self.attn_out.view(1, -1), out=self.delta)
+
+    def _gdn_decode(self, g: GPUGDN, i: int) -> None:
+        cs, ss = self.conv_state[i], self.gdn_state[i]
+        g.qkvz(self.x, out=self.gdn_proj)
+        g.ba(self.x, out=self.gdn_ba)
+        conv_gather(self._mixed, g.conv1d, cs, self.pred, out=self.conv_out)  # reads the state only
+        conv_state_commit(cs, self._mixed, self.commit_rows)  # then appends this token's input
+        gdn_decode(self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o)
+        gated_rmsnorm(self.gdn_o, self._z, g.norm, self.cfg.rms_norm_eps, out=self.gdn_y)
+        g.out_proj(self.gdn_y, out=self.delta)
+
+    @torch.inference_mode()
+    def decode_step(self, use_graph: bool = True) -> None:
+        """Forward tok, sample the next one into tok. Replays the captured graph when there is one."""
+        if self.length >= self.max_len:
+            raise ValueError(f"the cache is full ({self.max_len} positions)")
+        if use_graph and self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        self.length += 1
+
+    def _state(self) -> list[torch.Tensor]:
+        return [*self.gdn_state, *self.conv_state, self.tok, self.pos, self.sample_pos]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture `_step` as a CUDA graph. The warm-up steps (side stream, as torch requires; they also
+        compile the kernels) advance the state, so it is saved first and restored after; K/V written at
+        slots >= length are never read before being rewritten."""
+        if self.length + 2 > self.max_len:
+            raise ValueError("capture() needs two free cache positions for its warm-up steps")
+        saved = [t.clone() for t in self._state()]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for t, s in zip(self._state(), saved, strict=True):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records only: the state is not advanced
+            self._step()
+        self.graph = graph
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory plan (docs/runner.md): bytes by component for a config, a context and a prefill chunk.
+
+
+def linear_weight_bytes(cfg: ModelConfig, nvfp4: bool = True, dense_ba: bool = True) -> int:
+    """Bytes of every linear weight incl. lm_head: NVFP4 = 0.5 B/weight + one 2-byte pair of scales per 32
+    weights (the packed layout; rows padded to 64, K to 64) + 4 B/row; dense = 2 B/weight."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nv, dv, C = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+
+    def fp4(n: int, k: int) -> int:
+        if not nvfp4:
+            return 2 * n * k
+        n_pad, k_pad = -(-n // 64) * 64, -(-k // 64) * 64
+        return n_pad * k_pad // 2 + n_pad * k_pad // 16 + 4 * n_pad
+
+    total = fp4(V, H)
+    for kind in cfg.layer_types:
+        total += fp4(2 * I, H) + fp4(H, I)
+        if kind == FULL:
+            total += fp4(nh * 2 * d + 2 * nkv * d, H) + fp4(H, nh * d)
+        else:
+            total += fp4(C + nv * dv, H) + fp4(H, nv * dv)
+            total += 2 * 2 * nv * H if dense_ba else fp4(2 * nv, H)
+    return total
+
+
+def memory_plan(cfg: ModelConfig, max_len: int, chunk: int = PREFILL_CHUNK, nvfp4: bool = True) -> dict:
+    """Bytes of each part of a runner: weights, caches, decode buffers, and the per-chunk prefill peak."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nv, dk, dv, C, K = (
+        cfg.linear_num_value_heads,
+        cfg.linear_key_head_dim,
+        cfg.linear_value_head_dim,
+        cfg.conv_dim,
+        cfg.linear_conv_kernel_dim,
+    )
+    n_full = len(cfg.full_attention_layers)
+    n_gdn = cfg.num_layers - n_full
+    T = chunk
+    # Prefill activations alive at once inside the widest block (the MLP): h, x, delta, gate_up, act,
+    # plus the GDN block's proj/conv/o/y or the attention block's proj/q/o (the larger), the NVFP4
+    # dequantised tile (lumo.kernels.linear.PREFILL_WORKSPACE) and the layer's output.
+    mlp = 2 * T * (3 * H + 2 * I + I)
+    gdn = 2 * T * (3 * H + (C + nv * dv) + 2 * nv + C + 2 * nv * dv)
+    attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
+    return {
+        "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
+        "kv_cache": n_full * max_len * nkv * d * 2 * 2,  # K and V, bf16
+        "gdn_state": n_gdn * nv * dk * dv * 4,
+        "conv_state": n_gdn * C * (K - 1) * 2,
+        "decode_buffers": 4 * nh * (-(-max_len // 256)) * (d + 2) + 6 * V + 4 * 2 * (2 * I + C + nv * dv),
+        "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
+    }

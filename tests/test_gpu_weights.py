@@ -1,0 +1,138 @@
+"""CPU: packing ModelWeights for the GPU kernels (fusion bookkeeping, exact packed values), the random
+27B-shaped weight generator, and the runner's memory plan against the reference model's own caches."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lumo import model as M
+from lumo.engine.gpu_decode import GPUBackend
+from lumo.engine.gpu_weights import (
+    GPUGDN,
+    GPUAttn,
+    config_27b,
+    pack_linear,
+    pack_weights,
+    random_model_weights,
+)
+from lumo.engine.llm import embedded_model_path
+from lumo.engine.runner import linear_weight_bytes, memory_plan
+from lumo.kernels.linear import unpack_nvfp4
+from lumo.quant import fp8_quantize, nvfp4_quantize
+from lumo.weights import DenseLinear, FP8Linear, NVFP4Linear, load_model
+
+
+def dequantized(gl) -> torch.Tensor:
+    """f32 [N, K] of a GPULinear, part by part, from the packed/dense tensors the kernels read."""
+    rows = []
+    for p in gl.parts:
+        rows.append(unpack_nvfp4(p.packed) if p.packed is not None else p.weight.float())
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module")
+def tiny_nvfp4():
+    path = embedded_model_path().parent / "lumo-tiny-nvfp4"
+    if not (path / "config.json").exists():
+        pytest.skip("lumo-tiny-nvfp4 is not in lumo/assets")
+    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    return cfg, w, pack_weights(cfg, w, "cpu")
+
+
+def test_fused_linears_hold_the_checkpoint_values(tiny_nvfp4):
+    cfg, w, gw = tiny_nvfp4
+    for lw, g in zip(w.layers, gw.layers, strict=True):
+        m, gm = lw.mixer, g.mixer
+        if isinstance(gm, GPUGDN):
+            pairs = [
+                (gm.qkvz, [m.in_proj_qkv, m.in_proj_z]),
+                (gm.ba, [m.in_proj_b, m.in_proj_a]),
+                (gm.out_proj, [m.out_proj]),
+            ]
+            assert torch.equal(gm.A_log, m.A_log.float()) and gm.conv1d.shape == m.conv1d.shape
+        else:
+            assert isinstance(gm, GPUAttn)
+            pairs = [(gm.qkv, [m.q_proj, m.k_proj, m.v_proj]), (gm.o_proj, [m.o_proj])]
+        pairs += [(g.gate_up, [lw.mlp.gate_proj, lw.mlp.up_proj]), (g.down, [lw.mlp.down_proj])]
+        for gl, lins in pairs:
+            assert gl.shard_sizes == tuple(lin.shape[0] for lin in lins)
+            assert gl.k == lins[0].shape[1] and gl.n == sum(gl.shard_sizes)
+            want = torch.cat([lin.dequantize(torch.float32) for lin in lins])
+            assert torch.equal(dequantized(gl), want)
+            # one launch per run of equal kinds: the embedded NVFP4 model fuses every group into one part
+            assert len(gl.parts) == 1
+    assert torch.equal(dequantized(gw.lm_head), w.lm_head.dequantize(torch.float32))
+
+
+def test_mixed_kinds_become_parts_in_order():
+    gen = torch.Generator().manual_seed(3)
+    K = 96
+
+    def fp4(n):
+        return NVFP4Linear(*nvfp4_quantize(torch.randn(n, K, generator=gen)))
+
+    dense = DenseLinear(torch.randn(10, K, generator=gen).to(torch.bfloat16))
+    fp8 = FP8Linear(*fp8_quantize(torch.randn(6, K, generator=gen)))
+    lins = [fp4(40), fp4(24), dense, fp8, fp4(8)]
+    gl = pack_linear(lins, "cpu")
+    assert [p.packed is not None for p in gl.parts] == [True, False, True]
+    assert [p.n for p in gl.parts] == [64, 16, 8] and gl.shard_sizes == (40, 24, 10, 6, 8)
+    # FP8 is dequantised to bf16 once (one rounding of float(w) * scale)
+    assert torch.equal(gl.parts[1].weight[10:], fp8.dequantize(torch.float32).to(torch.bfloat16))
+    want = torch.cat([lin.dequantize(torch.float32) for lin in lins])
+    got = dequantized(gl)
+    assert torch.equal(got[:64], want[:64]) and torch.equal(got[80:], want[80:])
+    assert torch.equal(got[64:74], want[64:74])  # bf16 dense: exact
+    y = torch.zeros(3, gl.n)
+    assert [t.shape[-1] for t in gl.split(y)] == [40, 24, 10, 6, 8]
+
+
+@pytest.mark.parametrize("nvfp4", [True, False], ids=["nvfp4", "bf16"])
+def test_random_weights_run_through_the_reference_and_byte_count(nvfp4):
+    cfg = config_27b(num_layers=4, vocab_size=200)
+    small = replace(
+        cfg,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    )
+    w = random_model_weights(small, "cpu", nvfp4=nvfp4, seed=1)
+    ids = torch.randint(0, small.vocab_size, (1, 13), generator=torch.Generator().manual_seed(0))
+    logits, _ = M.forward(small, w, ids)
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    gw = pack_weights(small, w, "cpu")
+    assert gw.nbytes() == linear_weight_bytes(small, nvfp4=nvfp4)
+
+
+def test_memory_plan_matches_the_reference_cache():
+    cfg = config_27b(num_layers=8, vocab_size=512)
+    L = 300
+    cache = M.new_cache(cfg, L, dtype=torch.bfloat16)
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    plan = memory_plan(cfg, L, chunk=64)
+    assert plan["kv_cache"] == nbytes(cache.kv_k + cache.kv_v)
+    assert plan["gdn_state"] == nbytes(cache.gdn_state)
+    assert plan["conv_state"] == nbytes(cache.conv_state)
+    # the 128k plan on the 27B model fits a GB10 (128 GB shared with the OS) with a wide margin
+    big = memory_plan(config_27b(), 131072)
+    assert sum(big.values()) < 40e9
+
+
+def test_backend_capacity_rounding(tiny_nvfp4):
+    cfg, w, _ = tiny_nvfp4
+    be = GPUBackend(cfg, w, max_model_len=10000, device="cpu")
+    assert [be.capacity_for(n) for n in (1, 4096, 4097, 9000, 10000)] == [4096, 4096, 8192, 10000, 10000]
+    with pytest.raises(ValueError, match="exceed"):
+        be.capacity_for(10001)
