@@ -32,7 +32,8 @@ def _llm(args: argparse.Namespace, progress: bool = False):
     from .config import TreeConfig
     from .engine.llm import LLM
 
-    rows = max(32, -(-(args.spec_budget + 1) // 8) * 8)  # verify rows are padded to a multiple of 8
+    nodes = 1 + min(args.spec_budget, args.spec_depth * args.spec_topk)  # what the tree can hold
+    rows = max(32, -(-nodes // 8) * 8)  # verify rows are padded to a multiple of 8
     tree = TreeConfig(depth=args.spec_depth, topk=args.spec_topk, budget=args.spec_budget, rows=rows)
     return LLM(
         args.model,
@@ -44,6 +45,13 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         tree=tree,
         backend=args.backend,
     )
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 1..65535")
+    return port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s, positional=True)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503")
 
@@ -147,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `lumo generate ... | head`: the reader left; nothing more to say
+        sys.stderr.close()
+        return 0
     except _user_errors() as e:
         print(f"lumo {args.command}: error: {e}", file=sys.stderr)
         return USER_ERROR

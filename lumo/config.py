@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 FULL = "full_attention"
 LINEAR = "linear_attention"
 _TEXT_TYPES = ("qwen3_5_text", "qwen3_8_text")
 _WRAPPER_TYPES = ("qwen3_5", "qwen3_8")
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
 
 
 class ConfigError(ValueError):
@@ -75,15 +86,18 @@ class ModelConfig:
         top = d
         if "text_config" in d and isinstance(d["text_config"], dict):
             d = {**d["text_config"]}
-            d.setdefault("tie_word_embeddings", top.get("tie_word_embeddings", False))
+            # The wrapper model ties on its own (top-level) flag; transformers writes the text_config's
+            # copy as false even for tied models.
+            d["tie_word_embeddings"] = top.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
         model_type = d.get("model_type") or top.get("model_type")
-        needed = ("linear_num_value_heads", "linear_key_head_dim", "hidden_size", "num_hidden_layers")
-        if model_type not in _TEXT_TYPES + _WRAPPER_TYPES or any(k not in d for k in needed):
+        if model_type not in _TEXT_TYPES + _WRAPPER_TYPES or "linear_num_value_heads" not in d:
             arch = top.get("architectures") or ["?"]
             raise ConfigError(
                 f"unsupported architecture: model_type={model_type!r} architectures={arch}; "
                 "lumo serves the Qwen3.5/Qwen3.8 hybrid (Gated DeltaNet + gated attention) family"
             )
+        if missing := [k for k in _REQUIRED if k not in d]:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}")
         n = int(d["num_hidden_layers"])
         if d.get("layer_types"):
             layer_types = tuple(d["layer_types"])
@@ -140,12 +154,3 @@ class TreeConfig:
     topk: int = 3  # siblings per spine depth, the spine token included
     budget: int = 27  # draft nodes besides the root
     rows: int = 32  # rows per verify, padded
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_model_len: int = 4096
-    spec: str = "off"  # "tree" | "chain" | "off"
-    tree: TreeConfig = field(default_factory=TreeConfig)

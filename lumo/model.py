@@ -57,6 +57,36 @@ class Cache:
         )
 
 
+@dataclass
+class CacheSnapshot:
+    """What a speculative step can change: the recurrent state, the lengths and K/V rows [lo, hi)."""
+
+    gdn_state: list[torch.Tensor]
+    conv_state: list[torch.Tensor]
+    kv: list[torch.Tensor]  # target K and V rows [lo, hi) of every attention layer
+    lo: int
+    length: int
+
+
+def snapshot(cache: Cache, lo: int, hi: int) -> CacheSnapshot:
+    """A cheap copy for speculation: K/V outside [lo, hi) must not be written until `restore`."""
+    return CacheSnapshot(
+        gdn_state=[t.clone() for t in cache.gdn_state],
+        conv_state=[t.clone() for t in cache.conv_state],
+        kv=[t[lo:hi].clone() for t in cache.kv_k + cache.kv_v],
+        lo=lo,
+        length=cache.length,
+    )
+
+
+def restore(cache: Cache, snap: CacheSnapshot) -> None:
+    for dst, src in zip(cache.gdn_state + cache.conv_state, snap.gdn_state + snap.conv_state, strict=True):
+        dst.copy_(src)
+    for dst, src in zip(cache.kv_k + cache.kv_v, snap.kv, strict=True):
+        dst[snap.lo : snap.lo + src.shape[0]].copy_(src)
+    cache.length = snap.length
+
+
 def new_cache(
     cfg: ModelConfig, max_len: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> Cache:

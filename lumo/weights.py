@@ -22,8 +22,6 @@ import torch
 
 from .config import FULL, ModelConfig
 
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 class WeightError(ValueError):
     """A checkpoint lumo cannot load; the message names the tensor and is meant for the user."""
@@ -320,12 +318,19 @@ class _Checkpoint:
         f = self.weight_map.get(name)
         if f is None:
             return None
-        sl = self._open[f].get_slice(name)
+        try:
+            sl = self._open[f].get_slice(name)
+        except Exception as e:  # safetensors raises its own error type for an absent name
+            raise WeightError(f"the index maps {name} to {f}, which does not contain it") from e
         return sl.get_dtype(), list(sl.get_shape())
 
     def read(self, name: str) -> torch.Tensor:
         self._on_read()
-        return self._open[self.weight_map[name]].get_tensor(name)
+        f = self.weight_map[name]
+        try:
+            return self._open[f].get_tensor(name)
+        except Exception as e:
+            raise WeightError(f"cannot read {name} from {f}: {e}") from e
 
 
 @dataclass(frozen=True)

@@ -85,3 +85,22 @@ def test_quantize_round_trip(tmp_path):
         "generate", "--model", str(tmp_path / "dst"), "--prompt", "hi", "--max-tokens", "4", "--device", "cpu"
     )
     assert g.returncode == 0, g.stderr
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--temperature", "nan"], "finite temperature"),
+        (["--max-model-len", "0"], "max_model_len"),
+        (["--spec", "tree"], "MTP head"),
+    ],
+)
+def test_bad_settings_fail_at_start(tmp_path, args, words):
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4, mtp_num_hidden_layers=0)
+    r = lumo("generate", "--model", str(ckpt), "--prompt", "x", "--device", "cpu", *args)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_rejects_a_bad_port():
+    r = lumo("serve", "--port", "70000")
+    assert r.returncode == 2 and "outside 1..65535" in r.stderr and "Traceback" not in r.stderr

@@ -71,3 +71,19 @@ def test_errors_are_one_line(d, words):
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_hf(d)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_wrapper_ties_on_the_top_level_flag():
+    # transformers writes a tied wrapper as top-level true, text_config false; the wrapper model ties.
+    d = {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": True,
+        "text_config": {**TEXT, "tie_word_embeddings": False},
+    }
+    assert ModelConfig.from_hf(d).tie_word_embeddings
+
+
+def test_missing_keys_are_named():
+    d = {k: v for k, v in TEXT.items() if k not in ("vocab_size", "linear_value_head_dim")}
+    with pytest.raises(ConfigError, match="vocab_size, linear_value_head_dim"):
+        ModelConfig.from_hf(d)

@@ -119,26 +119,27 @@ class SpecDecoder(PlainDecoder):
         # Verify: walk the spine token by token from the committed state, snapshotting before each node;
         # a sibling at depth j runs from the snapshot taken after spine nodes 0..j-1.
         D = t.depth_max
-        state = {}  # node -> the cache after the path root..node
-        before = {}  # spine depth j -> the cache after spine nodes 0..j-1 (j >= 1)
+        c, lo, hi = self.cache, L, L + D + 1  # tree nodes write K/V only at positions lo..hi-1
+        state = {}  # node -> snapshot of the cache after the path root..node
+        before = {}  # spine depth j -> snapshot after spine nodes 0..j-1 (j >= 1)
         logits, hidden = [None] * t.rows, [None] * t.rows
-        c = self.cache
         for i in range(D + 1):
             if i > 0:
-                before[i] = state[i - 1] = c.clone()
+                before[i] = state[i - 1] = M.snapshot(c, lo, hi)
             lg, h = M.forward(self.cfg, self.w, self._ids([tokens[i]]), c)
             logits[i], hidden[i] = lg[0, -1], h[0]
-        state[D] = c
+        state[D] = M.snapshot(c, lo, hi)
         for i in range(D + 1, t.n_nodes):
-            state[i] = c = before[int(t.depth[i])].clone()
+            M.restore(c, before[int(t.depth[i])])
             lg, h = M.forward(self.cfg, self.w, self._ids([tokens[i]]), c)
             logits[i], hidden[i] = lg[0, -1], h[0]
+            state[i] = M.snapshot(c, lo, hi)
         choice = [0] * t.rows
         for i in range(t.n_nodes):
             choice[i] = self._choice(logits[i], L + int(t.depth[i]) + 1)
         path, pending = accept(t, tokens, choice)
         # Commit: the state after the last accepted node is exactly plain decoding's state.
-        self.cache = state[path[-1]]
+        M.restore(c, state[path[-1]])
         self.pending = pending
         emitted = [tokens[i] for i in path[1:]] + [pending]
         self._feed_mtp(torch.cat([hidden[i] for i in path]), emitted, L)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import make_decoder
 from .sampling import SamplingParams
+from .tree import build_tree
 
 EMBEDDED_NAME = "lumo-tiny"
 
@@ -107,7 +109,13 @@ class LLM:
         self.config, self.weights = load_model(path, device=load_device, dtype=self.dtype, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         limit = self.config.max_position_embeddings
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self.max_model_len = min(max_model_len or limit, limit)
+        if spec != "off":  # fail at start-up, not on every request
+            if self.weights is None or self.weights.mtp is None:
+                raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
+            build_tree(self.tree)
         self._defaults = _generation_defaults(path)
         self._gpu = None
         if self.backend == "kernels":
@@ -159,8 +167,8 @@ class LLM:
         t = d.get("temperature", 1.0) if temperature is None else float(temperature)
         k = d.get("top_k", 0) if top_k is None else int(top_k)
         p = d.get("top_p", 1.0) if top_p is None else float(top_p)
-        if t < 0 or not 0.0 < p <= 1.0 or k < 0:
-            raise ValueError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if not (math.isfinite(t) and t >= 0 and 0.0 < p <= 1.0 and k >= 0):
+            raise ValueError("need a finite temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1
         return SamplingParams(temperature=t, top_k=k, top_p=p, seed=int(seed))
@@ -186,6 +194,7 @@ class LLM:
         max_tokens = min(max_tokens, self.max_model_len - n)
         params = self.sampling_params(temperature, top_k, top_p, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.last_decoder = None  # until this request's decoder exists (no stale stats)
         return self._run(prompt_ids, max_tokens, params, stops)
 
     @torch.inference_mode()

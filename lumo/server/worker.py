@@ -103,6 +103,9 @@ class EngineWorker:
                 while not self._waiting and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
+                    for waiting in self._waiting:  # their handlers are awaiting events: end them
+                        waiting._post(_DONE)
+                    self._waiting.clear()
                     return
                 job = self._waiting.popleft()
                 if job.cancelled.is_set():
