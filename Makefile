@@ -12,6 +12,8 @@ test-gpu:
 	$(PY) -m pytest -q -m gpu
 
 bench:
+	$(PY) bench/bench_decode.py
+	$(PY) bench/bench_spec.py
 	$(PY) bench/bench_linear.py
 
 lint:

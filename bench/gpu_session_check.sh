@@ -15,3 +15,4 @@ done
 python -m lumo.cli generate --device cuda --backend kernels --prompt "def fibonacci(n):" --max-tokens 64 \
   --temperature 0 2>&1 >/dev/null | tail -1
 python bench/bench_decode.py 2>&1 | tail -30
+python bench/bench_spec.py 2>&1 | tail -30

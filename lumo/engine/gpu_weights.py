@@ -27,6 +27,7 @@ from ..weights import (
     Linear,
     MLPWeights,
     ModelWeights,
+    MTPWeights,
     NVFP4Linear,
 )
 
@@ -122,12 +123,31 @@ class GPULayer:
 
 
 @dataclass
+class GPUMTP:
+    """The MTP draft head (lumo.model.mtp_forward): fc over [norm(embed(x)) | norm(h)], then full-attention
+    decoder layers (packed like the target's) with their own KV cache, then a final norm; lm_head shared."""
+
+    fc: GPULinear  # [H, 2H]: input = cat(embedding half FIRST, hidden half)
+    pre_fc_norm_embedding: torch.Tensor  # [H] bf16, 1+w
+    pre_fc_norm_hidden: torch.Tensor  # [H] bf16, 1+w
+    layers: list[GPULayer]  # GPUAttn mixers
+    norm: torch.Tensor  # [H] bf16, 1+w
+
+    def nbytes(self) -> int:
+        lins = [self.fc]
+        for lw in self.layers:
+            lins += [lw.gate_up, lw.down, lw.mixer.qkv, lw.mixer.o_proj]
+        return sum(lin.nbytes() for lin in lins)
+
+
+@dataclass
 class GPUWeights:
     embed: torch.Tensor  # [V, H] bf16
     layers: list[GPULayer]
     norm: torch.Tensor  # [H] bf16, 1+w
     lm_head: GPULinear  # [V, H]
     inv_freq: torch.Tensor  # [rotary/2] f32, lumo.model's RoPE table (rope_inv_freq)
+    mtp: GPUMTP | None = None  # packed only when asked for (speculative decoding)
 
     def nbytes(self) -> int:
         """Bytes of every linear weight (what one decode step reads), lm_head included, embedding not."""
@@ -232,10 +252,27 @@ def pack_layer(cfg: ModelConfig, lw: LayerWeights, device: torch.device | str) -
     )
 
 
-def pack_weights(cfg: ModelConfig, w: ModelWeights, device: torch.device | str = "cuda") -> GPUWeights:
-    """Pack for the kernels (the MTP head is not packed: plain decoding). Weights may live on any device;
-    each linear is moved to `device` as it is packed, so GPU memory holds only the packed copy when the
-    source weights are on the CPU."""
+def pack_mtp(cfg: ModelConfig, m: MTPWeights, device: torch.device | str) -> GPUMTP:
+    """Pack the MTP head (its layers must be full-attention layers, as in every published checkpoint)."""
+    device = torch.device(device)
+    layers = [pack_layer(cfg, lw, device) for lw in m.layers]
+    if not all(isinstance(lw.mixer, GPUAttn) for lw in layers):
+        raise ValueError("MTP layers must be full-attention layers")
+    return GPUMTP(
+        fc=pack_linear([m.fc], device),
+        pre_fc_norm_embedding=_vec(m.pre_fc_norm_embedding, device),
+        pre_fc_norm_hidden=_vec(m.pre_fc_norm_hidden, device),
+        layers=layers,
+        norm=_vec(m.norm, device),
+    )
+
+
+def pack_weights(
+    cfg: ModelConfig, w: ModelWeights, device: torch.device | str = "cuda", mtp: bool = False
+) -> GPUWeights:
+    """Pack for the kernels. The MTP head is packed only with `mtp=True` (speculative decoding; plain
+    decoding does not need it). Weights may live on any device; each linear is moved to `device` as it
+    is packed, so GPU memory holds only the packed copy when the source weights are on the CPU."""
     device = torch.device(device)
     kinds = [FULL if isinstance(lw.mixer, AttnWeights) else "linear_attention" for lw in w.layers]
     if tuple(kinds) != cfg.layer_types:
@@ -246,7 +283,17 @@ def pack_weights(cfg: ModelConfig, w: ModelWeights, device: torch.device | str =
         norm=_vec(w.norm, device),
         lm_head=pack_linear([w.lm_head], device),
         inv_freq=rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
+        mtp=pack_mtp(cfg, w.mtp, device) if mtp and w.mtp is not None else None,
     )
+
+
+def with_mtp(cfg: ModelConfig, gw: GPUWeights, w: ModelWeights) -> GPUWeights:
+    """gw with the MTP head of `w` packed (in place; once per model), for a backend packed without it."""
+    if gw.mtp is None:
+        if w.mtp is None:
+            raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
+        gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device)
+    return gw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,10 +338,15 @@ def _random_nvfp4(n: int, k: int, gen: torch.Generator, device: torch.device, ga
 
 
 def random_model_weights(
-    cfg: ModelConfig, device: torch.device | str = "cuda", nvfp4: bool = True, seed: int = 0
+    cfg: ModelConfig,
+    device: torch.device | str = "cuda",
+    nvfp4: bool = True,
+    seed: int = 0,
+    mtp: bool = False,
 ) -> ModelWeights:
     """ModelWeights with random values at cfg's shapes: NVFP4 linears (in_proj_b/a dense bf16, as
-    ModelOpt checkpoints leave them) or all dense bf16. Generated on `device`."""
+    ModelOpt checkpoints leave them) or all dense bf16. Generated on `device`. `mtp=True` adds a random
+    one-layer MTP head (drawn after everything else, so the target's values do not change)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     bf = torch.bfloat16
@@ -318,17 +370,21 @@ def random_model_weights(
         cfg.conv_dim,
         cfg.linear_conv_kernel_dim,
     )
+
+    def attn() -> AttnWeights:
+        return AttnWeights(
+            q_proj=lin(nh * 2 * d, H),
+            k_proj=lin(nkv * d, H),
+            v_proj=lin(nkv * d, H),
+            o_proj=lin(H, nh * d),
+            q_norm=norm(d),
+            k_norm=norm(d),
+        )
+
     layers = []
     for kind in cfg.layer_types:
         if kind == FULL:
-            mixer: GDNWeights | AttnWeights = AttnWeights(
-                q_proj=lin(nh * 2 * d, H),
-                k_proj=lin(nkv * d, H),
-                v_proj=lin(nkv * d, H),
-                o_proj=lin(H, nh * d),
-                q_norm=norm(d),
-                k_norm=norm(d),
-            )
+            mixer: GDNWeights | AttnWeights = attn()
         else:
             A = 1.0 + 15.0 * torch.rand(nv, device=device, generator=gen)  # HF init: A ~ U(1, 16)
             mixer = GDNWeights(
@@ -344,6 +400,16 @@ def random_model_weights(
             )
         mlp = MLPWeights(lin(I, H, gain=1.0), lin(I, H, gain=1.0), lin(H, I))
         layers.append(LayerWeights(norm(H), norm(H), mixer, mlp))
-    return ModelWeights(
-        embed_tokens=randn(V, H), layers=layers, norm=norm(H), lm_head=lin(V, H, gain=2.0), mtp=None
-    )
+    embed, final_norm, lm_head = randn(V, H), norm(H), lin(V, H, gain=2.0)
+    head = None
+    if mtp:
+        a = attn()
+        mlp_w = MLPWeights(lin(I, H, gain=1.0), lin(I, H, gain=1.0), lin(H, I))
+        head = MTPWeights(
+            fc=lin(H, 2 * H),
+            pre_fc_norm_embedding=norm(H),
+            pre_fc_norm_hidden=norm(H),
+            layers=[LayerWeights(norm(H), norm(H), a, mlp_w)],
+            norm=norm(H),
+        )
+    return ModelWeights(embed_tokens=embed, layers=layers, norm=final_norm, lm_head=lm_head, mtp=head)

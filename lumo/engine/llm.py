@@ -97,14 +97,12 @@ class LLM:
                 str(model).rstrip("/").split("/")[-1] if Path(str(model)).exists() else str(model)
             )
         self.path = path
-        # "torch": the reference model in plain torch (CPU or GPU). "kernels": lumo's CUDA kernels with a
-        # CUDA-graph decode step (plain decoding only so far). auto = torch until the kernel runner has
-        # passed its GPU tests (docs/runner.md).
+        # "torch": the reference model in plain torch (CPU or GPU; speculation = the exact reference event).
+        # "kernels": lumo's CUDA kernels (GPURunner; GPUSpecEngine for tree / chain). auto = torch until the
+        # kernel engines have passed their GPU tests (docs/runner.md, docs/spec-engine.md).
         self.backend = "torch" if backend == "auto" else backend
-        if self.backend == "kernels" and (
-            self.device.type != "cuda" or spec != "off" or self.dtype != torch.bfloat16
-        ):
-            raise ValueError("--backend kernels needs --device cuda, bfloat16 and --spec off (for now)")
+        if self.backend == "kernels" and (self.device.type != "cuda" or self.dtype != torch.bfloat16):
+            raise ValueError("--backend kernels needs --device cuda and bfloat16")
         load_device = "cpu" if self.backend == "kernels" else self.device  # packing moves weights to the GPU
         self.config, self.weights = load_model(path, device=load_device, dtype=self.dtype, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
@@ -117,12 +115,21 @@ class LLM:
                 raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
             build_tree(self.tree)
         self._defaults = _generation_defaults(path)
-        self._gpu = None
-        if self.backend == "kernels":
-            from .gpu_decode import GPUBackend
+        self._gpu = self._kernel_backend() if self.backend == "kernels" else None
 
-            self._gpu = GPUBackend(self.config, self.weights, self.max_model_len, self.device)
-            self.weights = None  # the packed copy on the GPU is the only one kept
+    def _kernel_backend(self):
+        from .gpu_decode import GPUBackend
+        from .gpu_weights import pack_weights
+
+        packed = pack_weights(self.config, self.weights, self.device, mtp=self.spec != "off")
+        self.weights = None  # the packed copy on the GPU is the only one kept
+        backend = GPUBackend(self.config, packed, self.max_model_len, self.device)
+        if self.spec == "off":
+            return backend
+        from .gpu_spec import SpecBackend
+
+        # Eager events until graph replay == eager has been run on a GPU (tests/test_gpu_spec_gpu.py).
+        return SpecBackend(backend, self.tree, chain=self.spec == "chain", use_graph=False)
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:

@@ -15,7 +15,7 @@ token at absolute position n + 1 (exactly decode.PlainDecoder's positions) into 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -142,9 +142,16 @@ class GPURunner:
     # Prefill.
 
     @torch.inference_mode()
-    def prefill(self, ids: Sequence[int] | torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        chunk: int | None = None,
+        hidden_hook: Callable[[torch.Tensor, int], None] | None = None,
+    ) -> torch.Tensor:
         """Append the prompt at positions length.., in chunks of `chunk` tokens (default prefill_chunk), then
-        sample the first token at position length (into tok). Returns the last row's logits [V] f32."""
+        sample the first token at position length (into tok). Returns the last row's logits [V] f32.
+        hidden_hook(hidden [T, H] bf16, start), if given, receives every chunk's final-norm rows (the MTP
+        head's input; speculative decoding) right after the chunk, before the next one overwrites them."""
         ids = torch.as_tensor(ids, dtype=torch.long).flatten().to(self.device)
         n, chunk = ids.numel(), chunk or self.prefill_chunk
         if n == 0:
@@ -152,7 +159,7 @@ class GPURunner:
         if self.length + n > self.max_len:
             raise ValueError(f"prompt of {n} tokens after {self.length} exceeds max_len {self.max_len}")
         for s in range(0, n, chunk):
-            self._prefill_chunk(ids[s : s + chunk], self.length)
+            self._prefill_chunk(ids[s : s + chunk], self.length, hidden_hook)
             self.length += min(chunk, n - s)
         self.pos.fill_(self.length)
         self.sample_pos.fill_(self.length)
@@ -160,7 +167,9 @@ class GPURunner:
         self.sample_pos.fill_(self.length + 1)
         return self.logits[0]
 
-    def _prefill_chunk(self, ids: torch.Tensor, start: int) -> None:
+    def _prefill_chunk(
+        self, ids: torch.Tensor, start: int, hidden_hook: Callable[[torch.Tensor, int], None] | None = None
+    ) -> None:
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         T = ids.numel()
         h = w.embed.index_select(0, ids)  # [T, H] bf16 residual stream
@@ -178,8 +187,14 @@ class GPURunner:
                 i_gdn += 1
             rmsnorm1p(h, lw.post_attention_layernorm, eps, delta=delta, out=x)
             delta = self._mlp(lw, x)
-        # Only the last row's logits are needed (the first token); no MTP here.
-        rmsnorm1p(h[-1:], w.norm, eps, delta=delta[-1:], out=self.hidden)
+        # Only the last row's logits are needed (the first token). The norm is per row, so normalising all
+        # rows for the hook gives the last row the same bits as normalising it alone.
+        if hidden_hook is None:
+            rmsnorm1p(h[-1:], w.norm, eps, delta=delta[-1:], out=self.hidden)
+        else:
+            hidden = rmsnorm1p(h, w.norm, eps, delta=delta)  # [T, H]
+            self.hidden.copy_(hidden[-1:])
+            hidden_hook(hidden, start)
         self._logits()
 
     def _attn_prefill(

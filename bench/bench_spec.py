@@ -1,0 +1,323 @@
+"""Tree speculative decoding on the kernels (lumo/engine/gpu_spec.py), issue 7 item 8.
+
+1. Embedded model (lumo-tiny, greedy, held-out stdlib prompts): accepted drafts per event, the acceptance
+   histogram, and tokens/s of tree vs chain vs plain decoding (all CUDA graphs, host sync included).
+2. Random 27B NVFP4 model with a random MTP head (gpu_weights.random_model_weights, config_27b): per-event
+   GPU spans (draft, verify, accept+commit; graph replays), verify of R rows / plain decode step (goal
+   <= 1.25), dispatch share = host time not covered by GPU work / event wall time (goal <= 5%), projected
+   tokens/s at 4.05 accepted drafts per event on the H200 and on a GB10 (273 GB/s, same ratio to the
+   floor), and the extra GPU memory of tree decoding over plain decoding.
+3. GDN tree step at 27B shapes, ours (gdn_tree over the rows + gdn_decode replay of the accepted path) vs
+   the design other engines use (every node's full state computed from its parent's and stored:
+   gdn_decode(state_out=...) per node, then the accepted node's state copied in): goal ours >= 3x faster.
+One table, printed last; JSON beside it in $OUT or bench/results/bench_spec.json.
+Run: python bench/bench_spec.py [--layers 64] [--context 1024] [--events 40] [--prompts 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from bench_decode import copy_bandwidth, step_bytes  # same folder: the floor is computed one way
+
+from lumo.config import FULL, TreeConfig
+from lumo.corpus import split_documents, stdlib_documents
+from lumo.engine.gpu_decode import GPUDecoder
+from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
+from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
+from lumo.engine.llm import embedded_model_path
+from lumo.engine.runner import GPURunner
+from lumo.engine.sampling import SamplingParams
+from lumo.engine.tree import chain_config
+from lumo.kernels.gdn import gdn_decode
+from lumo.kernels.gdn_tree import gdn_tree
+from lumo.tokenizer import Tokenizer
+from lumo.weights import load_model
+
+GB, GB10_BW, PAPER_ACCEPTED = 1e9, 273e9, 4.05
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def held_out_prompts(path: Path, n: int, length: int = 128) -> list[list[int]]:
+    tok = Tokenizer.from_dir(path)
+    out = []
+    for doc in split_documents(stdlib_documents())[2]:
+        ids = tok.encode(doc.text)
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n:
+            break
+    return out
+
+
+def embedded(n_prompts: int, new: int) -> dict:
+    path = embedded_model_path()
+    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    gw = pack_weights(cfg, w, "cuda", mtp=True)
+    prompts = held_out_prompts(path, n_prompts)
+    res = {}
+    for mode in ("plain", "chain", "tree"):
+        runner = GPURunner(cfg, gw, 1024)
+        if mode == "plain":
+            dec = GPUDecoder(runner, GREEDY, use_graph=True)
+        else:
+            tree = chain_config(TreeConfig().depth) if mode == "chain" else TreeConfig()
+            dec = GPUSpecDecoder(GPUSpecEngine(runner, tree), GREEDY, use_graph=True)
+        hist: Counter = Counter()
+        n_tok, secs = 0, 0.0
+        for p in prompts:
+            out = dec.prefill(p)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            while len(out) < new:
+                out += dec.step()
+            secs += time.perf_counter() - t0
+            n_tok += len(out) - 1
+            if mode != "plain":
+                hist.update(dec.stats.accepted)
+        events = sum(hist.values())
+        res[mode] = {
+            "tokens_per_s": n_tok / secs,
+            "accepted_per_event": sum(k * v for k, v in hist.items()) / events if events else 0.0,
+            "histogram": {int(k): v for k, v in sorted(hist.items())},
+        }
+    return res
+
+
+def spans(engine: GPUSpecEngine, events: int) -> dict:
+    """Median GPU ms of each graph per event, event wall ms (host sync included), dispatch share."""
+    names = list(engine.graphs)
+    per = {k: [] for k in names}
+    gpu, wall = [], []
+    for _ in range(events):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ev[0].record()
+        for i, k in enumerate(names):
+            engine.graphs[k].replay()
+            ev[i + 1].record()
+        n = engine._read_result()[0]  # the event's one device-to-host copy
+        wall.append((time.perf_counter() - t0) * 1e3)
+        engine.runner.length += n
+        for i, k in enumerate(names):
+            per[k].append(ev[i].elapsed_time(ev[i + 1]))
+        gpu.append(ev[0].elapsed_time(ev[-1]))
+    out = {k: statistics.median(v) for k, v in per.items()}
+    out["event_gpu_ms"], out["event_wall_ms"] = statistics.median(gpu), statistics.median(wall)
+    out["dispatch_share"] = max(0.0, 1 - out["event_gpu_ms"] / out["event_wall_ms"])
+    return out
+
+
+def plain_step_ms(runner: GPURunner, context: int, steps: int = 30) -> float:
+    runner.capture()
+    per = []
+    for _ in range(5):
+        runner.seek(context)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(steps):
+            runner.decode_step()
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b) / steps)
+    return statistics.median(per)
+
+
+def graph_ms(fn, reps: int = 20) -> float:
+    """Median GPU ms of fn captured as one graph (launch overhead excluded for both designs alike)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    per = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        per.append(a.elapsed_time(b))
+    return statistics.median(per)
+
+
+def gdn_designs(engine: GPUSpecEngine) -> dict:
+    """Ours (path-parallel verify + replay) vs per-node stored states, over every GDN layer of the model."""
+    cfg, r, tb = engine.cfg, engine.runner, engine.tb
+    nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    gdn = [lw.mixer for kind, lw in zip(cfg.layer_types, engine.w.layers, strict=True) if kind != FULL]
+    n = tb.n_nodes
+    parent = tb.parent.tolist()
+    # A scratch copy of the states: the timing loops must not touch the engine's committed state.
+    states = [s.clone() for s in r.gdn_state]
+    node_states = torch.empty(n, nv, dk, dv, device="cuda")  # one layer's worth, reused (same time)
+    out1 = torch.empty(1, nv, dv, dtype=torch.bfloat16, device="cuda")
+    accepted = torch.tensor([0, 1, 2, 3, 4] + [-1] * (engine.cap - 5), dtype=torch.int32, device="cuda")
+    count = torch.tensor([5], dtype=torch.int32, device="cuda")  # a 4-draft acceptance (~ the paper's)
+
+    def ours() -> None:
+        for i, g in enumerate(gdn):
+            mixed, ba = engine.gdn_mixed[i], engine.gdn_ba[i]
+            gdn_tree(
+                mixed,
+                ba[:, nv:],
+                ba[:, :nv],
+                g.A_log,
+                g.dt_bias,
+                states[i],
+                engine.paths,
+                engine.path_len,
+                engine.owner,
+                out=engine.gdn_o,
+            )
+            gdn_decode(
+                mixed,
+                ba[:, nv:],
+                ba[:, :nv],
+                g.A_log,
+                g.dt_bias,
+                states[i],
+                out=engine.replay_o,
+                rows=accepted,
+                count=count,
+            )
+
+    def per_node() -> None:
+        for i, g in enumerate(gdn):
+            mixed, ba = engine.gdn_mixed[i], engine.gdn_ba[i]
+            for u in range(n):
+                src = states[i] if parent[u] < 0 else node_states[parent[u]]
+                gdn_decode(
+                    mixed[u : u + 1],
+                    ba[u : u + 1, nv:],
+                    ba[u : u + 1, :nv],
+                    g.A_log,
+                    g.dt_bias,
+                    src,
+                    out=out1,
+                    state_out=node_states[u],
+                )
+            states[i].copy_(node_states[4])  # commit = copy the accepted node's state
+
+    ms_ours, ms_other = graph_ms(ours), graph_ms(per_node)
+    return {
+        "ours_ms": ms_ours,
+        "per_node_ms": ms_other,
+        "speedup": ms_other / ms_ours,
+        "per_node_state_bytes": len(gdn) * n * nv * dk * dv * 4,
+    }
+
+
+def big(layers: int, context: int, events: int) -> dict:
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    cfg = config_27b(layers)
+    w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0, mtp=True)
+    gw = pack_weights(cfg, w, "cuda", mtp=True)
+    del w
+    torch.cuda.empty_cache()
+    tree = TreeConfig()
+    runner = GPURunner(cfg, gw, context + 40 * events + 256)
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    engine = GPUSpecEngine(runner, tree)
+    ids = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.set_sampling(GREEDY)
+    engine.prefill(ids)
+    engine.capture()
+    torch.cuda.synchronize()
+    extra = torch.cuda.memory_allocated() - m0  # engine buffers + MTP cache + graph pools
+    sp = spans(engine, events)
+    designs = gdn_designs(engine)
+    plain = plain_step_ms(runner, context)
+    floor_ms = step_bytes(cfg, gw, context) / bw * 1e3
+    ev = sp["event_wall_ms"]
+    return {
+        "layers": layers,
+        "context": context,
+        "copy_bandwidth_GBps": bw / GB,
+        "floor_ms": floor_ms,
+        "plain_step_ms": plain,
+        **sp,
+        "verify_over_plain": sp["verify"] / plain,
+        "tokens_per_s_h200_at_4.05": (PAPER_ACCEPTED + 1) / ev * 1e3,
+        "tokens_per_s_gb10_at_4.05": (PAPER_ACCEPTED + 1) / (ev * bw / GB10_BW) * 1e3,
+        "plain_tokens_per_s_h200": 1e3 / plain,
+        "extra_memory_GB": extra / GB,
+        "extra_memory_buffers_GB": engine.extra_bytes() / GB,
+        "mtp_weights_GB": gw.mtp.nbytes() / GB,
+        "gdn": designs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--events", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--skip-27b", action="store_true")
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "embedded": embedded(args.prompts, args.tokens)}
+    if not args.skip_27b:
+        result["27b"] = big(args.layers, args.context, args.events)
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_spec.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    rows = []
+    for mode, r in result["embedded"].items():
+        rows.append((f"embedded {mode}: tokens/s", f"{r['tokens_per_s']:.0f}", ""))
+        if mode != "plain":
+            rows.append((f"embedded {mode}: accepted drafts/event", f"{r['accepted_per_event']:.2f}", ""))
+            rows.append((f"embedded {mode}: histogram", str(r["histogram"]), ""))
+    if "27b" in result:
+        b = result["27b"]
+        rows += [
+            (f"27B ({b['layers']} layers, ctx {b['context']}): draft ms", f"{b['draft']:.3f}", ""),
+            ("27B verify ms (32 rows)", f"{b['verify']:.3f}", ""),
+            ("27B accept+commit ms", f"{b['commit']:.3f}", ""),
+            ("27B plain decode step ms (floor)", f"{b['plain_step_ms']:.3f} ({b['floor_ms']:.3f})", ""),
+            ("27B verify / plain step", f"{b['verify_over_plain']:.2f}", "goal <= 1.25"),
+            (
+                "27B event wall ms / dispatch share",
+                f"{b['event_wall_ms']:.3f} / {b['dispatch_share']:.1%}",
+                "goal <= 5%",
+            ),
+            (
+                "27B tokens/s at 4.05 drafts: H200 / GB10",
+                f"{b['tokens_per_s_h200_at_4.05']:.0f} / {b['tokens_per_s_gb10_at_4.05']:.1f}",
+                f"plain {b['plain_tokens_per_s_h200']:.0f}",
+            ),
+            (
+                "27B extra GPU memory GB (buffers, MTP weights)",
+                f"{b['extra_memory_GB']:.2f} ({b['extra_memory_buffers_GB']:.2f}, {b['mtp_weights_GB']:.2f})",
+                "",
+            ),
+            (
+                "GDN tree step ms: ours / per-node states",
+                f"{b['gdn']['ours_ms']:.3f} / {b['gdn']['per_node_ms']:.3f}",
+                f"{b['gdn']['speedup']:.1f}x (goal >= 3x)",
+            ),
+        ]
+    w = max(len(r[0]) for r in rows)
+    print(f"\n{'metric':<{w}}  value  note")
+    for name, val, note in rows:
+        print(f"{name:<{w}}  {val}  {note}")
+    print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

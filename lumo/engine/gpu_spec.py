@@ -1,0 +1,595 @@
+"""Tree speculative decoding on the GPU kernels (DESIGN.md, 'The speculative event in detail').
+
+`GPUSpecEngine` owns the static buffers of one (runner, tree shape) pair and runs an event as three
+launch sequences, each capturable as a CUDA graph (every per-event value lives in a device buffer):
+  draft          the MTP head walks the spine (D - 1 one-row steps); after each step `topk_select` writes
+                 the spine token and its siblings into the tree's token buffer (draft_node_table);
+  verify         one target forward over the R tree rows (linears at M = R, conv_gather over conv_pred,
+                 gdn_tree, attention with ancestor masks), final norm + lm_head for all rows, then
+                 sample_tokens per row at absolute position len + depth + 1;
+  accept+commit  tree_accept -> GDN replay (gdn_decode rows/count over the recorded operands) ->
+                 conv_state_commit -> kv_remap (reads the old len) -> MTP fed the accepted pairs
+                 (its K/V and the next event's first draft logits) -> len += count, pending -> root.
+Then one device-to-host copy of tree_accept's result (count, pending, emitted tokens).
+
+Exactness: every kernel is batch invariant, so an accepted node's logits, the committed GDN / conv state
+and the K/V are bitwise those of plain decoding (GPUDecoder) at the same position, and so are the tokens
+(greedy and seeded sampling). decode.SpecDecoder is the plain-torch reference of the same event.
+The runner's own decode state (tok, pos, sample_pos) is kept current after every event, so plain
+`runner.decode_step()` may continue where speculation stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import FULL, TreeConfig
+from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
+from ..kernels.conv import conv_gather, conv_pred, conv_state_commit
+from ..kernels.gdn import gdn_decode
+from ..kernels.gdn_tree import gdn_tree
+from ..kernels.norms import gated_rmsnorm, rmsnorm1p
+from ..kernels.rope_kv import qk_norm_rope_kv
+from ..kernels.sampling import sample_tokens, sample_workspace
+from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
+from .decode import SpecStats
+from .gpu_decode import GPUBackend
+from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer
+from .runner import GPURunner
+from .sampling import SamplingParams
+from .tree import TreeBuffers, build_tree, chain_config
+
+_NO_SLOT = -(1 << 30)  # slot offset of a padding row: len + offset < 0, so qk_norm_rope_kv skips it
+
+
+class _Rows:
+    """Static activations of T rows through decoder layers (target verify: T = R; MTP: T = 1 or D + 1)."""
+
+    def __init__(self, runner: GPURunner, T: int):
+        cfg, dev, bf = runner.cfg, runner.device, torch.bfloat16
+        H, I = cfg.hidden_size, cfg.intermediate_size  # noqa: E741
+        nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.T = T
+        self.h = torch.zeros(T, H, dtype=bf, device=dev)  # residual stream
+        self.x = torch.zeros(T, H, dtype=bf, device=dev)  # normed block input
+        self.delta = torch.zeros(T, H, dtype=bf, device=dev)  # block output
+        self.out = torch.zeros(T, H, dtype=bf, device=dev)  # final-norm output
+        self.attn_proj = torch.zeros(T, nh * 2 * d + 2 * nkv * d, dtype=bf, device=dev)
+        self.qg, self.k, self.v = runner._attn_views(self.attn_proj, T)
+        self.q = torch.zeros(T, nh, d, dtype=bf, device=dev)
+        self.gate = torch.zeros(T, nh, d, dtype=bf, device=dev)
+        self.attn_out = torch.zeros(T, nh, d, dtype=bf, device=dev)
+        self.attn_ws = attn_decode_workspace(T, nh, d, runner.max_len, dev)
+        self.gate_up = torch.zeros(T, 2 * I, dtype=bf, device=dev)
+        self.act = torch.zeros(T, I, dtype=bf, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.int32, device=dev)  # RoPE positions
+        self.slots = torch.zeros(T, dtype=torch.int32, device=dev)  # KV cache slots
+        self.mask = torch.ones(T, dtype=torch.int64, device=dev)  # ancestor bits over slots len..
+
+
+class GPUSpecEngine:
+    """Buffers, launch sequences and graphs of tree speculation for one runner and one tree shape."""
+
+    def __init__(self, runner: GPURunner, tree: TreeConfig):
+        w = runner.w
+        if w.mtp is None:
+            raise ValueError(
+                "speculative decoding needs the MTP head packed: pack_weights(cfg, w, device, mtp=True)"
+            )
+        self.runner, self.cfg, self.w, self.dev = runner, runner.cfg, w, runner.device
+        self.tb: TreeBuffers = build_tree(tree)
+        tb, cfg, dev = self.tb, self.cfg, self.dev
+        R, D = tb.rows, tb.depth_max
+        self.R, self.D, self.cap = R, D, D + 1  # cap: accepted nodes at most (root + D drafts)
+        self.k = int(tb.rank.max()) + 1  # MTP candidates per depth
+        if R > SMALL_M:
+            raise ValueError(f"a tree of {R} rows exceeds the {SMALL_M} rows of the batch-invariant GEMV")
+        if runner.max_len < R + 2:
+            raise ValueError(f"runner of {runner.max_len} positions is too small for a tree of {R} rows")
+        i32, i64, f32, bf = torch.int32, torch.int64, torch.float32, torch.bfloat16
+        H, V = cfg.hidden_size, cfg.vocab_size
+        nv, dv, C, K = (
+            cfg.linear_num_value_heads,
+            cfg.linear_value_head_dim,
+            cfg.conv_dim,
+            cfg.linear_conv_kernel_dim,
+        )
+        n_gdn = cfg.num_layers - len(cfg.full_attention_layers)
+
+        # ---- tree index buffers (device, built once) ----
+        self.parent = tb.parent.to(dev)
+        self.depth = tb.depth.to(dev)
+        self.depth1 = (tb.depth.long() + 1).to(dev)  # [R] i64: sampling position offset
+        self.pred = conv_pred(tb.parent.tolist(), K).to(dev)  # [R, K-1]: padding rows act as roots
+        self.paths, self.path_len, self.owner = tb.paths.to(dev), tb.path_len.to(dev), tb.owner.to(dev)
+        self.table = draft_node_table(tb, self.k).to(dev)  # [D, k] node of (depth, rank)
+        off = torch.where(tb.valid, torch.arange(R, dtype=i32), torch.full((R,), _NO_SLOT, dtype=i32))
+        self.slot_off = off.to(dev)  # [R] i32: row i -> tree slot len + i
+
+        # ---- per-event device values ----
+        self.tokens = torch.zeros(R, dtype=i32, device=dev)  # [R] node tokens; [0] = pending
+        self.choice = torch.zeros(R, dtype=i32, device=dev)  # [R] the target's choice per node
+        self.sample_pos = torch.zeros(R, dtype=i64, device=dev)  # [R] len + depth + 1
+        self.len64 = torch.zeros(1, dtype=i64, device=dev)
+        self.accepted = torch.full((self.cap,), -1, dtype=i32, device=dev)  # node ids root first
+        self.result = torch.full((self.cap + 2,), -1, dtype=i32, device=dev)  # n, pending, emitted
+        self.feed_start = torch.zeros(1, dtype=i32, device=dev)  # first MTP position of a feed
+        self.feed_idx = torch.zeros(self.cap, dtype=i32, device=dev)
+        self.last_idx = torch.zeros(1, dtype=i32, device=dev)
+        self.mtp_pos = torch.zeros(1, dtype=i32, device=dev)  # MTP position of the draft step
+        self.cand = torch.zeros(D, self.k, dtype=i32, device=dev)  # [D, k] top-k ids per depth
+        self.temperature = torch.zeros(R, dtype=f32, device=dev)
+        self.top_k = torch.zeros(R, dtype=i32, device=dev)
+        self.top_p = torch.ones(R, dtype=f32, device=dev)
+        self.seed = torch.zeros(R, dtype=i64, device=dev)
+
+        # ---- target verify activations (R rows) + the replay operands of every GDN layer ----
+        self.tr = _Rows(runner, R)
+        self.tr.mask.copy_(tb.anc.to(dev))
+        self.gdn_proj = torch.zeros(n_gdn, R, C + nv * dv, dtype=bf, device=dev)  # pre-conv [q|k|v] + z
+        self.gdn_ba = torch.zeros(n_gdn, R, 2 * nv, dtype=bf, device=dev)  # [b | a]
+        self.gdn_mixed = torch.zeros(n_gdn, R, C, dtype=bf, device=dev)  # post-conv rows (replay input)
+        self.gdn_o = torch.zeros(R, nv, dv, dtype=bf, device=dev)
+        self.gdn_y = torch.zeros(R, nv * dv, dtype=bf, device=dev)
+        self.replay_o = torch.zeros(self.cap, nv, dv, dtype=bf, device=dev)
+        self.logits_bf16 = torch.zeros(R, V, dtype=bf, device=dev)
+        self.logits = torch.zeros(R, V, dtype=f32, device=dev)  # [R, V] f32 of the latest verify
+        self.sample_ws = sample_workspace(R, V, dev)
+        self.kv_tab = kv_table(runner.kv_k + runner.kv_v)
+
+        # ---- MTP: its own K/V cache, a one-row draft step and a (D+1)-row feed ----
+        nkv, d = cfg.num_key_value_heads, cfg.head_dim
+        n_mtp = len(w.mtp.layers)
+        self.mtp_k = [torch.zeros(runner.max_len, nkv, d, dtype=bf, device=dev) for _ in range(n_mtp)]
+        self.mtp_v = [torch.zeros(runner.max_len, nkv, d, dtype=bf, device=dev) for _ in range(n_mtp)]
+        self.d1 = _Rows(runner, 1)  # d1.out = the draft hidden (input of the next MTP step)
+        self.feed = _Rows(runner, self.cap)
+        self.feed.mask.copy_((1 << (torch.arange(self.cap, dtype=i64) + 1)) - 1)  # causal chain
+        self.ar_cap = torch.arange(self.cap, dtype=i32, device=dev)
+        self.mtp_emb = torch.zeros(self.cap, H, dtype=bf, device=dev)
+        self.mtp_e = torch.zeros(self.cap, H, dtype=bf, device=dev)
+        self.mtp_hn = torch.zeros(self.cap, H, dtype=bf, device=dev)
+        self.mtp_cat = torch.zeros(self.cap, 2 * H, dtype=bf, device=dev)
+        self.feed_tok = torch.zeros(self.cap, dtype=i32, device=dev)
+        self.feed_hid = torch.zeros(self.cap, H, dtype=bf, device=dev)
+        self.draft_bf16 = torch.zeros(1, V, dtype=bf, device=dev)
+        self.draft_logits = torch.zeros(1, V, dtype=f32, device=dev)  # [1, V] next draft step's logits
+        self.tk_ws = topk_workspace(1, V, dev)
+        self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        self._carry: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Host control.
+
+    @torch.inference_mode()
+    def set_sampling(self, params: SamplingParams) -> None:
+        self.runner.set_sampling(params)
+        self.temperature.fill_(params.temperature)
+        self.top_k.fill_(params.top_k)
+        self.top_p.fill_(params.top_p)
+        self.seed.fill_(params.seed)
+
+    def extra_bytes(self) -> int:
+        """GPU memory tree decoding adds to plain decoding: MTP weights and cache, tree buffers."""
+        seen: set[int] = set()
+        total = self.w.mtp.nbytes()
+        for obj in (self, self.tr, self.d1, self.feed):
+            for x in obj.__dict__.values():
+                for t in x if isinstance(x, list | tuple) else (x,):
+                    if (
+                        isinstance(t, torch.Tensor)
+                        and t.device == self.dev
+                        and t.untyped_storage().data_ptr() not in seen
+                    ):
+                        seen.add(t.untyped_storage().data_ptr())
+                        total += t.untyped_storage().nbytes()
+        return total
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int] | torch.Tensor) -> int:
+        """Target prefill (the runner's, bitwise plain decoding's) with the MTP fed every prompt pair
+        chunk by chunk, then the pair (h_{n-1}, pending) through the feed path (the first draft logits).
+        Returns the first token (one host sync)."""
+        r = self.runner
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.dev)
+        if ids.numel() + self.R + 2 * self.cap > r.max_len:
+            raise ValueError(f"prompt of {ids.numel()} tokens leaves no room for a tree in {r.max_len}")
+        r.reset()
+        self._carry = None
+        r.prefill(ids, hidden_hook=lambda hidden, start: self._mtp_prefill(ids, hidden, start))
+        n = r.length
+        self.tr.out[0:1].copy_(self._carry)  # the feed gathers from the verify's hidden rows
+        self.accepted.fill_(-1)
+        self.accepted[0] = 0
+        self.result.fill_(-1)
+        self.result[0] = 1
+        self.result[2:3].copy_(r.tok)
+        self.feed_start.fill_(n - 1)
+        self._feed()
+        self.tokens[0:1].copy_(r.tok)
+        self._carry = None
+        return r.token()
+
+    @torch.inference_mode()
+    def event(self, use_graph: bool = False) -> list[int]:
+        """One speculative event; returns the emitted tokens (accepted drafts, then the new pending)."""
+        r = self.runner
+        if r.length + self.R > r.max_len:
+            raise ValueError(f"the cache is full ({r.max_len} positions incl. {self.R} tree slots)")
+        if use_graph and self.graphs is not None:
+            for g in self.graphs.values():
+                g.replay()
+        else:
+            self._draft()
+            self._verify()
+            self._accept_commit()
+        res = self._read_result()
+        n = res[0]
+        r.length += n
+        return res[2 : 2 + n]
+
+    def _read_result(self) -> list[int]:
+        # The one device-to-host copy of the event.
+        if self.dev.type != "cuda":
+            return self.result.tolist()
+        if not hasattr(self, "_host"):
+            self._host = torch.empty(self.result.shape, dtype=torch.int32, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._host.copy_(self.result, non_blocking=True)
+        self._copied.record()
+        self._copied.synchronize()
+        return self._host.tolist()
+
+    def _state(self) -> list[torch.Tensor]:
+        r = self.runner
+        return [
+            *r.gdn_state,
+            *r.conv_state,
+            r.tok,
+            r.pos,
+            r.sample_pos,
+            self.tokens,
+            self.draft_logits,
+            self.d1.out,  # the first draft step's hidden input
+        ]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture draft, verify and accept+commit as three CUDA graphs. Two warm-up events on a side
+        stream compile and load every kernel; the state they advance is restored (what they wrote past
+        len in the K/V caches and the MTP cache is rewritten before it is read)."""
+        r = self.runner
+        if r.length + 3 * self.R + 3 * self.cap > r.max_len:
+            raise ValueError("capture() needs room for two warm-up events in the cache")
+        steps = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
+        saved = [t.clone() for t in self._state()]
+        side = torch.cuda.Stream(self.dev)
+        side.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                for fn in steps.values():
+                    fn()
+        torch.cuda.current_stream(self.dev).wait_stream(side)
+        for t, s in zip(self._state(), saved, strict=True):
+            t.copy_(s)
+        graphs = {}
+        for name, fn in steps.items():
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):  # records only
+                fn()
+            graphs[name] = g
+        self.graphs = graphs
+
+    # ------------------------------------------------------------------------------------------
+    # Shared pieces.
+
+    def _mlp(self, lw: GPULayer, rows: _Rows) -> None:
+        """rows.x -> rows.delta; the runner's arithmetic (silu rounded to bf16, then the product)."""
+        I = self.cfg.intermediate_size  # noqa: E741
+        lw.gate_up(rows.x, out=rows.gate_up)
+        g, u = rows.gate_up[:, :I], rows.gate_up[:, I:]
+        F.silu(g, inplace=True)
+        torch.mul(g, u, out=rows.act)
+        lw.down(rows.act, out=rows.delta)
+
+    def _attn(
+        self, a: GPUAttn, rows: _Rows, length: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+    ) -> None:
+        """rows.x -> rows.delta: K/V to rows.slots at rows.positions, attention over [0, length) + the
+        tree slots of rows.mask (runner._attn_decode for T rows)."""
+        d = self.cfg.head_dim
+        a.qkv(rows.x, out=rows.attn_proj)
+        qk_norm_rope_kv(
+            rows.qg,
+            rows.k,
+            rows.v,
+            a.q_norm,
+            a.k_norm,
+            rows.positions,
+            rows.slots,
+            kc,
+            vc,
+            self.w.inv_freq,
+            self.cfg.rms_norm_eps,
+            q_out=rows.q,
+        )
+        rows.gate.copy_(rows.qg[:, :, d:])  # attn_decode wants a contiguous gate
+        attn_decode(
+            rows.q, kc, vc, length, rows.mask, gate=rows.gate, out=rows.attn_out, workspace=rows.attn_ws
+        )
+        a.o_proj(rows.attn_out.view(rows.T, -1), out=rows.delta)
+
+    def _mtp_rows(self, rows: _Rows, tok: torch.Tensor, hid: torch.Tensor, length: torch.Tensor) -> None:
+        """The MTP head over T decode rows: pairs (hid[t], tok[t]) at rows.positions -> rows.out (its final
+        norm output). K/V go to rows.slots of the MTP cache; attention sees [0, length) + rows.mask."""
+        m, eps, T = self.w.mtp, self.cfg.rms_norm_eps, rows.T
+        emb, e, hn, cat = self.mtp_emb[:T], self.mtp_e[:T], self.mtp_hn[:T], self.mtp_cat[:T]
+        torch.index_select(self.w.embed, 0, tok, out=emb)
+        rmsnorm1p(emb, m.pre_fc_norm_embedding, eps, out=e)
+        rmsnorm1p(hid, m.pre_fc_norm_hidden, eps, out=hn)
+        torch.cat([e, hn], dim=1, out=cat)  # embedding half first (lumo.model.mtp_forward)
+        m.fc(cat, out=rows.h)
+        delta = None
+        for i, lw in enumerate(m.layers):
+            rmsnorm1p(rows.h, lw.input_layernorm, eps, delta=delta, out=rows.x)
+            self._attn(lw.mixer, rows, length, self.mtp_k[i], self.mtp_v[i])
+            rmsnorm1p(rows.h, lw.post_attention_layernorm, eps, delta=rows.delta, out=rows.x)
+            self._mlp(lw, rows)
+            delta = rows.delta
+        rmsnorm1p(rows.h, m.norm, eps, delta=delta, out=rows.out)
+
+    def _draft_logits(self) -> None:
+        self.w.lm_head(self.d1.out, out=self.draft_bf16)
+        self.draft_logits.copy_(self.draft_bf16)  # bf16 logits, then f32 (as lumo.model)
+
+    def _feed(self) -> None:
+        """MTP K/V for the accepted pairs (h of accepted node j, emitted token j) at positions
+        feed_start + j, j < count, computed over all D + 1 rows (rows past count write K/V past the
+        committed MTP length, rewritten before read); the last pair's output -> the first draft step."""
+        f = self.feed
+        torch.clamp(self.accepted, min=0, out=self.feed_idx)
+        torch.index_select(self.tr.out, 0, self.feed_idx, out=self.feed_hid)
+        torch.clamp(self.result[2 : 2 + self.cap], min=0, out=self.feed_tok)
+        torch.add(self.ar_cap, self.feed_start, out=f.positions)
+        f.slots.copy_(f.positions)
+        self._mtp_rows(f, self.feed_tok, self.feed_hid, self.feed_start)
+        torch.sub(self.result[:1], 1, out=self.last_idx)
+        torch.index_select(f.out, 0, self.last_idx, out=self.d1.out)
+        self._draft_logits()
+
+    # ------------------------------------------------------------------------------------------
+    # The three phases of an event (launches only: no allocation, no sync).
+
+    def _draft(self) -> None:
+        r1, L = self.d1, self.runner.pos
+        self.mtp_pos.copy_(L)
+        topk_select(
+            self.draft_logits,
+            self.k,
+            out=self.cand[0:1],
+            tokens=self.tokens,
+            nodes=self.table[0:1],
+            workspace=self.tk_ws,
+        )
+        for dd in range(1, self.D):
+            # Step dd: pair (draft hidden, spine token at depth dd) at MTP position len + dd - 1.
+            r1.positions.copy_(self.mtp_pos)
+            r1.slots.copy_(self.mtp_pos)
+            # r1.out (the previous step's output) is read by the first norm, rewritten by the last one.
+            self._mtp_rows(r1, self.tokens[dd : dd + 1], r1.out, self.mtp_pos)
+            self._draft_logits()
+            topk_select(
+                self.draft_logits,
+                self.k,
+                out=self.cand[dd : dd + 1],
+                tokens=self.tokens,
+                nodes=self.table[dd : dd + 1],
+                workspace=self.tk_ws,
+            )
+            self.mtp_pos.add_(1)
+
+    def _verify(self) -> None:
+        cfg, w, v, eps = self.cfg, self.w, self.tr, self.cfg.rms_norm_eps
+        r, L = self.runner, self.runner.pos
+        C, nv, dv = cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        torch.add(self.depth, L, out=v.positions)  # logical position len + depth
+        torch.add(self.slot_off, L, out=v.slots)  # tree slot len + i (padding: negative, not written)
+        self.len64.copy_(L)
+        torch.add(self.depth1, self.len64, out=self.sample_pos)
+        torch.index_select(w.embed, 0, self.tokens, out=v.h)
+        delta = None
+        i_full = i_gdn = 0
+        for kind, lw in zip(cfg.layer_types, w.layers, strict=True):
+            rmsnorm1p(v.h, lw.input_layernorm, eps, delta=delta, out=v.x)
+            if kind == FULL:
+                self._attn(lw.mixer, v, L, r.kv_k[i_full], r.kv_v[i_full])
+                i_full += 1
+            else:
+                g: GPUGDN = lw.mixer
+                proj, ba, mixed = self.gdn_proj[i_gdn], self.gdn_ba[i_gdn], self.gdn_mixed[i_gdn]
+                g.qkvz(v.x, out=proj)
+                g.ba(v.x, out=ba)
+                conv_gather(proj[:, :C], g.conv1d, r.conv_state[i_gdn], self.pred, out=mixed)
+                gdn_tree(
+                    mixed,
+                    ba[:, nv:],
+                    ba[:, :nv],
+                    g.A_log,
+                    g.dt_bias,
+                    r.gdn_state[i_gdn],
+                    self.paths,
+                    self.path_len,
+                    self.owner,
+                    out=self.gdn_o,
+                )
+                z = proj[:, C:].view(self.R, nv, dv)
+                gated_rmsnorm(self.gdn_o, z, g.norm, eps, out=self.gdn_y)
+                g.out_proj(self.gdn_y, out=v.delta)
+                i_gdn += 1
+            rmsnorm1p(v.h, lw.post_attention_layernorm, eps, delta=v.delta, out=v.x)
+            self._mlp(lw, v)
+            delta = v.delta
+        rmsnorm1p(v.h, w.norm, eps, delta=delta, out=v.out)  # hidden states, kept for the MTP feed
+        w.lm_head(v.out, out=self.logits_bf16)
+        self.logits.copy_(self.logits_bf16)
+        sample_tokens(
+            self.logits,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.seed,
+            self.sample_pos,
+            out=self.choice,
+            workspace=self.sample_ws,
+        )
+
+    def _accept_commit(self) -> None:
+        cfg, r = self.cfg, self.runner
+        C, nv = cfg.conv_dim, cfg.linear_num_value_heads
+        tree_accept(
+            self.tokens, self.choice, self.parent, self.tb.n_nodes, self.accepted, self.result, self.cap
+        )
+        count = self.result[:1]
+        i_gdn = 0
+        for kind, lw in zip(cfg.layer_types, self.w.layers, strict=True):
+            if kind == FULL:
+                continue
+            g: GPUGDN = lw.mixer
+            ba = self.gdn_ba[i_gdn]
+            gdn_decode(
+                self.gdn_mixed[i_gdn],
+                ba[:, nv:],
+                ba[:, :nv],
+                g.A_log,
+                g.dt_bias,
+                r.gdn_state[i_gdn],
+                out=self.replay_o,
+                rows=self.accepted,
+                count=count,
+            )
+            conv_state_commit(r.conv_state[i_gdn], self.gdn_proj[i_gdn][:, :C], self.accepted)
+            i_gdn += 1
+        kv_remap(self.kv_tab, self.accepted, count, r.pos)  # before len advances
+        self.feed_start.copy_(r.pos)
+        self._feed()
+        r.pos.add_(count)
+        r.sample_pos.copy_(r.pos)
+        r.sample_pos.add_(1)
+        r.tok.copy_(self.result[1:2])
+        self.tokens[0:1].copy_(self.result[1:2])
+
+    # ------------------------------------------------------------------------------------------
+    # MTP over the prompt (large-M paths, allocating: not part of the event).
+
+    def _mtp_prefill(self, ids: torch.Tensor, hidden: torch.Tensor, start: int) -> None:
+        """Pairs (h_q, x_{q+1}) of a prefill chunk; the chunk's last row waits for the next token."""
+        rows = hidden[:-1] if self._carry is None else torch.cat([self._carry, hidden[:-1]])
+        q0 = start if self._carry is None else start - 1
+        self._carry = hidden[-1:].clone()
+        T = rows.shape[0]
+        if T == 0:
+            return
+        m, eps, d = self.w.mtp, self.cfg.rms_norm_eps, self.cfg.head_dim
+        e = rmsnorm1p(self.w.embed.index_select(0, ids[q0 + 1 : q0 + 1 + T]), m.pre_fc_norm_embedding, eps)
+        hn = rmsnorm1p(rows.contiguous(), m.pre_fc_norm_hidden, eps)
+        h = m.fc(torch.cat([e, hn], dim=1))
+        positions = torch.arange(q0, q0 + T, dtype=torch.int32, device=self.dev)
+        delta = None
+        for i, lw in enumerate(m.layers):
+            a = lw.mixer
+            x = rmsnorm1p(h, lw.input_layernorm, eps, delta=delta)
+            qg, k, v = self.runner._attn_views(a.qkv(x), T)
+            kc, vc = self.mtp_k[i], self.mtp_v[i]
+            q = qk_norm_rope_kv(
+                qg, k, v, a.q_norm, a.k_norm, positions, positions, kc, vc, self.w.inv_freq, eps
+            )
+            o = attn_prefill(q, kc, vc, q0, gate=qg[:, :, d:])
+            delta = a.o_proj(o.view(T, -1))
+            if i + 1 == len(m.layers):
+                break  # only the K/V of the prompt pairs are needed
+            x = rmsnorm1p(h, lw.post_attention_layernorm, eps, delta=delta)
+            delta = self.runner._mlp(lw, x)
+
+
+class GPUSpecDecoder:
+    """decode.SpecDecoder's interface (prefill / step / stats) on the GPU engine.
+
+    backend_or_runner: a GPUBackend (the runner is grown to max_len + tree slots; pass max_len), a
+    GPURunner, or a GPUSpecEngine (reused: no new buffers or graphs). The MTP head must be packed
+    (pack_weights(..., mtp=True) or gpu_weights.with_mtp). Eager by default; use_graph=True captures.
+    """
+
+    def __init__(
+        self,
+        backend_or_runner: GPUBackend | GPURunner | GPUSpecEngine,
+        params: SamplingParams,
+        tree: TreeConfig | None = None,
+        max_len: int | None = None,
+        use_graph: bool = False,
+    ):
+        tree = tree or TreeConfig()
+        src = backend_or_runner
+        if isinstance(src, GPUSpecEngine):
+            self.engine = src
+        else:
+            if isinstance(src, GPUBackend):
+                if max_len is None:
+                    raise ValueError("GPUSpecDecoder over a GPUBackend needs max_len")
+                src = spec_runner(src, max_len, tree.rows + tree.depth + 1)
+            self.engine = GPUSpecEngine(src, tree)
+        self.params, self.use_graph = params, use_graph
+        self.extra_positions = self.engine.R + self.engine.cap
+        self.stats = SpecStats()
+        self.pending: int | None = None
+
+    def prefill(self, prompt_ids: list[int]) -> list[int]:
+        e = self.engine
+        e.set_sampling(self.params)
+        self.stats = SpecStats()
+        self.pending = e.prefill(prompt_ids)
+        if self.use_graph and e.graphs is None:
+            e.capture()  # after prefill: the warm-up runs on real state, then restores it
+        return [self.pending]
+
+    def step(self) -> list[int]:
+        out = self.engine.event(use_graph=self.use_graph)
+        self.stats.events += 1
+        self.stats.accepted.append(len(out) - 1)
+        self.pending = out[-1]
+        return out
+
+
+def spec_runner(backend: GPUBackend, max_len: int, extra: int) -> GPURunner:
+    """The backend's runner, grown (as GPUBackend.decoder does) to hold max_len + the tree's slots."""
+    need = max_len + extra
+    if backend.runner is None or backend.runner.max_len < need:
+        backend.runner = None  # free the old caches first
+        torch.cuda.empty_cache()
+        cap = max(backend.capacity_for(min(need, backend.max_model_len)), need)
+        backend.runner = GPURunner(backend.cfg, backend.weights, cap, backend.prefill_chunk, backend.device)
+    return backend.runner
+
+
+class SpecBackend:
+    """What an LLM keeps for speculative decoding on the kernels: a GPUBackend (packed with the MTP head)
+    and one engine (buffers + graphs) per runner, reused by every request."""
+
+    def __init__(
+        self,
+        backend: GPUBackend,
+        tree: TreeConfig | None = None,
+        chain: bool = False,
+        use_graph: bool = False,
+    ):
+        tree = tree or TreeConfig()
+        self.backend, self.use_graph = backend, use_graph
+        self.tree = chain_config(tree.depth) if chain else tree
+        self.engine: GPUSpecEngine | None = None
+
+    def decoder(self, params: SamplingParams, max_len: int) -> GPUSpecDecoder:
+        runner = spec_runner(self.backend, max_len, self.tree.rows + self.tree.depth + 1)
+        if self.engine is None or self.engine.runner is not runner:
+            self.engine = None
+            self.engine = GPUSpecEngine(runner, self.tree)
+        return GPUSpecDecoder(self.engine, params, use_graph=self.use_graph)

@@ -1,0 +1,266 @@
+"""GPU: tree speculative decoding on the kernels (lumo/engine/gpu_spec.py) against plain decoding on the same
+kernels (GPUDecoder / GPURunner). The kernels are batch invariant, so the comparisons are bitwise: tokens
+(greedy and seeded sampling), the logits of every accepted node, and the committed GDN / conv / KV state.
+Also a chi-square test of the emitted tokens' distribution, chain mode, and graph replay == eager."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from lumo.config import TreeConfig
+from lumo.corpus import split_documents, stdlib_documents
+from lumo.engine.gpu_decode import GPUDecoder
+from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
+from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
+from lumo.engine.llm import embedded_model_path
+from lumo.engine.runner import GPURunner
+from lumo.engine.sampling import SamplingParams
+from lumo.engine.tree import chain_config
+from lumo.tokenizer import Tokenizer
+from lumo.weights import load_model
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+VARIANTS = ["lumo-tiny", "lumo-tiny-nvfp4"]
+CAPACITY = 1024  # prompt (<= 300) + 256 tokens + tree slots
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@functools.cache
+def packed(variant: str):
+    """(cfg, GPU weights with the MTP head, model dir)."""
+    path = embedded_model_path().parent / variant
+    if not (path / "config.json").exists():
+        pytest.skip(f"{variant} is not in lumo/assets")
+    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    return cfg, pack_weights(cfg, w, DEV, mtp=True), path
+
+
+@functools.cache
+def prompts(variant: str, n: int = 50) -> tuple[tuple[int, ...], ...]:
+    """n prompts of 16..295 tokens, drawn deterministically from the held-out stdlib files (the model never
+    trained on them); synthesized code snippets if the held-out set runs short."""
+    tok = Tokenizer.from_dir(embedded_model_path().parent / variant)
+    out: list[tuple[int, ...]] = []
+    for doc in split_documents(stdlib_documents())[2]:
+        ids = tok.encode(doc.text)
+        for start in (0, len(ids) // 2):
+            length = 16 + (37 * len(out)) % 280
+            if start + length <= len(ids) and len(out) < n:
+                out.append(tuple(ids[start : start + length]))
+    i = 0
+    while len(out) < n:
+        text = f"def f{i}(items, n={i}):\n    total = 0\n    for x in items[:n]:\n        total += x * {i}\n"
+        out.append(tuple(tok.encode(text)))
+        i += 1
+    return tuple(out)
+
+
+@functools.cache
+def runners(variant: str) -> tuple[GPURunner, GPURunner]:
+    cfg, gw, _ = packed(variant)
+    return GPURunner(cfg, gw, CAPACITY), GPURunner(cfg, gw, CAPACITY)
+
+
+@functools.cache
+def engine(variant: str, tree: TreeConfig, which: int = 1) -> GPUSpecEngine:
+    return GPUSpecEngine(runners(variant)[which], tree)
+
+
+def plain_tokens(variant: str, prompt, n: int, params: SamplingParams = GREEDY, logits: dict | None = None):
+    """n tokens of GPUDecoder (eager: bitwise the graph, tests/test_runner_gpu.py). logits (optional)
+    receives {position of the forwarded token: f32 logits}, the prefill's last row at len(prompt) - 1."""
+    r = runners(variant)[0]
+    dec = GPUDecoder(r, params, use_graph=False)
+    out = dec.prefill(list(prompt))
+    if logits is not None:
+        logits[len(prompt) - 1] = r.logits[0].clone()
+    while len(out) < n:
+        pos = r.length
+        out += dec.step()
+        if logits is not None:
+            logits[pos] = r.logits[0].clone()
+    return out[:n]
+
+
+def spec_tokens(dec: GPUSpecDecoder, prompt, n: int, check=None) -> list[int]:
+    out = dec.prefill(list(prompt))
+    while len(out) < n:
+        L = dec.engine.runner.length
+        out += dec.step()
+        if check is not None:
+            check(L)
+    return out[:n]
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), -1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_tree_equals_plain(variant):
+    dec = GPUSpecDecoder(engine(variant, TreeConfig()), GREEDY)
+    accepted = []
+    for i, p in enumerate(prompts(variant)):
+        want = plain_tokens(variant, p, 256)
+        got = spec_tokens(dec, p, 256)
+        assert got == want, f"prompt {i} ({len(p)} tokens): first difference at token {first_diff(got, want)}"
+        accepted += dec.stats.accepted
+    mean = sum(accepted) / len(accepted)
+    print(f"{variant}: {len(accepted)} events, {mean:.2f} accepted drafts per event")
+    assert mean > 0.3, "the MTP drafts are almost never accepted: the draft path is broken"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_accepted_logits_and_committed_state_bitwise(variant):
+    e = engine(variant, TreeConfig())
+    dec = GPUSpecDecoder(e, GREEDY)
+    rp, rs = runners(variant)
+    for i, p in enumerate(prompts(variant)[:8]):
+        spec_logits: dict[int, torch.Tensor] = {}
+
+        def record(L: int, spec_logits: dict = spec_logits) -> None:
+            acc = e.accepted.tolist()
+            n = int(e.result[0])
+            for j, node in enumerate(acc[:n]):
+                spec_logits[L + j] = e.logits[node].clone()
+
+        got = spec_tokens(dec, p, 160, check=record)
+        committed = rs.length
+        plain_logits: dict[int, torch.Tensor] = {}
+        want = plain_tokens(variant, p, committed - len(p) + 1, logits=plain_logits)
+        assert got[: len(want)] == want[: len(got)], f"prompt {i}: tokens differ"
+        assert rp.length == committed
+        for pos, lg in spec_logits.items():
+            assert torch.equal(lg, plain_logits[pos]), f"prompt {i}: logits at position {pos} differ"
+        for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
+            assert torch.equal(a, b), f"prompt {i}: GDN / conv state differs after {committed} positions"
+        for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
+            assert torch.equal(a[:committed], b[:committed]), f"prompt {i}: K/V differ"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=7),
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=12345),
+    ],
+    ids=["t1", "t0.8-k40-p0.95"],
+)
+def test_seeded_sampling_tree_equals_plain(variant, params):
+    dec = GPUSpecDecoder(engine(variant, TreeConfig()), params)
+    for i, p in enumerate(prompts(variant)[:20]):
+        want = plain_tokens(variant, p, 128, params)
+        got = spec_tokens(dec, p, 128)
+        assert got == want, f"prompt {i}: first difference at token {first_diff(got, want)}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chain_equals_plain(variant):
+    dec = GPUSpecDecoder(engine(variant, chain_config(TreeConfig().depth)), GREEDY)
+    for i, p in enumerate(prompts(variant)[:12]):
+        want = plain_tokens(variant, p, 192)
+        got = spec_tokens(dec, p, 192)
+        assert got == want, f"prompt {i}: first difference at token {first_diff(got, want)}"
+        assert all(0 <= a <= TreeConfig().depth for a in dec.stats.accepted)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_graph_replay_equals_eager(variant):
+    cfg, gw, _ = packed(variant)
+    tree = TreeConfig()
+    eager = GPUSpecDecoder(engine(variant, tree), GREEDY)
+    graphed_engine = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), tree)
+    graphed = GPUSpecDecoder(graphed_engine, GREEDY, use_graph=True)
+    for i, p in enumerate(prompts(variant)[:10]):
+        got_e = spec_tokens(eager, p, 128)
+        got_g = spec_tokens(graphed, p, 128)
+        assert graphed_engine.graphs is not None
+        assert got_g == got_e, f"prompt {i}: first difference at token {first_diff(got_g, got_e)}"
+        assert eager.stats.accepted == graphed.stats.accepted
+        assert torch.equal(eager.engine.logits, graphed_engine.logits)
+        r1, r2 = eager.engine.runner, graphed_engine.runner
+        for a, b in zip(r1.gdn_state + r1.conv_state, r2.gdn_state + r2.conv_state, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_27b_shaped_tree_equals_plain():
+    """The 27B kernel specializations (nv=48, dk=dv=128, d=256, G=6, H=5120) through whole events: random
+    NVFP4 weights with a random MTP head, 4 layers, a small vocabulary; tokens and state bitwise."""
+    cfg = config_27b(4, vocab_size=4096)
+    w = random_model_weights(cfg, DEV, nvfp4=True, seed=3, mtp=True)
+    gw = pack_weights(cfg, w, DEV, mtp=True)
+    del w
+    rp, rs = GPURunner(cfg, gw, 256), GPURunner(cfg, gw, 256)
+    prompt = torch.randint(0, 4096, (77,), generator=torch.Generator().manual_seed(0)).tolist()
+    dec = GPUSpecDecoder(rs, GREEDY, TreeConfig())
+    got = dec.prefill(prompt)
+    while len(got) < 24:
+        got += dec.step()
+    plain = GPUDecoder(rp, GREEDY, use_graph=False)
+    want = plain.prefill(prompt)
+    while rp.length < rs.length:
+        want += plain.step()
+    assert got[: len(want)] == want
+    for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
+        assert torch.equal(a[: rs.length], b[: rs.length])
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_first_two_tokens_follow_the_target_distribution():
+    """Over many seeds, the pair (first token, first token emitted by a tree event) is distributed as
+    p(t1) p(t2 | t1) of the target (temperature 1): lossless sampling. Cells with expected count < 8 are
+    pooled; a prompt with a peaked but not deterministic first token keeps the table small."""
+    variant = VARIANTS[0]
+    rp = runners(variant)[0]
+    # The prompt: the first whose first-token distribution has top probability in [0.4, 0.9].
+    prompt = None
+    for p in prompts(variant):
+        rp.reset()
+        top = torch.softmax(rp.prefill(list(p)), -1).max().item()
+        if 0.4 <= top <= 0.9:
+            prompt = list(p)
+            break
+    assert prompt is not None, "no prompt with a peaked first-token distribution"
+    n = len(prompt)
+    rp.reset()
+    p1 = torch.softmax(rp.prefill(prompt).double(), -1).cpu()  # [V]
+    t1s = [t for t in torch.argsort(p1, descending=True).tolist()[:6] if p1[t] > 0.01]
+    expected: dict[tuple[int, int], float] = {}
+    for t1 in t1s:
+        rp.reset()
+        rp.prefill(prompt)
+        rp.seek(n, t1)
+        rp.decode_step(use_graph=False)
+        p2 = torch.softmax(rp.logits[0].double(), -1).cpu()
+        for t2 in torch.argsort(p2, descending=True).tolist()[:20]:
+            expected[(t1, t2)] = float(p1[t1] * p2[t2])
+    N = 4000
+    dec = GPUSpecDecoder(engine(variant, TreeConfig()), GREEDY)
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(N):
+        dec.params = SamplingParams(temperature=1.0, seed=seed)
+        t1 = dec.prefill(prompt)[0]
+        t2 = dec.step()[0]
+        counts[(t1, t2)] = counts.get((t1, t2), 0) + 1
+    cells = [c for c, p in expected.items() if p * N >= 8]
+    assert len(cells) >= 3, "the distribution is too peaked for a meaningful test"
+    obs = [counts.get(c, 0) for c in cells]
+    exp = [expected[c] * N for c in cells]
+    if N - sum(exp) >= 1:  # everything else, pooled (dropped when it carries almost no mass)
+        obs.append(N - sum(obs))
+        exp.append(N - sum(exp))
+    stat = sum((o - x) ** 2 / x for o, x in zip(obs, exp, strict=True))
+    df = len(obs) - 1
+    assert stat < chi2_critical(df), f"chi-square {stat:.1f} over {df} dof (critical {chi2_critical(df):.1f})"
