@@ -42,21 +42,6 @@
 
 typedef __nv_bfloat16 bf16;
 
-__device__ __forceinline__ void gdn_write_o(bf16* o, float4 y) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(y.x, y.y), hi = __floats2bfloat162_rn(y.z, y.w);
-  uint2 w;
-  w.x = *reinterpret_cast<unsigned*>(&lo);
-  w.y = *reinterpret_cast<unsigned*>(&hi);
-  *reinterpret_cast<uint2*>(o) = w;
-}
-__device__ __forceinline__ void gdn_write_o(float* o, float4 y) { *reinterpret_cast<float4*>(o) = y; }
-
-#if OUT_BF16
-typedef bf16 gdn_out_t;
-#else
-typedef float gdn_out_t;
-#endif
-
 // Strides are in elements (rows of mixed / a / b may be views into wider fused outputs). T >= 1.
 // rows (nullable, int [T]): token t reads row rows[t] of mixed / a / b (commit replay of a tree path);
 // count (nullable, one int on the device): only the first min(T, *count) tokens run, so a captured graph

@@ -180,3 +180,22 @@ __device__ __forceinline__ float gdn_param(const gdn_param_t* p, int h) {
   return p[h];
 #endif
 }
+
+// ---- the o writer shared by the decode and tree kernels: round-to-nearest f32 -> bf16, or f32 as is.
+#ifndef OUT_BF16
+#define OUT_BF16 1
+#endif
+__device__ __forceinline__ void gdn_write_o(__nv_bfloat16* o, float4 y) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(y.x, y.y), hi = __floats2bfloat162_rn(y.z, y.w);
+  uint2 w;
+  w.x = *reinterpret_cast<unsigned*>(&lo);
+  w.y = *reinterpret_cast<unsigned*>(&hi);
+  *reinterpret_cast<uint2*>(o) = w;
+}
+__device__ __forceinline__ void gdn_write_o(float* o, float4 y) { *reinterpret_cast<float4*>(o) = y; }
+
+#if OUT_BF16
+typedef __nv_bfloat16 gdn_out_t;
+#else
+typedef float gdn_out_t;
+#endif

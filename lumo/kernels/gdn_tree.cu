@@ -46,22 +46,6 @@
 
 typedef __nv_bfloat16 bf16;
 
-// Same conversions as gdn.cu's gdn_write_o (round-to-nearest f32 -> bf16, or the f32 as is).
-__device__ __forceinline__ void gdn_tree_write_o(bf16* o, float4 y) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(y.x, y.y), hi = __floats2bfloat162_rn(y.z, y.w);
-  uint2 w;
-  w.x = *reinterpret_cast<unsigned*>(&lo);
-  w.y = *reinterpret_cast<unsigned*>(&hi);
-  *reinterpret_cast<uint2*>(o) = w;
-}
-__device__ __forceinline__ void gdn_tree_write_o(float* o, float4 y) { *reinterpret_cast<float4*>(o) = y; }
-
-#if OUT_BF16
-typedef bf16 gdn_out_t;
-#else
-typedef float gdn_out_t;
-#endif
-
 extern "C" __global__ void __launch_bounds__(32)
     gdn_tree(const bf16* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ a, int a_stride,
              const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
@@ -91,6 +75,6 @@ extern "C" __global__ void __launch_bounds__(32)
     GdnToken tok;
     gdn_prepare(raw, A, dtb, tok);
     const float4 y = gdn_step(S, tok);
-    if (lane < GDN_CQ && owner[node] == p) gdn_tree_write_o(o + (node * NV + h) * DV + j0 + 4 * lane, y);
+    if (lane < GDN_CQ && owner[node] == p) gdn_write_o(o + (node * NV + h) * DV + j0 + 4 * lane, y);
   }
 }
