@@ -28,7 +28,10 @@ def gdn_dvt(dk: int, dv: int) -> int:
 
 
 @functools.cache
-def _kernel(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool) -> Kernel:
+def _kernel(
+    source: str, name: str, nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool
+) -> Kernel:
+    """A GDN kernel (gdn_recurrent, gdn_tree) for one head shape; DVT is part of the arithmetic."""
     defines = {
         "NK": nk,
         "NV": nv,
@@ -38,7 +41,26 @@ def _kernel(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool
         "PARAM_BF16": int(param_bf16),
         "OUT_BF16": int(out_bf16),
     }
-    return compile_kernel("gdn", "gdn_recurrent", defines)
+    return compile_kernel(source, name, defines)
+
+
+def _out_rows(
+    out: torch.Tensor | None, T: int, nv: int, dv: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The o buffer [T, nv, dv] f32/bf16: allocated when not given, checked when given."""
+    if out is None:
+        out = torch.empty(T, nv, dv, dtype=dtype, device=device)
+    if (
+        out.dtype not in (torch.float32, torch.bfloat16)
+        or out.shape != (T, nv, dv)
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be contiguous f32/bf16 [{T}, {nv}, {dv}], got {out.dtype} {tuple(out.shape)}"
+        )
+    if out.data_ptr() % 16:
+        raise ValueError("out must be 16-byte aligned")
+    return out
 
 
 def _heads(mixed: torch.Tensor, state: torch.Tensor) -> tuple[int, int, int, int]:
@@ -121,23 +143,14 @@ def gdn_decode(
         state_out = state
     else:
         _check_state(state_out, (nv, dk, dv), "state_out")
-    if out is None:
-        out = torch.empty(T, nv, dv, dtype=out_dtype, device=mixed.device)
-    if (
-        out.dtype not in (torch.float32, torch.bfloat16)
-        or out.shape != (T, nv, dv)
-        or not out.is_contiguous()
-    ):
-        raise ValueError(
-            f"out must be contiguous f32/bf16 [{T}, {nv}, {dv}], got {out.dtype} {tuple(out.shape)}"
-        )
-    if out.data_ptr() % 16:
-        raise ValueError("out must be 16-byte aligned")
+    out = _out_rows(out, T, nv, dv, out_dtype, mixed.device)
     if T == 0:
         if state_out is not state:
             state_out.copy_(state)
         return out
-    kern = _kernel(nk, nv, dk, dv, A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16)
+    kern = _kernel(
+        "gdn", "gdn_recurrent", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16
+    )
     args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, state_out, out, T]
     args += [ctypes.c_void_p(0) if t is None else t for t in (rows, count)]
     kern.launch((nv, dv // gdn_dvt(dk, dv)), 32, args)

@@ -9,26 +9,9 @@ path is decoded token by token from the same state. Commit replays the accepted 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .compile import Kernel, compile_kernel
-from .gdn import _check_rows, _check_state, _heads, gdn_decode_ref, gdn_dvt
-
-
-@functools.cache
-def _kernel(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool) -> Kernel:
-    defines = {
-        "NK": nk,
-        "NV": nv,
-        "DK": dk,
-        "DV": dv,
-        "DVT": gdn_dvt(dk, dv),  # the decode kernel's value: part of the arithmetic
-        "PARAM_BF16": int(param_bf16),
-        "OUT_BF16": int(out_bf16),
-    }
-    return compile_kernel("gdn_tree", "gdn_tree", defines)
+from .gdn import _check_rows, _check_state, _heads, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
 
 
 def _check_index(x: torch.Tensor, shape: tuple[int, ...], what: str, device: torch.device) -> None:
@@ -84,21 +67,11 @@ def gdn_tree(
     _check_index(paths, (P, L), "paths", mixed.device)
     _check_index(path_len, (P,), "path_len", mixed.device)
     _check_index(owner, (R,), "owner", mixed.device)
-    if out is None:
-        out = torch.empty(R, nv, dv, dtype=out_dtype, device=mixed.device)
-    if (
-        out.dtype not in (torch.float32, torch.bfloat16)
-        or out.shape != (R, nv, dv)
-        or not out.is_contiguous()
-    ):
-        raise ValueError(
-            f"out must be contiguous f32/bf16 [{R}, {nv}, {dv}], got {out.dtype} {tuple(out.shape)}"
-        )
-    if out.data_ptr() % 16:
-        raise ValueError("out must be 16-byte aligned")
+    out = _out_rows(out, R, nv, dv, out_dtype, mixed.device)
     if R == 0 or P == 0 or L == 0:
         return out
-    kern = _kernel(nk, nv, dk, dv, A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16)
+    param_bf16, out_bf16 = A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16
+    kern = _kernel("gdn_tree", "gdn_tree", nk, nv, dk, dv, param_bf16, out_bf16)
     args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, out]
     args += [paths, L, path_len, owner]
     kern.launch((P, nv, dv // gdn_dvt(dk, dv)), 32, args)
