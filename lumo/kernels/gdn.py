@@ -82,6 +82,19 @@ def _check_state(s: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         )
 
 
+def _check_gates(A_log: torch.Tensor, dt_bias: torch.Tensor, nv: int) -> None:
+    if A_log.dtype != dt_bias.dtype or A_log.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"A_log / dt_bias must both be f32 or both bf16, got {A_log.dtype} / {dt_bias.dtype}"
+        )
+    if (
+        A_log.shape != (nv,)
+        or dt_bias.shape != (nv,)
+        or not (A_log.is_contiguous() and dt_bias.is_contiguous())
+    ):
+        raise ValueError(f"A_log / dt_bias must be contiguous [{nv}]")
+
+
 def _check_rows(x: torch.Tensor, t: int, n: int, what: str) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or tuple(x.shape) != (t, n) or (t and x.stride(1) != 1):
         raise ValueError(
@@ -128,16 +141,7 @@ def gdn_decode(
         T = rows.shape[0]
     if count is not None and count.shape != (1,):
         raise ValueError(f"count must be int32 [1], got {tuple(count.shape)}")
-    if A_log.dtype != dt_bias.dtype or A_log.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"A_log / dt_bias must both be f32 or both bf16, got {A_log.dtype} / {dt_bias.dtype}"
-        )
-    if (
-        A_log.shape != (nv,)
-        or dt_bias.shape != (nv,)
-        or not (A_log.is_contiguous() and dt_bias.is_contiguous())
-    ):
-        raise ValueError(f"A_log / dt_bias must be contiguous [{nv}]")
+    _check_gates(A_log, dt_bias, nv)
     _check_state(state, (nv, dk, dv), "state")
     if state_out is None:
         state_out = state

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .gdn import _check_rows, _check_state, _heads, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
+from .gdn import _check_gates, _check_rows, _check_state, _heads, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
 
 
 def _check_index(x: torch.Tensor, shape: tuple[int, ...], what: str, device: torch.device) -> None:
@@ -50,16 +50,7 @@ def gdn_tree(
         raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
     _check_rows(a, R, nv, "a")
     _check_rows(b, R, nv, "b")
-    if A_log.dtype != dt_bias.dtype or A_log.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"A_log / dt_bias must both be f32 or both bf16, got {A_log.dtype} / {dt_bias.dtype}"
-        )
-    if (
-        A_log.shape != (nv,)
-        or dt_bias.shape != (nv,)
-        or not (A_log.is_contiguous() and dt_bias.is_contiguous())
-    ):
-        raise ValueError(f"A_log / dt_bias must be contiguous [{nv}]")
+    _check_gates(A_log, dt_bias, nv)
     _check_state(state, (nv, dk, dv), "state")
     if paths.dim() != 2:
         raise ValueError(f"paths must be int32 [P, D+1], got {tuple(paths.shape)}")
