@@ -95,6 +95,20 @@ def _check_gates(A_log: torch.Tensor, dt_bias: torch.Tensor, nv: int) -> None:
         raise ValueError(f"A_log / dt_bias must be contiguous [{nv}]")
 
 
+def _check_operands(mixed, a, b, A_log, dt_bias, state) -> tuple[int, int, int, int]:
+    """The per-token operands every GDN launcher reads; returns (nk, nv, dk, dv)."""
+    nk, nv, dk, dv = _heads(mixed, state)
+    R = mixed.shape[0]
+    _check_rows(mixed, R, mixed.shape[1], "mixed")
+    if R and (mixed.stride(0) % 8 or mixed.data_ptr() % 16):
+        raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
+    _check_rows(a, R, nv, "a")
+    _check_rows(b, R, nv, "b")
+    _check_gates(A_log, dt_bias, nv)
+    _check_state(state, (nv, dk, dv), "state")
+    return nk, nv, dk, dv
+
+
 def _check_rows(x: torch.Tensor, t: int, n: int, what: str) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or tuple(x.shape) != (t, n) or (t and x.stride(1) != 1):
         raise ValueError(
@@ -126,14 +140,8 @@ def gdn_decode(
     row rows[t] of mixed / a / b; `count` (int32 [1] on the device) runs only the first min(T, count)
     tokens (o rows past it are left as they were) so one captured graph serves any accepted length.
     """
-    nk, nv, dk, dv = _heads(mixed, state)
-    n_rows = mixed.shape[0]
-    _check_rows(mixed, n_rows, mixed.shape[1], "mixed")
-    if n_rows and (mixed.stride(0) % 8 or mixed.data_ptr() % 16):
-        raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
-    _check_rows(a, n_rows, nv, "a")
-    _check_rows(b, n_rows, nv, "b")
-    T = n_rows
+    nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
+    T = mixed.shape[0]
     for name, idx in (("rows", rows), ("count", count)):
         if idx is not None and (idx.dtype != torch.int32 or idx.dim() != 1 or not idx.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous int32 vector, got {idx.dtype} {tuple(idx.shape)}")
@@ -141,8 +149,6 @@ def gdn_decode(
         T = rows.shape[0]
     if count is not None and count.shape != (1,):
         raise ValueError(f"count must be int32 [1], got {tuple(count.shape)}")
-    _check_gates(A_log, dt_bias, nv)
-    _check_state(state, (nv, dk, dv), "state")
     if state_out is None:
         state_out = state
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .gdn import _check_gates, _check_rows, _check_state, _heads, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
+from .gdn import _check_operands, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
 
 
 def _check_index(x: torch.Tensor, shape: tuple[int, ...], what: str, device: torch.device) -> None:
@@ -43,15 +43,8 @@ def gdn_tree(
     Returns o [R, nv, dv] (`out`, or out_dtype): rows with owner -1 are left as they were.
     Never syncs; allocates only when `out` is None.
     """
-    nk, nv, dk, dv = _heads(mixed, state)
+    nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
     R = mixed.shape[0]
-    _check_rows(mixed, R, mixed.shape[1], "mixed")
-    if R and (mixed.stride(0) % 8 or mixed.data_ptr() % 16):
-        raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
-    _check_rows(a, R, nv, "a")
-    _check_rows(b, R, nv, "b")
-    _check_gates(A_log, dt_bias, nv)
-    _check_state(state, (nv, dk, dv), "state")
     if paths.dim() != 2:
         raise ValueError(f"paths must be int32 [P, D+1], got {tuple(paths.shape)}")
     P, L = paths.shape
