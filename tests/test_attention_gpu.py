@@ -52,7 +52,7 @@ def length_t(n: int) -> torch.Tensor:
     return torch.tensor([n], dtype=torch.int32, device=DEV)
 
 
-HEADS = [(4, 2, 64), (12, 4, 64), (10, 2, 64), (6, 1, 256), (24, 4, 256), (8, 4, 256)]
+HEADS = [(4, 2, 64), (12, 4, 64), (10, 2, 64), (16, 4, 128), (6, 1, 256), (24, 4, 256), (8, 4, 256)]
 
 
 @pytest.mark.parametrize("nh,nkv,d", HEADS, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in HEADS])
@@ -85,6 +85,15 @@ def test_tree_rows_equal_plain_decode_bitwise(nh, nkv, d, length):
             q[i : i + 1], kc2, vc2, length_t(length + len(path) - 1), one, gate=gate[i : i + 1]
         )
         assert torch.equal(plain[0], tree[i]), f"row {i} (depth {len(path) - 1})"
+
+
+def test_strided_gate_equals_contiguous_gate():
+    """The gate may be a view into the q projection ([T, nh, 2d] -> [:, :, d:]): same bits as a copy."""
+    T, nh, nkv, d, length = 5, 24, 4, 256, 333
+    kc, vc, q, gate, mask = setup(length + 64, T, nh, nkv, d, seed=3)
+    qg = torch.cat([q, gate], dim=-1)  # [T, nh, 2d]
+    strided = attn_decode(q, kc, vc, length_t(length), mask, gate=qg[:, :, d:])
+    assert torch.equal(strided, attn_decode(q, kc, vc, length_t(length), mask, gate=gate))
 
 
 def test_rows_independent_of_batch_and_order():

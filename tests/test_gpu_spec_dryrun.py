@@ -151,7 +151,7 @@ def _emulated_ops():
     from lumo.kernels.gdn import gdn_decode_ref
     from lumo.kernels.gdn_tree import gdn_tree_ref
     from lumo.kernels.linear import unpack_nvfp4
-    from lumo.kernels.norms import gated_rmsnorm_ref, rmsnorm1p_ref
+    from lumo.kernels.norms import gated_rmsnorm_ref, rmsnorm1p_ref, silu_mul_ref
     from lumo.kernels.sampling import sample_tokens_ref
     from lumo.kernels.tree_ops import topk_select_ref
 
@@ -179,6 +179,10 @@ def _emulated_ops():
             h.copy_(hn)
         out = torch.empty_like(h) if out is None else out
         return out.copy_(y)
+
+    def silu_mul(gu, out=None):
+        y = silu_mul_ref(gu)
+        return y if out is None else out.copy_(y)
 
     def gated_rmsnorm(o, z, w, eps, out=None):
         y = gated_rmsnorm_ref(o, z, w, eps)

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from lumo import model
-from lumo.kernels.norms import gated_rmsnorm, gated_rmsnorm_ref, rmsnorm1p, rmsnorm1p_ref
+from lumo.kernels.norms import (
+    gated_rmsnorm,
+    gated_rmsnorm_ref,
+    rmsnorm1p,
+    rmsnorm1p_ref,
+    silu_mul,
+    silu_mul_ref,
+)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -139,3 +146,15 @@ def test_graph_replay_equals_eager():
         h_eager = h0.clone()
         assert torch.equal(y, rmsnorm1p(h_eager, w, EPS, delta=delta)) and torch.equal(h, h_eager)
         assert torch.equal(g, gated_rmsnorm(o, z, gw, EPS))
+
+
+@pytest.mark.parametrize("T,I", [(1, 17408), (3, 24), (32, 136), (77, 1000)])
+def test_silu_mul_matches_torch_bitwise(T, I):  # noqa: E741
+    """silu_mul is torch's F.silu then torch.mul on bf16 in one launch; compared bit for bit with torch
+    on the GPU, and by relative error with an fp32 reference."""
+    gen = torch.Generator(device=DEV).manual_seed(T * 7 + I)
+    gu = bf16(gen, T, 2 * I, scale=3.0)
+    got = silu_mul(gu)
+    assert torch.equal(got, silu_mul_ref(gu))
+    g, u = gu.float().chunk(2, dim=-1)
+    assert rel_err(got, torch.nn.functional.silu(g) * u) < 1e-2

@@ -79,4 +79,4 @@ def test_qk_norm_rope_ref_matches_model(T, nh, nkv, d, rd):
 
 
 def test_rms_threads_depends_on_H_only():
-    assert rms_threads(192) == 32 and rms_threads(5120) == 128
+    assert rms_threads(192) == 32 and rms_threads(5120) == 640 and rms_threads(16384) == 1024

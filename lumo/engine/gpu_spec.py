@@ -22,14 +22,13 @@ The runner's own decode state (tok, pos, sample_pos) is kept current after every
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import FULL, TreeConfig
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
 from ..kernels.conv import conv_gather, conv_pred, conv_state_commit
 from ..kernels.gdn import gdn_decode
 from ..kernels.gdn_tree import gdn_tree
-from ..kernels.norms import gated_rmsnorm, rmsnorm1p
+from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
@@ -58,7 +57,6 @@ class _Rows:
         self.attn_proj = torch.zeros(T, nh * 2 * d + 2 * nkv * d, dtype=bf, device=dev)
         self.qg, self.k, self.v = runner._attn_views(self.attn_proj, T)
         self.q = torch.zeros(T, nh, d, dtype=bf, device=dev)
-        self.gate = torch.zeros(T, nh, d, dtype=bf, device=dev)
         self.attn_out = torch.zeros(T, nh, d, dtype=bf, device=dev)
         self.attn_ws = attn_decode_workspace(T, nh, d, runner.max_len, dev)
         self.gate_up = torch.zeros(T, 2 * I, dtype=bf, device=dev)
@@ -286,11 +284,8 @@ class GPUSpecEngine:
 
     def _mlp(self, lw: GPULayer, rows: _Rows) -> None:
         """rows.x -> rows.delta; the runner's arithmetic (silu rounded to bf16, then the product)."""
-        I = self.cfg.intermediate_size  # noqa: E741
         lw.gate_up(rows.x, out=rows.gate_up)
-        g, u = rows.gate_up[:, :I], rows.gate_up[:, I:]
-        F.silu(g, inplace=True)
-        torch.mul(g, u, out=rows.act)
+        silu_mul(rows.gate_up, out=rows.act)
         lw.down(rows.act, out=rows.delta)
 
     def _attn(
@@ -314,9 +309,15 @@ class GPUSpecEngine:
             self.cfg.rms_norm_eps,
             q_out=rows.q,
         )
-        rows.gate.copy_(rows.qg[:, :, d:])  # attn_decode wants a contiguous gate
         attn_decode(
-            rows.q, kc, vc, length, rows.mask, gate=rows.gate, out=rows.attn_out, workspace=rows.attn_ws
+            rows.q,
+            kc,
+            vc,
+            length,
+            rows.mask,
+            gate=rows.qg[:, :, d:],
+            out=rows.attn_out,
+            workspace=rows.attn_ws,
         )
         a.o_proj(rows.attn_out.view(rows.T, -1), out=rows.delta)
 

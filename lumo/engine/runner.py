@@ -18,13 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..config import FULL, ModelConfig
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
 from ..kernels.conv import conv_gather, conv_pred_chain, conv_prefill, conv_state_commit
 from ..kernels.gdn import gdn_decode, gdn_prefill
-from ..kernels.norms import gated_rmsnorm, rmsnorm1p
+from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..weights import ModelWeights
@@ -89,7 +88,6 @@ class GPURunner:
         self.gdn_y = torch.zeros(1, nv * dv, dtype=bf, device=dev)
         self.attn_proj = torch.zeros(1, nh * 2 * d + 2 * nkv * d, dtype=bf, device=dev)
         self.q = torch.zeros(1, nh, d, dtype=bf, device=dev)
-        self.gate = torch.zeros(1, nh, d, dtype=bf, device=dev)
         self.attn_out = torch.zeros(1, nh, d, dtype=bf, device=dev)
         self.gate_up = torch.zeros(1, 2 * I, dtype=bf, device=dev)
         self.act = torch.zeros(1, I, dtype=bf, device=dev)
@@ -101,7 +99,6 @@ class GPURunner:
         self._qg, self._k, self._v = self._attn_views(self.attn_proj, 1)
         self._mixed, self._z = self.gdn_proj[:, :C], self.gdn_proj[:, C:].view(1, nv, dv)
         self._b, self._a = self.gdn_ba[:, :nv], self.gdn_ba[:, nv:]
-        self._g, self._u = self.gate_up[:, :I], self.gate_up[:, I:]
         self.graph: torch.cuda.CUDAGraph | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -228,18 +225,11 @@ class GPURunner:
         return g.out_proj(y)
 
     def _mlp(self, lw: GPULayer, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        I = self.cfg.intermediate_size  # noqa: E741
         if out is None:  # prefill rows
-            gu = lw.gate_up(x)  # [T, 2I]
-            g, u = gu[:, :I], gu[:, I:]
-            act = torch.empty_like(u, memory_format=torch.contiguous_format)
-        else:  # the decode row: static buffers
-            lw.gate_up(x, out=self.gate_up)
-            g, u, act = self._g, self._u, self.act
-        # silu rounded to bf16, then the product rounded: lumo.model.mlp's two roundings
-        F.silu(g, inplace=True)
-        torch.mul(g, u, out=act)
-        return lw.down(act, out=out)
+            return lw.down(silu_mul(lw.gate_up(x)))
+        lw.gate_up(x, out=self.gate_up)  # the decode row: static buffers
+        silu_mul(self.gate_up, out=self.act)  # silu rounded to bf16, then the product: lumo.model.mlp
+        return lw.down(self.act, out=out)
 
     def _attn_views(self, proj: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         nh, nkv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
@@ -305,9 +295,15 @@ class GPURunner:
             self.cfg.rms_norm_eps,
             q_out=self.q,
         )
-        self.gate.copy_(self._qg[:, :, d:])  # attn_decode wants a contiguous gate
         attn_decode(
-            self.q, kc, vc, self.pos, self.mask, gate=self.gate, out=self.attn_out, workspace=self.attn_ws
+            self.q,
+            kc,
+            vc,
+            self.pos,
+            self.mask,
+            gate=self._qg[:, :, d:],
+            out=self.attn_out,
+            workspace=self.attn_ws,
         )
         a.o_proj(self.attn_out.view(1, -1), out=self.delta)
 

@@ -5,18 +5,24 @@
 // order): the k-th set bit j sits at logical position len + k. Row t sees n_t = len + popcount(mask[t]) keys.
 //
 // Split-K over FIXED chunks of logical positions: chunk c = positions [c*CHUNK, (c+1)*CHUNK), whatever len
-// and T are. Inside a chunk, warp `sub` owns positions [c*CHUNK + sub*SUB, +SUB) and walks them in order
-// (scores, then exp/sum/PV in position order); the NSUB sub-partials are combined in sub order, the chunks
-// by attn_decode_merge in chunk order. Everything a row computes is a function of (its q, its n_t keys in
+// and T are. Inside a chunk, warp `sub` owns positions [c*CHUNK + sub*SUB, +SUB): it computes their scores,
+// max, exps, sum and P.V in position order; the NSUB sub-partials are combined in sub order, the chunks by
+// attn_decode_merge in chunk order. Everything a row computes is a function of (its q, its n_t keys in
 // position order) only: T, the row's index and the other rows never enter its arithmetic (batch invariant),
 // and a tree row equals the plain decode of the same token after its ancestors were committed.
 //
-// Work split: CTA = (chunk, kv head); RW row groups of NSUB warps; row group r handles rows r, r+RW, ...
-// One warp computes all G query heads of the group for its row and sub-chunk: a K/V row is loaded once
-// (lane = DPL contiguous dims, 16 B for d=256) and used for G dot products (warp butterfly reductions).
+// Work split: CTA = (chunk slot, kv head, row). Rows are a grid dimension, so T tree rows run in parallel
+// (their K/V reads of the shared prefix hit L2). The grid's chunk slots are a launch choice: CTA x walks
+// chunks x, x + gridDim.x, ... while they hold keys of its row, so a captured graph replays for any len and
+// the grid need not be sized by the cache capacity. One warp computes all G query heads of the group for
+// its sub-chunk: a K/V row is loaded once (lane = DPL contiguous dims, 16 B for d = 256) and used G times.
+// Latency: a warp loads NB keys' rows at once (NB independent 16-byte loads per lane in flight) before it
+// uses any; the NB partial dot products of a head are reduced together by a transposing butterfly (each
+// exchange halves the values a lane holds: NB - 1 + 5 - log2(NB) shuffles for NB keys, not 5 * NB).
 //
 // lumo:test-defines D=256 G=6
 // lumo:test-defines D=64 G=2
+// lumo:test-defines D=128 G=4
 
 #include <cuda_bf16.h>
 
@@ -26,18 +32,20 @@
 #ifndef G
 #define G 6  // query heads per kv head (nh / nkv)
 #endif
-#define CHUNK 256  // positions per split-K partial (part of the arithmetic: fixed)
-#define SUB 64     // positions per warp inside a chunk (part of the arithmetic: fixed)
+#define CHUNK 128  // positions per split-K partial (part of the arithmetic: fixed)
+#define SUB 16     // positions per warp inside a chunk (part of the arithmetic: fixed)
 #define NSUB (CHUNK / SUB)
-#define RW 2  // rows processed in parallel per CTA (launch choice only)
+#define NB 8  // keys loaded together (SUB % NB == 0)
 #define DPL (D / 32)
-#define THREADS (32 * NSUB * RW)
+#define THREADS (32 * NSUB)
+
+static_assert(SUB % NB == 0 && NB == 8, "the transposing reduction below is written for NB = 8");
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 
-// DPL contiguous bf16 of one lane in one vector load (16 B for d = 256, 4 B for d = 64).
+// DPL contiguous bf16 of one lane in one vector load (16 B for d = 256, 8 B for 128, 4 B for d = 64).
 #if DPL == 8
 typedef uint4 Raw;
 #elif DPL == 4
@@ -46,25 +54,18 @@ typedef uint2 Raw;
 typedef unsigned int Raw;
 #endif
 
-__device__ __forceinline__ void load_vec(const bf16* p, float* f) {
-  union {
-    Raw raw;
-    __nv_bfloat162 h[DPL / 2];
-  } v;
-  v.raw = __ldg(reinterpret_cast<const Raw*>(p));
+union Vec {
+  Raw raw;
+  __nv_bfloat162 h[DPL / 2];
+};
+
+__device__ __forceinline__ void to_f32(const Vec& v, float* f) {
 #pragma unroll
   for (int j = 0; j < DPL / 2; ++j) {
-    float2 x = __bfloat1622float2(v.h[j]);
+    const float2 x = __bfloat1622float2(v.h[j]);
     f[2 * j] = x.x;
     f[2 * j + 1] = x.y;
   }
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  // xor butterfly: every lane ends with the same bits (a + b == b + a).
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
 }
 
 __device__ __forceinline__ int kth_set_bit(u64 m, int k) {
@@ -72,8 +73,47 @@ __device__ __forceinline__ int kth_set_bit(u64 m, int k) {
   return __ffsll((long long)m) - 1;
 }
 
-// Shared memory: scores [NSUB*RW warps][G][SUB], then per row group sub-partials acc [NSUB][G][D] and
+// Full sums over the warp of NB = 8 per-lane values v[0..7] (key i's partial dot product in v[i]).
+// Exchanges at lane distance 16, 8, 4 each hand half of the remaining keys to the partner; distances 2
+// and 1 finish the last one. Lane L ends with key ((L >> 2) & 7)'s sum (all four lanes of that quad hold
+// the same bits). The order of every addition is fixed by the lane and key indices alone.
+__device__ __forceinline__ float reduce8(float (&v)[8], int lane) {
+  {
+    const bool hi = lane & 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float send = hi ? v[i] : v[i + 4];
+      const float keep = hi ? v[i + 4] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+  }
+  {
+    const bool hi = lane & 8;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float send = hi ? v[i] : v[i + 2];
+      const float keep = hi ? v[i + 2] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+  }
+  const bool hi = lane & 4;
+  const float send = hi ? v[0] : v[1];
+  float s = (hi ? v[1] : v[0]) + __shfl_xor_sync(0xffffffffu, send, 4);
+  const float o2 = __shfl_xor_sync(0xffffffffu, s, 2);
+  s = (lane & 2) ? o2 + s : s + o2;  // both lanes of a pair add in the same order: identical bits
+  const float o1 = __shfl_xor_sync(0xffffffffu, s, 1);
+  return (lane & 1) ? o1 + s : s + o1;
+}
+
+// Cache slot of logical position p of a row (p < n): the prefix, else its (p - len)-th tree slot.
+__device__ __forceinline__ int slot_of(int p, int len, u64 mk) {
+  return p < len ? p : len + kth_set_bit(mk, p - len);
+}
+
+// Shared memory: per warp the scores / weights [SUB][G]; the NSUB sub-partials acc [NSUB][G][D] and
 // (m, l) [NSUB][G][2].
+#define SMEM_FLOATS (NSUB * SUB * G + NSUB * G * (D + 2))
+
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_decode_chunk(const bf16* __restrict__ q,          // [T, nkv*G, D]
                       const bf16* __restrict__ kc,         // [max_len, nkv, D]
@@ -82,110 +122,145 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       const long long* __restrict__ mask,  // [T] tree-slot bitmask per row
                       float* __restrict__ part_acc,        // [T, nkv*G, nch, D]
                       float* __restrict__ part_ml,         // [T, nkv*G, nch, 2]
-                      int T, int nkv, int max_len, int nch) {
-  extern __shared__ float smem[];
+                      int nkv, int max_len, int nch) {
+  extern __shared__ float smem[];  // SMEM_FLOATS (52.6 KB at d = 256, G = 6: dynamic)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int rg = warp / NSUB, sub = warp % NSUB;
-  const int c = blockIdx.x, h = blockIdx.y, nh = nkv * G;
+  const int h = blockIdx.y, t = blockIdx.z, nh = nkv * G;
   const int len = *length;
-  if (c * CHUNK >= len + 64) return;  // past every row's keys (popcount <= 64): uniform per CTA
+  const u64 mk = (u64)mask[t];
+  const int n = min(len + __popcll(mk), nch * CHUNK);  // keys of row t
+  const int n_chunks = (n + CHUNK - 1) / CHUNK;
+  if ((int)blockIdx.x >= n_chunks) return;  // uniform per CTA
 
-  float* sc = smem + warp * (G * SUB);
-  float* pacc = smem + NSUB * RW * G * SUB + rg * (NSUB * G * (D + 2));
-  float* pml = pacc + NSUB * G * D;
-  const float scale = 1.0f / sqrtf((float)D);  // exact for D = 64, 256
+  float* sc = smem + warp * (SUB * G);  // [SUB][G]
+  float* pacc = smem + NSUB * SUB * G;  // [NSUB][G][D]
+  float* pml = pacc + NSUB * G * D;     // [NSUB][G][2]
+  const float scale = 1.0f / sqrtf((float)D);
   const size_t kv_row = (size_t)nkv * D;
+  const bf16* kbase = kc + h * D + lane * DPL;
+  const bf16* vbase = vc + h * D + lane * DPL;
 
-  for (int t0 = 0; t0 < T; t0 += RW) {
-    const int t = t0 + rg;
-    const bool active = t < T;
-    const u64 mk = active ? (u64)mask[t] : 0ull;
-    const int n = len + __popcll(mk);  // keys of row t
-    const int p_begin = c * CHUNK + sub * SUB;
-    const int p_end = active ? min(p_begin + SUB, n) : p_begin;
+  float qv[G][DPL];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    Vec v;
+    v.raw = __ldg(reinterpret_cast<const Raw*>(q + ((size_t)t * nh + h * G + g) * D + lane * DPL));
+    to_f32(v, qv[g]);
+  }
 
-    float m[G], l[G], acc[G][DPL], qv[G][DPL];
+  for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const int p_begin = c * CHUNK + warp * SUB;
+    const int cnt = max(0, min(SUB, n - p_begin));  // keys of this warp (warp-uniform)
+
+    // Pass A: scores of the warp's keys, NB keys per round (loads first, then the dot products).
+    for (int b = 0; b < cnt; b += NB) {
+      Vec kv[NB];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      m[g] = -INFINITY;
-      l[g] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) acc[g][j] = 0.0f;
-      if (p_end > p_begin) load_vec(q + ((size_t)t * nh + h * G + g) * D + lane * DPL, qv[g]);
-    }
-    // Pass A: scores in position order, max.
-    for (int p = p_begin; p < p_end; ++p) {
-      const int slot = p < len ? p : len + kth_set_bit(mk, p - len);
-      float kv[DPL];
-      if (slot < max_len) {
-        load_vec(kc + (size_t)slot * kv_row + h * D + lane * DPL, kv);
-      } else {
-#pragma unroll
-        for (int j = 0; j < DPL; ++j) kv[j] = 0.0f;  // out-of-range slot (caller error): no OOB read
+      for (int i = 0; i < NB; ++i) {
+        const int slot = b + i < cnt ? slot_of(p_begin + b + i, len, mk) : max_len;
+        if (slot < max_len) {
+          kv[i].raw = __ldg(reinterpret_cast<const Raw*>(kbase + (size_t)slot * kv_row));
+        } else {
+          kv[i].raw = Raw{};  // past the row's keys (or an out-of-range slot): no load, score unused
+        }
       }
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        float s = 0.0f;
+        float dots[NB];
 #pragma unroll
-        for (int j = 0; j < DPL; ++j) s = fmaf(qv[g][j], kv[j], s);
-        s = warp_sum(s) * scale;
-        m[g] = fmaxf(m[g], s);
-        if (lane == 0) sc[g * SUB + (p - p_begin)] = s;
+        for (int i = 0; i < NB; ++i) {
+          float kf[DPL];
+          to_f32(kv[i], kf);
+          float s = 0.0f;
+#pragma unroll
+          for (int j = 0; j < DPL; ++j) s = fmaf(qv[g][j], kf[j], s);
+          dots[i] = s;
+        }
+        const float s = reduce8(dots, lane) * scale;
+        const int i = (lane >> 2) & 7;
+        if ((lane & 3) == 0 && b + i < cnt) sc[(b + i) * G + g] = s;
       }
     }
     __syncwarp();
-    // Pass B: exp, sum and P.V in position order.
-    for (int p = p_begin; p < p_end; ++p) {
-      const int slot = p < len ? p : len + kth_set_bit(mk, p - len);
-      float vv[DPL];
-      if (slot < max_len) {
-        load_vec(vc + (size_t)slot * kv_row + h * D + lane * DPL, vv);
-      } else {
+    // Max per head (exact whatever the order), then weights e^(s - m) in place and their sum in key order.
+    float m[G], l[G];
 #pragma unroll
-        for (int j = 0; j < DPL; ++j) vv[j] = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      m[g] = -INFINITY;
+      for (int i = 0; i < cnt; ++i) m[g] = fmaxf(m[g], sc[i * G + g]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      for (int i = lane; i < cnt; i += 32) sc[i * G + g] = expf(sc[i * G + g] - m[g]);
+    __syncwarp();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      l[g] = 0.0f;
+      for (int i = 0; i < cnt; ++i) l[g] += sc[i * G + g];
+    }
+    // Pass B: P.V in key order, NB value rows loaded per round.
+    float acc[G][DPL];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int j = 0; j < DPL; ++j) acc[g][j] = 0.0f;
+    for (int b = 0; b < cnt; b += NB) {
+      Vec vv[NB];
+#pragma unroll
+      for (int i = 0; i < NB; ++i) {
+        const int slot = b + i < cnt ? slot_of(p_begin + b + i, len, mk) : max_len;
+        if (slot < max_len) {
+          vv[i].raw = __ldg(reinterpret_cast<const Raw*>(vbase + (size_t)slot * kv_row));
+        } else {
+          vv[i].raw = Raw{};
+        }
       }
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const float w = expf(sc[g * SUB + (p - p_begin)] - m[g]);
-        l[g] += w;
+      for (int i = 0; i < NB; ++i) {
+        if (b + i >= cnt) break;
+        float vf[DPL];
+        to_f32(vv[i], vf);
 #pragma unroll
-        for (int j = 0; j < DPL; ++j) acc[g][j] = fmaf(w, vv[j], acc[g][j]);
+        for (int g = 0; g < G; ++g) {
+          const float w = sc[(b + i) * G + g];
+#pragma unroll
+          for (int j = 0; j < DPL; ++j) acc[g][j] = fmaf(w, vf[j], acc[g][j]);
+        }
       }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
-      for (int j = 0; j < DPL; ++j) pacc[(sub * G + g) * D + lane * DPL + j] = acc[g][j];
+      for (int j = 0; j < DPL; ++j) pacc[(warp * G + g) * D + lane * DPL + j] = acc[g][j];
       if (lane == 0) {
-        pml[(sub * G + g) * 2] = m[g];
-        pml[(sub * G + g) * 2 + 1] = l[g];
+        pml[(warp * G + g) * 2] = m[g];
+        pml[(warp * G + g) * 2 + 1] = l[g];
       }
     }
     __syncthreads();
-    // Combine the NSUB sub-partials in sub order; the row group's 32*NSUB threads split the G*D outputs.
-    if (active && c * CHUNK < n) {
-      for (int i = threadIdx.x % (32 * NSUB); i < G * D; i += 32 * NSUB) {
-        const int g = i / D, k = i % D;
-        float M = -INFINITY;
+    // Combine the NSUB sub-partials in sub order (empty sub-chunks have m = -inf and contribute nothing).
+    for (int i = threadIdx.x; i < G * D; i += THREADS) {
+      const int g = i / D, k = i % D;
+      float M = -INFINITY;
 #pragma unroll
-        for (int s = 0; s < NSUB; ++s) M = fmaxf(M, pml[(s * G + g) * 2]);
-        float L = 0.0f, A = 0.0f;
+      for (int s = 0; s < NSUB; ++s) M = fmaxf(M, pml[(s * G + g) * 2]);
+      float L = 0.0f, A = 0.0f;
 #pragma unroll
-        for (int s = 0; s < NSUB; ++s) {
-          const float ms = pml[(s * G + g) * 2];
-          const float f = ms == -INFINITY ? 0.0f : expf(ms - M);  // empty sub-chunk contributes nothing
-          L = fmaf(pml[(s * G + g) * 2 + 1], f, L);
-          A = fmaf(pacc[(s * G + g) * D + k], f, A);
-        }
-        const size_t row = ((size_t)t * nh + h * G + g) * nch + c;
-        part_acc[row * D + k] = A;
-        if (k == 0) {
-          part_ml[row * 2] = M;
-          part_ml[row * 2 + 1] = L;
-        }
+      for (int s = 0; s < NSUB; ++s) {
+        const float ms = pml[(s * G + g) * 2];
+        const float f = ms == -INFINITY ? 0.0f : expf(ms - M);
+        L = fmaf(pml[(s * G + g) * 2 + 1], f, L);
+        A = fmaf(pacc[(s * G + g) * D + k], f, A);
+      }
+      const size_t row = ((size_t)t * nh + h * G + g) * nch + c;
+      part_acc[row * D + k] = A;
+      if (k == 0) {
+        part_ml[row * 2] = M;
+        part_ml[row * 2 + 1] = L;
       }
     }
-    __syncthreads();
+    __syncthreads();  // the shared partials are rewritten by the next chunk
   }
 }
 
@@ -195,8 +270,8 @@ extern "C" __global__ void __launch_bounds__(D)
     attn_decode_merge(const float* __restrict__ part_acc,  // [T, nh, nch, D]
                       const float* __restrict__ part_ml,   // [T, nh, nch, 2]
                       const int* __restrict__ length, const long long* __restrict__ mask,
-                      const bf16* __restrict__ gate,  // [T, nh, D] (read only when use_gate)
-                      bf16* __restrict__ out,         // [T, nh, D]
+                      const bf16* __restrict__ gate,  // [T, nh, D], strides (gate_rs, gate_hs, 1)
+                      long long gate_rs, int gate_hs, bf16* __restrict__ out,  // out [T, nh, D]
                       int nh, int nch, int use_gate) {
   const int t = blockIdx.x / nh, k = threadIdx.x;
   const int n = *length + __popcll((u64)mask[t]);
@@ -205,6 +280,7 @@ extern "C" __global__ void __launch_bounds__(D)
   float M = -INFINITY;
   for (int c = 0; c < nc; ++c) M = fmaxf(M, part_ml[(base + c) * 2]);
   float L = 0.0f, A = 0.0f;
+#pragma unroll 8
   for (int c = 0; c < nc; ++c) {
     const float f = expf(part_ml[(base + c) * 2] - M);
     L = fmaf(part_ml[(base + c) * 2 + 1], f, L);
@@ -212,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(D)
   }
   float o = A / L;
   if (use_gate) {
-    const float g = __bfloat162float(gate[(size_t)blockIdx.x * D + k]);
+    const float g = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
     o = o / (1.0f + expf(-g));
   }
   out[(size_t)blockIdx.x * D + k] = __float2bfloat16_rn(o);

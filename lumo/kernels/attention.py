@@ -8,6 +8,7 @@ invariant (see attention.cu): a tree row is bitwise the plain decode of the same
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -16,9 +17,10 @@ from torch.nn.attention.bias import causal_lower_right
 
 from .compile import Kernel, compile_kernel
 
-CHUNK = 256  # positions per split-K partial (must match attention.cu)
-THREADS = 256  # 32 * NSUB * RW in attention.cu
-_SUB, _NSUB, _RW = 64, 4, 2
+CHUNK = 128  # positions per split-K partial (must match attention.cu)
+_SUB = 16  # positions per warp (attention.cu)
+_NSUB = CHUNK // _SUB
+THREADS = 32 * _NSUB
 
 
 @functools.cache
@@ -31,7 +33,18 @@ def _kernels(d: int, g: int) -> tuple[Kernel, Kernel]:
 
 
 def _shmem(d: int, g: int) -> int:
-    return 4 * (_NSUB * _RW * g * _SUB + _RW * _NSUB * g * (d + 2))
+    return 4 * (_NSUB * _SUB * g + _NSUB * g * (d + 2))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def chunk_slots(t: int, nkv: int, nch: int, sms: int) -> int:
+    """CTAs per (kv head, row) along the chunks (launch choice only: a CTA walks chunks x, x + slots, ...).
+    About four CTAs per SM in all, so long caches stream at full width and short ones waste little."""
+    return max(1, min(nch, -(-4 * sms // (nkv * t))))
 
 
 def attn_decode_workspace(
@@ -58,7 +71,8 @@ def attn_decode(
     """Attention of T rows q [T, nh, d] bf16 over k/v_cache [max_len, nkv, d] bf16 -> [T, nh, d] bf16.
 
     length: [1] int32 committed positions; mask: [T] int64, bit j = row may see tree slot length + j.
-    gate: [T, nh, d] bf16 or None; with it the output is attention * sigmoid(gate) (fused, fp32).
+    gate: [T, nh, d] bf16 or None (a strided view is fine, e.g. the gate half of a [T, nh, 2d] projection);
+    with it the output is attention * sigmoid(gate) (fused, fp32).
     Pass out= and workspace= (attn_decode_workspace) on the hot path: then nothing is allocated.
     """
     T, nh, d = q.shape
@@ -73,10 +87,8 @@ def attn_decode(
         raise ValueError("attn_decode: length must be a [1] int32 device tensor")
     if mask.dtype != torch.int64 or mask.shape != (T,) or not mask.is_contiguous():
         raise ValueError(f"attn_decode: mask must be [{T}] int64")
-    if gate is not None and (
-        gate.shape != q.shape or gate.dtype != torch.bfloat16 or not gate.is_contiguous()
-    ):
-        raise ValueError("attn_decode: gate must be a contiguous bf16 tensor shaped like q")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != torch.bfloat16 or gate.stride(2) != 1):
+        raise ValueError("attn_decode: gate must be bf16 shaped like q with contiguous head dims")
     nch = -(-max_len // CHUNK)
     if workspace is None:
         workspace = attn_decode_workspace(T, nh, d, max_len, q.device)
@@ -88,16 +100,19 @@ def attn_decode(
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
     chunk_k, merge_k = _kernels(d, nh // nkv)
+    slots = chunk_slots(T, nkv, nch, _sm_count(q.device))
     chunk_k.launch(
-        (nch, nkv),
+        (slots, nkv, T),
         THREADS,
-        (q, k_cache, v_cache, length, mask, acc, ml, T, nkv, max_len, nch),
+        (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch),
         shmem=_shmem(d, nh // nkv),
     )
+    g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
     merge_k.launch(
         T * nh,
         d,
-        (acc, ml, length, mask, gate if gate is not None else q, out, nh, nch, int(gate is not None)),
+        (acc, ml, length, mask, q if gate is None else gate, ctypes.c_longlong(g_rs), g_hs, out, nh, nch)
+        + (int(gate is not None),),
     )
     return out
 

@@ -150,6 +150,33 @@ __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __r
   }
 }
 
+// Split-K finish, fused: every CTA of a row tile has stored its fp32 partials [S, M, N]; the last of the
+// S to arrive (counted in counters[blockIdx.x]) sums them in slice order, s = 0, 1, ..., S - 1, scales by
+// gs and writes bf16. The sum order is the slices' order whatever order the CTAs finish in, so the bits
+// are those of a separate reduce kernel. The last CTA sets its counter back to 0 for the next launch
+// (counters are zero between launches; launches that share them must not overlap: one stream).
+__device__ __forceinline__ void splitk_finish(const float* __restrict__ partial, const float* __restrict__ gs,
+                                              bf16* __restrict__ out, unsigned int* __restrict__ counters,
+                                              int M, int N, int row0, int rows) {
+  __shared__ unsigned int is_last;
+  __threadfence();  // this thread's partials are visible device-wide before the CTA is counted
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int S = gridDim.y;
+  for (int i = threadIdx.x; i < M * rows; i += blockDim.x) {
+    const int m = i / rows, n = row0 + i % rows;
+    if (n >= N) continue;
+    const size_t idx = (size_t)m * N + n;
+    float a = __ldcg(partial + idx);
+    for (int s = 1; s < S; ++s) a += __ldcg(partial + (size_t)s * M * N + idx);
+    out[idx] = __float2bfloat16_rn(a * (gs ? gs[n] : 1.0f));
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
 // Sum the KW warps' accumulators in warp order into warp 0's registers (smem reused after the pipeline).
 __device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, int warp, int lane) {
   float* red = reinterpret_cast<float*>(smem);
@@ -175,13 +202,15 @@ __device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, in
 }
 
 // grid (ceil(RG / RGW), S), block 32 * RGW, dynamic smem STAGES * FP4_STAGE.
-// Split s covers chunks [s * cps, min(C, (s + 1) * cps)); with S > 1 it writes fp32 partials [S, M, N].
+// Split s covers chunks [s * cps, min(C, (s + 1) * cps)); with S > 1 it writes fp32 partials [S, M, N]
+// and the tile's last CTA sums them (splitk_finish).
 // One cp.async ring per CTA: stage i holds chunk c0 + i's activation tile (loaded by all threads) and each
 // warp's weights + scales for it (loaded by that warp). One __syncthreads per chunk.
 extern "C" __global__ void __launch_bounds__(RGW * 32)
     nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
-               float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+               float* __restrict__ partial, unsigned int* __restrict__ counters, int M, int N, int K, int RG,
+               int C, int cps) {
   extern __shared__ uint4 smem[];
   char* ring = reinterpret_cast<char*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -266,13 +295,15 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
   }
   cp_async_wait<0>();
   if (active) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
+  if (gridDim.y > 1) splitk_finish(partial, gs, out, counters, M, N, blockIdx.x * RGW * MT * 16, RGW * MT * 16);
 }
 
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
 // g+8 are 32 contiguous bytes each, so no repacking is needed.
 extern "C" __global__ void __launch_bounds__(KW * 32)
     bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
-              float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+              float* __restrict__ partial, unsigned int* __restrict__ counters, int M, int N, int K, int RG,
+              int C, int cps) {
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -351,16 +382,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
   cp_async_wait<0>();
   reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
   if (warp == 0) store_tile(acc, nullptr, out, partial, M, N, row0, lane);
-}
-
-// out[m, n] = bf16(gs[n] * sum_s partial[s, m, n]), slices summed in slice order (batch invariant).
-extern "C" __global__ void splitk_reduce(const float* __restrict__ partial, const float* __restrict__ gs,
-                                         bf16* __restrict__ out, int M, int N, int S) {
-  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= M * N) return;
-  float a = partial[idx];
-  for (int s = 1; s < S; ++s) a += partial[(size_t)s * M * N + idx];
-  out[idx] = __float2bfloat16_rn(a * (gs ? gs[idx % N] : 1.0f));
+  if (gridDim.y > 1) splitk_finish(partial, nullptr, out, counters, M, N, row0, MT * 16);
 }
 
 // Prefill: rows [rg0 * 16 * MT, ...) of the packed weight -> bf16 out [rows, K] (gs applied in fp32, one

@@ -6,7 +6,6 @@ packed weight is dequantised N-tile by N-tile into a bounded bf16 workspace and 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ MAX_SPLITS = 16
 TARGET_CTAS = 264  # bf16_gemv: ~2 CTAs per H200 SM
 MIN_WARP_CHUNKS = 4
 PREFILL_WORKSPACE = 64 << 20  # bytes of bf16 dequantised weight per prefill tile
+MAX_TILES = 1 << 16  # row tiles (CTA columns) of one split-K launch: N <= 4M rows
 
 
 def _bit_positions() -> tuple[tuple[int, int, int, int], ...]:
@@ -209,8 +209,12 @@ def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def _reduce(partial: torch.Tensor, gs: object, out: torch.Tensor, m: int, n: int, splits: int) -> None:
-    _kernel("splitk_reduce", 1).launch(-(-(m * n) // 256), 256, [partial, gs, out, m, n, splits])
+@functools.cache
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of the fused split-K finish (linear.cu splitk_finish), one per CTA column of a
+    launch; zero between launches (each launch's last CTAs set theirs back). One array per device: the
+    launches that share it run on one stream, one after another."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
 def _launch_bf16(
@@ -223,11 +227,10 @@ def _launch_bf16(
     cps = -(-chunks // splits)
     shmem = KW * stages * _stage_bytes(nt, True)
     part = partial if splits > 1 else out
+    counters = split_counters(x.device)
     _kernel("bf16_gemv", nt, stages, KW).launch(
-        (rg, splits), 32 * KW, [w, x, out, part, m, n, k, rg, chunks, cps], shmem
+        (rg, splits), 32 * KW, [w, x, out, part, counters, m, n, k, rg, chunks, cps], shmem
     )
-    if splits > 1:
-        _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
 def nvfp4_linear(
@@ -254,11 +257,10 @@ def nvfp4_linear(
     rgw = rgw or choose_rgw(rg, splits, nt)
     cps = -(-chunks // splits)
     part = packed.partial if splits > 1 else out
-    args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
+    counters = split_counters(x.device)
+    args = [packed.qw, packed.qs, packed.gs, x, out, part, counters, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
     kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw))
-    if splits > 1:
-        _reduce(packed.partial, packed.gs, out, m, packed.n, splits)
     return out
 
 

@@ -1,4 +1,5 @@
-// Row norms: rmsnorm1p with a fused residual add (layer / final / MTP norms) and the GDN output norm.
+// Row norms: rmsnorm1p with a fused residual add (layer / final / MTP norms) and the GDN output norm; and
+// the MLP activation silu(gate) * up (a row kernel of the same kind, one launch instead of torch's two).
 //
 // rmsnorm1p_residual: one CTA of NT threads per row of H = HID values.
 //   h = bf16(h + delta)   (optional; written back in place: the residual stream)
@@ -14,7 +15,7 @@
 // separately rounded), except the sums of squares which are fmaf chains (their order differs from torch
 // anyway).
 //
-// lumo:test-defines HID=5120 NT=128 DV=128 O_F32=1
+// lumo:test-defines HID=5120 NT=640 DV=128 O_F32=1
 // lumo:test-defines HID=192 NT=32 DV=64 O_F32=0
 
 #include <cuda_bf16.h>
@@ -100,6 +101,10 @@ extern "C" __global__ void __launch_bounds__(NT)
       for (int j = 0; j < 8; ++j) ss = fmaf(v[i][j], v[i][j], ss);
     }
   }
+  float wv[CPT][8];  // the norm weight is loaded before the reduction: its latency overlaps the sum
+#pragma unroll
+  for (int i = 0; i < CPT; ++i)
+    if (tid + i * NT < CHUNKS) ld_bf16<8>(w + 8 * (tid + i * NT), wv[i]);
   ss = warp_sum(ss);
   if ((tid & 31) == 0) partial[tid >> 5] = ss;
   __syncthreads();
@@ -111,10 +116,9 @@ extern "C" __global__ void __launch_bounds__(NT)
   for (int i = 0; i < CPT; ++i) {
     const int c = tid + i * NT;
     if (c < CHUNKS) {
-      float wv[8], o[8];
-      ld_bf16<8>(w + 8 * c, wv);
+      float o[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(__fmul_rn(v[i][j], r), __fadd_rn(1.0f, wv[j]));
+      for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(__fmul_rn(v[i][j], r), __fadd_rn(1.0f, wv[i][j]));
       st_bf16<8>(y + row + 8 * c, o);
     }
   }
@@ -157,4 +161,19 @@ extern "C" __global__ void __launch_bounds__(32 * GWARPS)
 #pragma unroll
   for (int j = 0; j < EPL; ++j) out[j] = __fmul_rn(__fmul_rn(__fmul_rn(ov[j], r), wv[j]), silu(zv[j]));
   st_bf16<EPL>(y + (size_t)t * nv * DV + col, out);
+}
+
+// ------------------------------------------------------------------------------------------------
+// silu_mul. gu [T, 2I] bf16 = [gate | up] rows, act [T, I] bf16: act = bf16(bf16(silu(gate)) * up), the
+// two roundings of torch's F.silu then torch.mul on bf16 tensors. One thread per 8 values (I % 8 == 0).
+extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int T, int I) {
+  const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
+  if (i >= (long long)T * I) return;
+  const long long t = i / I, c = i % I;
+  float g[8], u[8], o[8];
+  ld_bf16<8>(gu + t * 2 * I + c, g);
+  ld_bf16<8>(gu + t * 2 * I + I + c, u);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(round_bf16(silu(g[j])), u[j]);
+  st_bf16<8>(act + i, o);
 }

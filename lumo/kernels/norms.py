@@ -18,8 +18,11 @@ GWARPS = 4  # gated_rmsnorm: warps (heads) per CTA, must match norms.cu
 
 
 def rms_threads(h: int) -> int:
-    """CTA size of rmsnorm1p_residual for hidden size H: a function of H only (it fixes the sum order)."""
-    return 32 if h <= 512 else 128
+    """CTA size of rmsnorm1p_residual for hidden size H: a function of H only (it fixes the sum order).
+
+    One 8-value vector per thread up to H = 8192 (640 threads at H = 5120): a decode row is a latency
+    problem (one CTA), so every load of the row is in flight at once."""
+    return 32 if h <= 256 else min(1024, -(-h // 256) * 32)
 
 
 @functools.cache
@@ -131,3 +134,28 @@ def gated_rmsnorm_ref(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: fl
     of = o.to(torch.bfloat16).float()
     y = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps) * w.float() * F.silu(z.float())
     return y.reshape(o.shape[0], -1)
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act = silu(gate) * up for gu [T, 2I] = [gate | up] bf16 -> [T, I] bf16, rounded like torch's
+    F.silu then torch.mul on bf16 (silu to bf16, then the product to bf16). One launch."""
+    if gu.dim() != 2 or gu.shape[1] % 16:
+        raise ValueError(f"silu_mul needs gu [T, 2I] with I % 8 == 0, got {list(gu.shape)}")
+    T, I = gu.shape[0], gu.shape[1] // 2  # noqa: E741
+    _check(gu, "gu", torch.bfloat16, (T, 2 * I))
+    if out is None:
+        out = torch.empty(T, I, dtype=torch.bfloat16, device=gu.device)
+    _check(out, "out", torch.bfloat16, (T, I))
+    for name, t in (("gu", gu), ("out", out)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        _check_aligned(t, name)
+    if T:
+        _kernel("silu_mul").launch(-(-(T * I // 8) // 256), 256, [gu, out, T, I])
+    return out
+
+
+def silu_mul_ref(gu: torch.Tensor) -> torch.Tensor:
+    """torch's own two ops on bf16 (the arithmetic silu_mul reproduces)."""
+    g, u = gu.chunk(2, dim=-1)
+    return torch.mul(torch.nn.functional.silu(g), u)
