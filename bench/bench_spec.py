@@ -116,6 +116,31 @@ def spans(engine: GPUSpecEngine, events: int) -> dict:
     return out
 
 
+def graph_profile(engine: GPUSpecEngine, reps: int = 3, top: int = 10) -> dict:
+    """Kernel breakdown of each event graph (draft, verify, commit) from torch.profiler over `reps`
+    replays of that graph alone. Replaying one graph repeatedly is safe here: draft and verify only write
+    tree buffers and tree slots; commit's state change does not matter to a timing breakdown."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, g in engine.graphs.items():
+        g.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        rows = [
+            (e.key[:48], e.count / reps, (getattr(e, "self_device_time_total", 0.0) or 0.0) / reps)
+            for e in prof.key_averages()
+            if getattr(e, "device_type", None) == DeviceType.CUDA
+        ]
+        rows.sort(key=lambda r: -r[2])
+        out[name] = [{"name": k, "calls": c, "us": t} for k, c, t in rows[:top]]
+    return out
+
+
 def plain_step_ms(runner: GPURunner, context: int, steps: int = 30) -> float:
     runner.capture()
     per = []
@@ -240,6 +265,7 @@ def big(layers: int, context: int, events: int) -> dict:
     torch.cuda.synchronize()
     extra = torch.cuda.memory_allocated() - m0  # engine buffers + MTP cache + graph pools
     sp = spans(engine, events)
+    kernels = graph_profile(engine)
     designs = gdn_designs(engine)
     plain = plain_step_ms(runner, context)
     floor_ms = step_bytes(cfg, gw, context) / bw * 1e3
@@ -259,6 +285,7 @@ def big(layers: int, context: int, events: int) -> dict:
         "extra_memory_buffers_GB": engine.extra_bytes() / GB,
         "mtp_weights_GB": gw.mtp.nbytes() / GB,
         "gdn": designs,
+        "kernels": kernels,
     }
 
 
@@ -312,6 +339,11 @@ def main() -> None:
                 f"{b['gdn']['speedup']:.1f}x (goal >= 3x)",
             ),
         ]
+    if "27b" in result:
+        for graph, ks in result["27b"]["kernels"].items():
+            print(f"\n27B {graph} graph, top kernels (us per event):")
+            for k in ks:
+                print(f"  {k['us']:9.1f} us  {k['calls']:5.0f} calls  {k['name']}")
     w = max(len(r[0]) for r in rows)
     print(f"\n{'metric':<{w}}  value  note")
     for name, val, note in rows:

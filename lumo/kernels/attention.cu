@@ -11,10 +11,11 @@
 // position order) only: T, the row's index and the other rows never enter its arithmetic (batch invariant),
 // and a tree row equals the plain decode of the same token after its ancestors were committed.
 //
-// Work split: CTA = (chunk slot, kv head, row). Rows are a grid dimension, so T tree rows run in parallel
-// (their K/V reads of the shared prefix hit L2). The grid's chunk slots are a launch choice: CTA x walks
-// chunks x, x + gridDim.x, ... while they hold keys of its row, so a captured graph replays for any len and
-// the grid need not be sized by the cache capacity. One warp computes all G query heads of the group for
+// Work split: CTA = (kv head, row, chunk slot). Rows are a grid dimension, so T tree rows run in parallel
+// (their K/V reads of the shared prefix hit L2). The grid's chunk slots are a launch choice: CTA z walks
+// chunks z, z + gridDim.z, ... while they hold keys of its row, so a captured graph replays for any len and
+// the grid need not be sized by the cache capacity. Slots are the slowest grid dimension: the CTAs with
+// work (low slots) are dispatched first, the ones past a short cache last, where they only exit. One warp computes all G query heads of the group for
 // its sub-chunk: a K/V row is loaded once (lane = DPL contiguous dims, 16 B for d = 256) and used G times.
 // Latency: a warp loads NB keys' rows at once (NB independent 16-byte loads per lane in flight) before it
 // uses any; the NB partial dot products of a head are reduced together by a transposing butterfly (each
@@ -125,12 +126,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       int nkv, int max_len, int nch) {
   extern __shared__ float smem[];  // SMEM_FLOATS (52.6 KB at d = 256, G = 6: dynamic)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int h = blockIdx.y, t = blockIdx.z, nh = nkv * G;
+  const int h = blockIdx.x, t = blockIdx.y, nh = nkv * G;
   const int len = *length;
   const u64 mk = (u64)mask[t];
   const int n = min(len + __popcll(mk), nch * CHUNK);  // keys of row t
   const int n_chunks = (n + CHUNK - 1) / CHUNK;
-  if ((int)blockIdx.x >= n_chunks) return;  // uniform per CTA
+  if ((int)blockIdx.z >= n_chunks) return;  // uniform per CTA
 
   float* sc = smem + warp * (SUB * G);  // [SUB][G]
   float* pacc = smem + NSUB * SUB * G;  // [NSUB][G][D]
@@ -148,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     to_f32(v, qv[g]);
   }
 
-  for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+  for (int c = blockIdx.z; c < n_chunks; c += gridDim.z) {
     const int p_begin = c * CHUNK + warp * SUB;
     const int cnt = max(0, min(SUB, n - p_begin));  // keys of this warp (warp-uniform)
 

@@ -42,9 +42,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def chunk_slots(t: int, nkv: int, nch: int, sms: int) -> int:
-    """CTAs per (kv head, row) along the chunks (launch choice only: a CTA walks chunks x, x + slots, ...).
-    About four CTAs per SM in all, so long caches stream at full width and short ones waste little."""
-    return max(1, min(nch, -(-4 * sms // (nkv * t))))
+    """CTAs per (kv head, row) along the chunks (launch choice only: a CTA walks chunks z, z + slots, ...).
+    About two CTAs per SM in all (the chunk kernel is register-bound at one resident CTA per SM for
+    d = 256): long caches stream on every SM, short ones leave few CTAs that only exit."""
+    return max(1, min(nch, -(-2 * sms // (nkv * t))))
 
 
 def attn_decode_workspace(
@@ -102,7 +103,7 @@ def attn_decode(
     chunk_k, merge_k = _kernels(d, nh // nkv)
     slots = chunk_slots(T, nkv, nch, _sm_count(q.device))
     chunk_k.launch(
-        (slots, nkv, T),
+        (nkv, T, slots),
         THREADS,
         (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch),
         shmem=_shmem(d, nh // nkv),

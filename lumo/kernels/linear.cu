@@ -49,6 +49,7 @@
 #ifndef RGW
 #define RGW 4  // nvfp4_gemv: warps (row groups) per CTA sharing one activation tile
 #endif
+#define MAX_SPLITS 16  // split-K slices at most (linear.py MAX_SPLITS, _bf16_splits)
 
 typedef unsigned int u32;
 typedef __nv_bfloat16 bf16;
@@ -158,20 +159,30 @@ __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __r
 __device__ __forceinline__ void splitk_finish(const float* __restrict__ partial, const float* __restrict__ gs,
                                               bf16* __restrict__ out, unsigned int* __restrict__ counters,
                                               int M, int N, int row0, int rows) {
+  // The grid-barrier pattern of cooperative groups: the CTA barrier orders every thread's partial stores
+  // before thread 0's device-scope fence (cumulative), which precedes its arrival; the last arriver
+  // fences again before its CTA reads the other slices' partials (L2 loads, never a stale L1 line).
   __shared__ unsigned int is_last;
-  __threadfence();  // this thread's partials are visible device-wide before the CTA is counted
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    is_last = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
+    if (is_last) __threadfence();
+  }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
   const int S = gridDim.y;
   for (int i = threadIdx.x; i < M * rows; i += blockDim.x) {
     const int m = i / rows, n = row0 + i % rows;
     if (n >= N) continue;
     const size_t idx = (size_t)m * N + n;
-    float a = __ldcg(partial + idx);
-    for (int s = 1; s < S; ++s) a += __ldcg(partial + (size_t)s * M * N + idx);
+    float v[MAX_SPLITS];  // every slice's load in flight at once, then the sum in slice order
+#pragma unroll
+    for (int s = 0; s < MAX_SPLITS; ++s) v[s] = s < S ? __ldcg(partial + (size_t)s * M * N + idx) : 0.0f;
+    float a = v[0];
+#pragma unroll
+    for (int s = 1; s < MAX_SPLITS; ++s)
+      if (s < S) a += v[s];
     out[idx] = __float2bfloat16_rn(a * (gs ? gs[n] : 1.0f));
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
