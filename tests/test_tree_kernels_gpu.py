@@ -106,12 +106,12 @@ def test_gdn_tree_equals_decoding_each_path(nk, nv, dk, dv, pbf16, cfg):
 # Trees beyond spine + siblings (gdn_schedule takes any tree whose parents precede their children):
 # root only, a root with leaf children only, several walking paths sharing prefixes, leaves forked at
 # several depths of several paths, and random ones.
-GENERAL = [
-    [-1],
-    [-1, 0, 0, 0],
-    [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3],
-    *([-1] + [random.Random(s).randrange(max(0, i - 3), i) for i in range(1, 30)] for s in (1, 2)),
-]
+def random_parents(seed: int, n: int = 30) -> list[int]:
+    rng = random.Random(seed)
+    return [-1] + [rng.randrange(max(0, i - 3), i) for i in range(1, n)]
+
+
+GENERAL = [[-1], [-1, 0, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3], random_parents(1), random_parents(2)]
 
 
 @pytest.mark.parametrize("parent", GENERAL, ids=[f"general{i}" for i in range(len(GENERAL))])
