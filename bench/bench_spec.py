@@ -7,9 +7,10 @@
    <= 1.25), dispatch share = host time not covered by GPU work / event wall time (goal <= 5%), projected
    tokens/s at 4.05 accepted drafts per event on the H200 and on a GB10 (273 GB/s, same ratio to the
    floor), and the extra GPU memory of tree decoding over plain decoding.
-3. GDN tree step at 27B shapes, ours (gdn_tree over the rows + gdn_decode replay of the accepted path) vs
-   the design other engines use (every node's full state computed from its parent's and stored:
-   gdn_decode(state_out=...) per node, then the accepted node's state copied in): goal ours >= 3x faster.
+3. GDN tree step at 27B shapes, ours (gdn_tree over the rows, leaves forked off their parents, + gdn_decode
+   replay of the accepted path) vs the design other engines use (every node's full state computed from its
+   parent's and stored: gdn_decode(state_out=...) per node, then the accepted node's state copied in):
+   goal ours >= 3x faster.
 One table, printed last; JSON beside it in $OUT or bench/results/bench_spec.json.
 Run: python bench/bench_spec.py [--layers 64] [--context 1024] [--events 40] [--prompts 12]
 """
@@ -179,7 +180,8 @@ def graph_ms(fn, reps: int = 20) -> float:
 
 
 def gdn_designs(engine: GPUSpecEngine) -> dict:
-    """Ours (path-parallel verify + replay) vs per-node stored states, over every GDN layer of the model."""
+    """Ours (path-parallel verify with fork leaves + replay) vs per-node stored states, over every GDN layer
+    of the model."""
     cfg, r, tb = engine.cfg, engine.runner, engine.tb
     nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     gdn = [lw.mixer for kind, lw in zip(cfg.layer_types, engine.w.layers, strict=True) if kind != FULL]
@@ -202,9 +204,8 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
                 g.A_log,
                 g.dt_bias,
                 states[i],
-                engine.paths,
-                engine.path_len,
-                engine.owner,
+                engine.gdn_items,
+                engine.gdn_items_len,
                 out=engine.gdn_o,
             )
             gdn_decode(
@@ -242,6 +243,8 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
         "per_node_ms": ms_other,
         "speedup": ms_other / ms_ours,
         "per_node_state_bytes": len(gdn) * n * nv * dk * dv * 4,
+        "gdn_tree_paths": tb.gdn_items.shape[0],  # walking paths: warps = paths x nv x dv / DVT per layer
+        "gdn_tree_steps": int(tb.gdn_items_len.sum()),  # gdn_step calls per (head, tile), forks included
     }
 
 

@@ -149,7 +149,7 @@ def _emulated_ops():
     from lumo.kernels.attention import attn_decode_ref
     from lumo.kernels.conv import conv_gather_ref, conv_prefill_ref, conv_state_commit_ref
     from lumo.kernels.gdn import gdn_decode_ref
-    from lumo.kernels.gdn_tree import gdn_tree_ref
+    from lumo.kernels.gdn_tree import gdn_tree_ref, gdn_tree_written
     from lumo.kernels.linear import unpack_nvfp4
     from lumo.kernels.norms import gated_rmsnorm_ref, rmsnorm1p_ref, silu_mul_ref
     from lumo.kernels.sampling import sample_tokens_ref
@@ -248,9 +248,9 @@ def _emulated_ops():
     def gdn_prefill(mixed, a, b, A_log, dt_bias, state, out=None, state_out=None, out_dtype=bf):
         return gdn_decode(mixed, a, b, A_log, dt_bias, state, out, state_out, out_dtype)
 
-    def gdn_tree(mixed, a, b, A_log, dt_bias, state, paths, path_len, owner, out=None, out_dtype=bf):
-        o = gdn_tree_ref(mixed, a, b, A_log, dt_bias, state, paths, path_len, owner)
-        keep = (owner >= 0)[:, None, None]
+    def gdn_tree(mixed, a, b, A_log, dt_bias, state, items, items_len, out=None, out_dtype=bf):
+        o = gdn_tree_ref(mixed, a, b, A_log, dt_bias, state, items, items_len)
+        keep = gdn_tree_written(items, items_len, mixed.shape[0])[:, None, None]
         return out.copy_(torch.where(keep, o.to(bf), out))
 
     def sample_tokens(logits, temperature, top_k, top_p, seed, position, out=None, workspace=None):

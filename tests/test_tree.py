@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from lumo.config import TreeConfig
-from lumo.engine.tree import accept, build_tree, chain_config
+from lumo.engine.tree import GDN_FORK, GDN_NODE, GDN_WRITE, accept, build_tree, chain_config, gdn_schedule
 
 
 def test_default_tree_shape():
@@ -17,6 +19,10 @@ def test_default_tree_shape():
         p = int(t.parent[i])
         assert p < 12 and int(t.depth[i]) == p + 1 and t.children(i) == []
     assert not t.valid[28:].any() and (t.owner[28:] == -1).all()
+    # GDN verifier: one walking path (root .. spine node D-1), every node evaluated once
+    assert t.gdn_items.shape == (1, 28) and t.gdn_items_len.tolist() == [28]
+    walked = [it & GDN_NODE for it in t.gdn_items[0].tolist() if not it & GDN_FORK]
+    assert walked == list(range(11))
 
 
 @pytest.mark.parametrize(
@@ -64,3 +70,73 @@ def test_bad_tree_configs():
         build_tree(TreeConfig(depth=5, budget=3))
     with pytest.raises(ValueError, match="rows"):
         build_tree(TreeConfig(depth=11, topk=3, budget=27, rows=16))
+
+
+def random_parents(seed: int) -> list[int]:
+    """Any tree whose parents precede their children (not only spine + siblings)."""
+    rng = random.Random(seed)
+    n = rng.randrange(2, 40)
+    return [-1] + [rng.randrange(max(0, i - rng.choice([1, 3, i])), i) for i in range(1, n)]
+
+
+def ancestry_of(parent: list[int], u: int) -> list[int]:
+    out = []
+    while u >= 0:
+        out.append(u)
+        u = parent[u]
+    return out[::-1]
+
+
+def tree_parents(cfg: TreeConfig) -> list[int]:
+    t = build_tree(cfg)
+    return t.parent[: t.n_nodes].tolist()
+
+
+SCHEDULE_CASES = [
+    tree_parents(TreeConfig()),
+    tree_parents(TreeConfig(depth=4, topk=4, budget=10, rows=16)),
+    tree_parents(chain_config(5)),
+    [-1],  # root only: the root is walked and written, nothing forks
+    [-1, 0, 0, 0],  # a root with leaf children only
+    [-1, 0, 1, 1, 0, 4, 4, 2],
+    *(random_parents(s) for s in range(8)),
+]
+
+
+@pytest.mark.parametrize("parent", SCHEDULE_CASES, ids=[f"case{i}" for i in range(len(SCHEDULE_CASES))])
+def test_gdn_schedule(parent):
+    n = len(parent)
+    items, items_len = gdn_schedule(parent)
+    kids = [[c for c in range(n) if parent[c] == u] for u in range(n)]
+    walking = {u for u in range(n) if kids[u] or parent[u] < 0}
+    ends = [u for u in sorted(walking) if not any(c in walking for c in kids[u])]
+    assert items.shape[0] == len(ends) and items.shape[1] == int(items_len.max())
+    written = [0] * n
+    for p in range(items.shape[0]):
+        row = items[p].tolist()
+        k = int(items_len[p])
+        assert all(x == -1 for x in row[k:]), "padding past the end"
+        stack: list[int] = []  # the nodes the path's state has stepped, root first
+        owned: set[int] = set()
+        for it in row[:k]:
+            u = it & GDN_NODE
+            assert it >= 0 and it & ~(GDN_NODE | GDN_FORK | GDN_WRITE) == 0 and u < n
+            written[u] += bool(it & GDN_WRITE)
+            if it & GDN_FORK:
+                # a leaf forked off its parent, which this path owns and has just stepped
+                assert kids[u] == [] and parent[u] in owned and stack[-1] == parent[u]
+                assert it & GDN_WRITE and stack + [u] == ancestry_of(parent, u)
+            else:
+                stack.append(u)
+                assert u in walking and stack == ancestry_of(parent, u)  # parent stepped before the child
+                if it & GDN_WRITE:
+                    owned.add(u)
+        assert stack[-1] == ends[p], "a walking path runs root to a leaf of the tree without its leaves"
+    assert written == [1] * n, "every node written exactly once"
+
+
+def test_gdn_schedule_rejects_unordered_parents():
+    with pytest.raises(ValueError, match="precede"):
+        gdn_schedule([-1, 2, 0])
+    with pytest.raises(ValueError, match="precede"):
+        gdn_schedule([0])

@@ -10,10 +10,10 @@ import torch
 from lumo import model as M
 from lumo.config import TreeConfig
 from lumo.engine.decode import SpecDecoder
-from lumo.engine.tree import TreeBuffers, accept, build_tree, chain_config
+from lumo.engine.tree import TreeBuffers, accept, build_tree, chain_config, gdn_schedule
 from lumo.kernels.conv import conv_commit_rows
 from lumo.kernels.gdn import gdn_decode_ref
-from lumo.kernels.gdn_tree import gdn_tree_ref
+from lumo.kernels.gdn_tree import gdn_tree_ref, gdn_tree_written
 from lumo.kernels.tree_ops import draft_node_table, kv_remap_ref, topk_select_ref, tree_accept_ref
 
 TREES = [
@@ -53,14 +53,32 @@ def test_gdn_tree_ref_is_decoding_along_each_ancestry(cfg):
     tree = build_tree(cfg)
     inp = gdn_inputs(tree.rows, 2, 4, 32, 24, seed=cfg.rows)
     state0 = inp["state"].clone()
-    o = gdn_tree_ref(**inp, paths=tree.paths, path_len=tree.path_len, owner=tree.owner)
+    o = gdn_tree_ref(**inp, items=tree.gdn_items, items_len=tree.gdn_items_len)
     assert torch.equal(inp["state"], state0)
-    for u in range(tree.n_nodes):
-        nodes = torch.tensor(ancestry(tree, u))
-        rows = {k: inp[k][nodes] for k in ("mixed", "a", "b")}
+    check_each_ancestry(o, inp, tree.parent.tolist(), tree.n_nodes)
+
+
+@pytest.mark.parametrize("parent", [[-1], [-1, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3]], ids=str)
+def test_gdn_tree_ref_general_trees(parent):
+    """Any tree whose parents precede their children (gdn_schedule is not tied to spine + siblings)."""
+    R = len(parent) + 2  # two padding rows
+    items, items_len = gdn_schedule(parent)
+    inp = gdn_inputs(R, 2, 4, 32, 24, seed=R)
+    o = gdn_tree_ref(**inp, items=items, items_len=items_len)
+    check_each_ancestry(o, inp, parent + [-1, -1], len(parent))
+    assert gdn_tree_written(items, items_len, R).tolist() == [True] * len(parent) + [False, False]
+
+
+def check_each_ancestry(o: torch.Tensor, inp: dict[str, torch.Tensor], parent: list[int], n: int) -> None:
+    for u in range(n):
+        nodes, v = [], u
+        while v >= 0:
+            nodes.append(v)
+            v = parent[v]
+        rows = {k: inp[k][torch.tensor(nodes[::-1])] for k in ("mixed", "a", "b")}
         o_u, _ = gdn_decode_ref(**{**inp, **rows})
         torch.testing.assert_close(o[u], o_u[-1], rtol=1e-6, atol=1e-6)
-    assert (o[tree.n_nodes :] == 0).all()
+    assert (o[n:] == 0).all()
 
 
 class _FakeCache:

@@ -100,7 +100,8 @@ class GPUSpecEngine:
         self.depth = tb.depth.to(dev)
         self.depth1 = (tb.depth.long() + 1).to(dev)  # [R] i64: sampling position offset
         self.pred = conv_pred(tb.parent.tolist(), K).to(dev)  # [R, K-1]: padding rows act as roots
-        self.paths, self.path_len, self.owner = tb.paths.to(dev), tb.path_len.to(dev), tb.owner.to(dev)
+        self.gdn_items = tb.gdn_items.to(dev)  # [P', L'] gdn_tree's items per walking path (gdn_schedule)
+        self.gdn_items_len = tb.gdn_items_len.to(dev)  # [P']
         self.table = draft_node_table(tb, self.k).to(dev)  # [D, k] node of (depth, rank)
         off = torch.where(tb.valid, torch.arange(R, dtype=i32), torch.full((R,), _NO_SLOT, dtype=i32))
         self.slot_off = off.to(dev)  # [R] i32: row i -> tree slot len + i
@@ -419,9 +420,8 @@ class GPUSpecEngine:
                     g.A_log,
                     g.dt_bias,
                     r.gdn_state[i_gdn],
-                    self.paths,
-                    self.path_len,
-                    self.owner,
+                    self.gdn_items,
+                    self.gdn_items_len,
                     out=self.gdn_o,
                 )
                 z = proj[:, C:].view(self.R, nv, dv)

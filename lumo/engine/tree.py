@@ -4,6 +4,7 @@ Shape: node 0 is the root (the pending token). The spine is the MTP's top-1 chai
 for i = 1..D. Siblings are the next-best MTP tokens at a spine depth: a sibling at depth j is a child of
 spine node j-1 and a leaf. Siblings fill the node budget from the shallowest depth down (a shallow
 node is reached more often). Rows are spine first, then siblings by (depth, rank), then padding.
+The GDN verifier's schedule (`gdn_schedule`) works for any tree whose parents precede their children.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TreeConfig
+
+# gdn_items flag bits (gdn_tree.cu defines the same values): FORK = step a copy of the tile and keep the
+# path's state (a leaf forked off its parent), WRITE = write o for this node. The low bits are the node id.
+GDN_FORK, GDN_WRITE = 1 << 30, 1 << 29
+GDN_NODE = GDN_WRITE - 1
 
 
 @dataclass(frozen=True)
@@ -28,8 +34,10 @@ class TreeBuffers:
     )  # [rows] int64 bitmask: bit j set iff node j is an ancestor of the row or the row itself
     paths: torch.Tensor  # [P, D+1] int32 root-to-leaf node ids, -1 past the leaf
     path_len: torch.Tensor  # [P] int32 nodes on each path
-    owner: torch.Tensor  # [rows] int32: the path that writes this node's outputs (-1 padding)
+    owner: torch.Tensor  # [rows] int32: the first path through this node (-1 padding)
     valid: torch.Tensor  # [rows] bool
+    gdn_items: torch.Tensor  # [P', L'] int32 gdn_tree's items per walking path (gdn_schedule), -1 padded
+    gdn_items_len: torch.Tensor  # [P'] int32 items of each walking path
 
     @property
     def n_paths(self) -> int:
@@ -46,6 +54,49 @@ def sibling_depths(cfg: TreeConfig) -> list[tuple[int, int]]:
         for r in range(1, cfg.topk):
             out.append((d, r))
     return out[: max(cfg.budget - cfg.depth, 0)]
+
+
+def gdn_schedule(parent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN tree verifier's work list: (items [P', L'] int32, -1 padded; items_len [P'] int32).
+
+    parent: one entry per real node (-1 for a root), every parent before its children. The walking
+    paths are the root-to-leaf paths of the tree with its leaves removed (a root-only tree keeps its
+    root); each walking node is owned by the first walking path through it, in order of the paths' last
+    nodes. A leaf is not walked: the path owning its parent forks it (one step on a copy of the parent's
+    state, which the path keeps). Path p's items, in order: for each node u on it, u (WRITE if p owns u),
+    then if p owns u, each leaf child c of u as c | FORK | WRITE. So every node is written exactly once,
+    with the state after its own root-to-node path, and a parent is always stepped before its children.
+    The spine + siblings tree gives one walking path (root .. spine node D-1) and n_nodes items."""
+    n = len(parent)
+    if any(not -1 <= p < i for i, p in enumerate(parent)):
+        raise ValueError(f"parents must precede their children (parent[i] < i or -1), got {parent}")
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i, p in enumerate(parent):
+        if p >= 0:
+            kids[p].append(i)
+    walked = [bool(kids[u]) or parent[u] < 0 for u in range(n)]
+    ends = [u for u in range(n) if walked[u] and not any(walked[c] for c in kids[u])]
+    owner = [-1] * n
+    rows = []
+    for p, end in enumerate(ends):
+        nodes, u = [], end
+        while u >= 0:
+            nodes.append(u)
+            u = parent[u]
+        items = []
+        for u in reversed(nodes):
+            own = owner[u] < 0
+            if own:
+                owner[u] = p
+            items.append(u | (GDN_WRITE if own else 0))
+            if own:
+                items += [c | GDN_FORK | GDN_WRITE for c in kids[u] if not walked[c]]
+        rows.append(items)
+    L = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), L), -1, dtype=torch.int32)
+    for p, items in enumerate(rows):
+        out[p, : len(items)] = torch.tensor(items, dtype=torch.int32)
+    return out, torch.tensor([len(r) for r in rows], dtype=torch.int32)
 
 
 def build_tree(cfg: TreeConfig) -> TreeBuffers:
@@ -91,6 +142,7 @@ def build_tree(cfg: TreeConfig) -> TreeBuffers:
             if owner[u] < 0:
                 owner[u] = p
     i32 = dict(dtype=torch.int32)
+    items, items_len = gdn_schedule(parent[:n])
     return TreeBuffers(
         n_nodes=n,
         rows=R,
@@ -103,6 +155,8 @@ def build_tree(cfg: TreeConfig) -> TreeBuffers:
         path_len=path_len,
         owner=torch.tensor(owner, **i32),
         valid=torch.arange(R) < n,
+        gdn_items=items,
+        gdn_items_len=items_len,
     )
 
 
