@@ -36,7 +36,7 @@ class StubKernel:
     def __init__(self, name: str, log: Counter, gen: torch.Generator, V: int):
         self.name, self.log, self.gen, self.V = name, log, gen, V
 
-    def launch(self, grid, block, args, shmem: int = 0) -> None:
+    def launch(self, grid, block, args, shmem: int = 0, pdl: bool = False) -> None:
         self.log[self.name] += 1
         if self.name == "topk_final":  # [workspace, nb, k, out, tokens, nodes]
             out, tokens, nodes = args[3], args[4], args[5]

@@ -27,6 +27,8 @@
 
 #include <cuda_bf16.h>
 
+#include "pdl.cuh"
+
 #ifndef D
 #define D 256  // head dim
 #endif
@@ -274,6 +276,7 @@ extern "C" __global__ void __launch_bounds__(D)
                       const bf16* __restrict__ gate,  // [T, nh, D], strides (gate_rs, gate_hs, 1)
                       long long gate_rs, int gate_hs, bf16* __restrict__ out,  // out [T, nh, D]
                       int nh, int nch, int use_gate) {
+  pdl_trigger();  // the o projection (a PDL-launched GEMV) may start its weight prefetch
   const int t = blockIdx.x / nh, k = threadIdx.x;
   const int n = *length + __popcll((u64)mask[t]);
   const int nc = min((n + CHUNK - 1) / CHUNK, nch);

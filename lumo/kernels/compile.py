@@ -154,7 +154,10 @@ class Kernel:
         block: tuple[int, ...] | int,
         args: Sequence[object],
         shmem: int = 0,
+        pdl: bool = False,
     ) -> None:
+        """Launch on torch's current stream. pdl=True: with programmatic dependent launch when
+        use_pdl() (the kernel must call pdl_wait() before it reads what earlier kernels write; pdl.cuh)."""
         from cuda.bindings import driver as cu
 
         g = (grid,) if isinstance(grid, int) else tuple(grid)
@@ -183,10 +186,31 @@ class Kernel:
             else:
                 raise TypeError(f"{self.name}: unsupported kernel argument type {type(a).__name__}")
         stream = torch.cuda.current_stream().cuda_stream
-        _check(
-            cu.cuLaunchKernel(self.function, *g, *b, shmem, stream, (tuple(values), tuple(types)), 0),
-            f"launch of {self.name} (grid {g}, block {b}, shmem {shmem}, attr max {self._max_shmem[0]})",
-        )
+        what = f"launch of {self.name} (grid {g}, block {b}, shmem {shmem}, attr max {self._max_shmem[0]})"
+        params = (tuple(values), tuple(types))
+        if pdl and use_pdl():
+            _check(cu.cuLaunchKernelEx(_pdl_config(g, b, shmem, stream), self.function, params, 0), what)
+        else:
+            _check(cu.cuLaunchKernel(self.function, *g, *b, shmem, stream, params, 0), what)
+
+
+def use_pdl() -> bool:
+    """Programmatic dependent launch for the kernels that support it: LUMO_PDL=1 turns it on (sm_90+)."""
+    return os.environ.get("LUMO_PDL", "0") == "1" and torch.cuda.get_device_capability()[0] >= 9
+
+
+def _pdl_config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: int) -> object:
+    from cuda.bindings import driver as cu
+
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+    cfg.sharedMemBytes, cfg.hStream = shmem, stream
+    cfg.attrs, cfg.numAttrs = [attr], 1
+    return cfg
 
 
 @functools.cache

@@ -34,6 +34,8 @@
 
 #include <cuda_bf16.h>
 
+#include "pdl.cuh"
+
 #ifndef NT
 #define NT 4  // n8 tiles of activation rows: M <= 8 * NT
 #endif
@@ -233,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
   const int nc = max(0, min(C, c0 + cps) - c0);
   const int wofs = X_BYTES + warp * (Q_BYTES + S_BYTES);
 
-  auto issue = [&](int i) {
+  auto issue_w = [&](int i) {  // this warp's weights + scales of chunk c0 + i: no earlier kernel writes them
     char* st = ring + (i % STAGES) * FP4_STAGE;
     const int c = c0 + i;
     if (active) {
@@ -244,6 +246,10 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
       if (lane < MT * 4)
         cp_async16(st + wofs + Q_BYTES + lane * 16, ssrc + (size_t)c * S_BYTES + lane * 16, 16, false);
     }
+  };
+  auto issue_x = [&](int i) {  // the activation tile of chunk c0 + i (all threads)
+    char* st = ring + (i % STAGES) * FP4_STAGE;
+    const int c = c0 + i;
     // x tile: NT * 64 pieces of 16 B; piece (j, h, lane') = row 8j + g', columns 64c + 16t' + 8h.
     constexpr int XITER = (NT * 64 + RGW * 32 - 1) / (RGW * 32);
 #pragma unroll
@@ -265,15 +271,24 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
+  // Prologue: the first stages' weights go out before the wait for the previous kernel (PDL), their
+  // activations after it. Group 0 holds all prologue weights and x of stage 0, group i x of stage i.
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i)
+    if (i < nc) issue_w(i);
+  pdl_wait();
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < nc) issue(i);
+    if (i < nc) issue_x(i);
     cp_async_commit();
   }
   for (int i = 0; i < nc; ++i) {
     cp_async_wait<STAGES - 2>();  // chunk i has landed (this thread's copies)
     __syncthreads();              // ... everyone's, and everyone is done with chunk i - 1's stage
-    if (i + STAGES - 1 < nc) issue(i + STAGES - 1);  // refills chunk i - 1's stage
+    if (i + STAGES - 1 < nc) {    // refills chunk i - 1's stage
+      issue_w(i + STAGES - 1);
+      issue_x(i + STAGES - 1);
+    }
     cp_async_commit();
     if (!active) continue;
     const char* st = ring + (i % STAGES) * FP4_STAGE;
@@ -305,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
     }
   }
   cp_async_wait<0>();
+  pdl_trigger();  // the next kernel's prologue may overlap this one's stores and split-K finish
   if (active) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
   if (gridDim.y > 1) splitk_finish(partial, gs, out, counters, M, N, blockIdx.x * RGW * MT * 16, RGW * MT * 16);
 }
@@ -324,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
   const int c1 = min(C, (int)(blockIdx.y + 1) * cps);
   const int nc = c0 < c1 ? (c1 - c0 + KW - 1) / KW : 0;
 
-  auto issue = [&](int i) {
+  auto issue_w = [&](int i) {  // weights of this warp's i-th chunk: no earlier kernel writes them
     char* st = ring + (i % STAGES) * BF16_STAGE;
     const int col = (c0 + i * KW) * 64 + 16 * t;
 #pragma unroll
@@ -338,7 +354,9 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
         for (int h = 0; h < 2; ++h)
           cp_async16(st + (((p * 2 + r) * 2 + h) * 32 + lane) * 16, src + 8 * h, ok ? 16 : 0, false);
       }
-    load_x(st + BF16_W_BYTES, x, M, K, (c0 + i * KW) * 64, lane);
+  };
+  auto issue_x = [&](int i) {
+    load_x(ring + (i % STAGES) * BF16_STAGE + BF16_W_BYTES, x, M, K, (c0 + i * KW) * 64, lane);
   };
 
   float acc[MT][NT][4];
@@ -350,12 +368,19 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
 #pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (i < nc) issue_w(i);
+  pdl_wait();
+#pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < nc) issue(i);
+    if (i < nc) issue_x(i);
     cp_async_commit();
   }
   for (int i = 0; i < nc; ++i) {
-    if (i + STAGES - 1 < nc) issue(i + STAGES - 1);
+    if (i + STAGES - 1 < nc) {
+      issue_w(i + STAGES - 1);
+      issue_x(i + STAGES - 1);
+    }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncwarp();
@@ -391,6 +416,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
     }
   }
   cp_async_wait<0>();
+  pdl_trigger();
   reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
   if (warp == 0) store_tile(acc, nullptr, out, partial, M, N, row0, lane);
   if (gridDim.y > 1) splitk_finish(partial, nullptr, out, counters, M, N, row0, MT * 16);

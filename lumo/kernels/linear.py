@@ -229,7 +229,7 @@ def _launch_bf16(
     part = partial if splits > 1 else out
     counters = split_counters(x.device)
     _kernel("bf16_gemv", nt, stages, KW).launch(
-        (rg, splits), 32 * KW, [w, x, out, part, counters, m, n, k, rg, chunks, cps], shmem
+        (rg, splits), 32 * KW, [w, x, out, part, counters, m, n, k, rg, chunks, cps], shmem, pdl=True
     )
 
 
@@ -260,7 +260,7 @@ def nvfp4_linear(
     counters = split_counters(x.device)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, counters, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
-    kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw))
+    kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
     return out
 
 

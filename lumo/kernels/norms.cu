@@ -40,6 +40,7 @@ static_assert(HID % 8 == 0, "HID must be a multiple of 8 (16-byte vectors)");
 static_assert(NT % 32 == 0 && NT <= 1024, "NT must be a multiple of 32");
 static_assert(DV % 32 == 0, "DV must be a multiple of 32");
 
+#include "pdl.cuh"
 #include "vec.cuh"
 
 template <int N>
@@ -81,6 +82,7 @@ extern "C" __global__ void __launch_bounds__(NT)
     rmsnorm1p_residual(bf16* __restrict__ h, const bf16* __restrict__ delta, const bf16* __restrict__ w,
                        bf16* __restrict__ y, float eps) {
   __shared__ float partial[NT / 32];
+  pdl_trigger();  // a PDL-launched GEMV after this may start its weight prefetch now
   const int tid = threadIdx.x;
   const size_t row = (size_t)blockIdx.x * HID;
   float v[CPT][8];
@@ -138,6 +140,7 @@ typedef bf16 o_t;
 extern "C" __global__ void __launch_bounds__(32 * GWARPS)
     gated_rmsnorm(const o_t* __restrict__ o, long long o_rs, const bf16* __restrict__ z, long long z_rs,
                   const bf16* __restrict__ w, bf16* __restrict__ y, int T, int nv, float eps) {
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const long long item = (long long)blockIdx.x * GWARPS + (threadIdx.x >> 5);
   if (item >= (long long)T * nv) return;
@@ -167,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(32 * GWARPS)
 // silu_mul. gu [T, 2I] bf16 = [gate | up] rows, act [T, I] bf16: act = bf16(bf16(silu(gate)) * up), the
 // two roundings of torch's F.silu then torch.mul on bf16 tensors. One thread per 8 values (I % 8 == 0).
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int T, int I) {
+  pdl_trigger();
   const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (i >= (long long)T * I) return;
   const long long t = i / I, c = i % I;
