@@ -105,13 +105,16 @@ def test_chunked_prefill_matches_one_chunk(variant, chunk):
     l1 = one.prefill(ids, chunk=77).clone()
     l2 = many.prefill(ids, chunk=chunk).clone()
     assert one.length == many.length == 77
-    assert rel_err(l2, l1) < 1e-2
+    # Chunks of <= 32 rows run the GEMV kernel, longer ones cuBLAS: bf16 rounding differs, so the bound is
+    # the bf16 one of test_logits_vs_cpu_reference (the NVFP4 model, 5 chunks: 1.4e-2 measured on the
+    # H200). A wrong chunk offset or state hand-over gives errors of order 1.
+    assert rel_err(l2, l1) < TOL
     for s1, s2 in zip(one.gdn_state, many.gdn_state, strict=True):
-        assert rel_err(s2, s1) < 1e-2
+        assert rel_err(s2, s1) < TOL
     for r in (one, many):
         r.seek(77, ids[0])
         r.decode_step(use_graph=False)
-    assert rel_err(many.logits, one.logits) < 1e-2
+    assert rel_err(many.logits, one.logits) < TOL
 
 
 @pytest.mark.parametrize(

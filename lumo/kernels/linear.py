@@ -6,6 +6,7 @@ packed weight is dequantised N-tile by N-tile into a bounded bf16 workspace and 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -23,9 +24,8 @@ TARGET_WARPS = 1024  # nvfp4: ~8 row-group warps per H200 SM before split-K is w
 MIN_SLICE_CHUNKS = 8
 MAX_SPLITS = 16
 TARGET_CTAS = 264  # bf16_gemv: ~2 CTAs per H200 SM
-MIN_WARP_CHUNKS = 4
+MIN_WARP_CHUNKS = 1  # bf16_gemv: small-N shapes (the GDN b/a projection, 5120 -> 96) need every slice
 PREFILL_WORKSPACE = 64 << 20  # bytes of bf16 dequantised weight per prefill tile
-MAX_TILES = 1 << 16  # row tiles (CTA columns) of one split-K launch: N <= 4M rows
 
 
 def _bit_positions() -> tuple[tuple[int, int, int, int], ...]:
@@ -83,7 +83,7 @@ def choose_splits(n: int, k: int) -> int:
 def _bf16_splits(n: int, k: int) -> int:
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     s = 1
-    while rg * s < TARGET_CTAS and chunks // (2 * s * KW) >= MIN_WARP_CHUNKS and s < 8:
+    while rg * s < TARGET_CTAS and chunks // (2 * s * KW) >= MIN_WARP_CHUNKS and s < MAX_SPLITS:
         s *= 2
     return s
 
@@ -209,12 +209,8 @@ def _out(x: torch.Tensor, n: int, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-@functools.cache
-def split_counters(device: torch.device) -> torch.Tensor:
-    """Arrival counters of the fused split-K finish (linear.cu splitk_finish), one per CTA column of a
-    launch; zero between launches (each launch's last CTAs set theirs back). One array per device: the
-    launches that share it run on one stream, one after another."""
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+def _reduce(partial: torch.Tensor, gs: object, out: torch.Tensor, m: int, n: int, splits: int) -> None:
+    _kernel("splitk_reduce", 1).launch(-(-(m * n) // 256), 256, [partial, gs, out, m, n, splits], pdl=True)
 
 
 def _launch_bf16(
@@ -227,10 +223,11 @@ def _launch_bf16(
     cps = -(-chunks // splits)
     shmem = KW * stages * _stage_bytes(nt, True)
     part = partial if splits > 1 else out
-    counters = split_counters(x.device)
     _kernel("bf16_gemv", nt, stages, KW).launch(
-        (rg, splits), 32 * KW, [w, x, out, part, counters, m, n, k, rg, chunks, cps], shmem, pdl=True
+        (rg, splits), 32 * KW, [w, x, out, part, m, n, k, rg, chunks, cps], shmem, pdl=True
     )
+    if splits > 1:
+        _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
 def nvfp4_linear(
@@ -257,10 +254,11 @@ def nvfp4_linear(
     rgw = rgw or choose_rgw(rg, splits, nt)
     cps = -(-chunks // splits)
     part = packed.partial if splits > 1 else out
-    counters = split_counters(x.device)
-    args = [packed.qw, packed.qs, packed.gs, x, out, part, counters, m, packed.n, packed.k, rg, chunks, cps]
+    args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
     kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
+    if splits > 1:
+        _reduce(packed.partial, packed.gs, out, m, packed.n, splits)
     return out
 
 
