@@ -64,8 +64,10 @@ def embedded(n_prompts: int, new: int) -> dict:
     gw = pack_weights(cfg, w, "cuda", mtp=True)
     prompts = held_out_prompts(path, n_prompts)
     res = {}
+    # The prompts follow each other in one sequence (a decoder per mode, graphs captured once): room for all.
+    capacity = sum(len(p) for p in prompts) + len(prompts) * (new + 64)
     for mode in ("plain", "chain", "tree"):
-        runner = GPURunner(cfg, gw, 1024)
+        runner = GPURunner(cfg, gw, capacity)
         if mode == "plain":
             dec = GPUDecoder(runner, GREEDY, use_graph=True)
         else:
