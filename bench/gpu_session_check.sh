@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
-# All GPU tests of the repository in one device call, then `lumo generate` on the GPU; a short summary last.
+# Every GPU test and benchmark of the repository on the device machine, in groups with their own time
+# limits (one device call allows 10 minutes), each group's log under $OUT; a short summary is printed.
+#   bash bench/gpu_session_check.sh [kernels|spec|bench|all]     (default: all; "all" needs ~15 minutes)
+# The speculative-engine file alone takes > 4 minutes (50 prompts x 256 tokens, eager, two models).
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
+what=${1:-all}
+P="python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE"
+group() {  # group LIMIT NAME CMD...: run, then print rc, seconds, the last line and any failures
+  local lim=$1 name=$2 t0=$SECONDS
+  shift 2
+  timeout "$lim" "$@" >"$out/$name.log" 2>&1
+  echo "== $name rc=$? $((SECONDS - t0))s: $(tail -1 "$out/$name.log")"
+  grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -8
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python -m pytest -q -m gpu -p no:cacheprovider --timeout 300 -rfE -s tests/ 2>&1 | tee "$out/gpu_tests.log" \
-  | grep -E "accepted drafts|rel err|passed|failed|FAILED|ERROR" | tail -40
-for m in "" "--model lumo/assets/lumo-tiny-nvfp4"; do
-  python -m lumo.cli generate $m --device cuda --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0 \
+if [[ $what == kernels || $what == all ]]; then
+  group 240 t_kernels $P tests/test_linear_gpu.py tests/test_norms_gpu.py tests/test_attention_gpu.py \
+    tests/test_gdn_gpu.py tests/test_conv_gpu.py tests/test_rope_kv_gpu.py tests/test_sampling_gpu.py \
+    tests/test_tree_kernels_gpu.py tests/test_runner_gpu.py
+  python -m lumo.cli generate --device cuda --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0 \
     2>&1 >/dev/null | tail -1
-  python -m lumo.cli generate $m --device cuda --spec tree --prompt "def fibonacci(n):" --max-tokens 64 \
-    --temperature 0 2>&1 >/dev/null | tail -1
-done
-python -m lumo.cli generate --device cuda --backend kernels --prompt "def fibonacci(n):" --max-tokens 64 \
-  --temperature 0 2>&1 >/dev/null | tail -1
-python bench/bench_decode.py 2>&1 | tail -30
-python bench/bench_spec.py 2>&1 | tail -30
+fi
+if [[ $what == spec || $what == all ]]; then
+  group 540 t_spec $P -s tests/test_gpu_spec_gpu.py tests/test_llm_gpu.py
+  grep -E "accepted drafts" "$out/t_spec.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  group 120 bench_decode python bench/bench_decode.py --peer-layers 8
+  grep -A12 "^## bench" "$out/bench_decode.log"
+  group 120 bench_spec python bench/bench_spec.py
+  grep -E "^27B|^GDN|^embedded" "$out/bench_spec.log"
+  group 60 bench_linear python bench/bench_linear.py
+  tail -30 "$out/bench_linear.log"
+fi

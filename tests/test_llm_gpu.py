@@ -36,10 +36,15 @@ def assets(variant: str) -> str:
 
 @pytest.mark.parametrize("variant", ["lumo-tiny", "lumo-tiny-nvfp4"])
 def test_tree_and_chain_equal_plain_on_gpu(variant):
+    """Through the public API on the default GPU backend (the kernels: batch invariant, so bitwise). The
+    torch backend on a GPU is not compared: cuBLAS picks kernels by shape and alignment, so the reference
+    event's single-row forwards need not reproduce plain decoding's bits there (one NVFP4 prompt parted on
+    the H200); on the CPU it is exact (tests/test_spec_ref.py)."""
     path = assets(variant)
-    plain = LLM(path, device="cuda", spec="off", backend="torch")
+    plain = LLM(path, device="cuda", spec="off")
     tree = LLM(path, device="cuda", spec="tree")
     chain = LLM(path, device="cuda", spec="chain")
+    assert plain.backend == tree.backend == chain.backend == "kernels"
     accepted = []
     for i, prompt in enumerate(PROMPTS):
         want = plain.generate(prompt, max_tokens=64, temperature=0).token_ids

@@ -60,6 +60,13 @@ def _pick_device(device: str) -> torch.device:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """lumo's kernels need bf16 on a GPU with cp.async and bf16 mma.sync (sm_80+); sm_90+ adds PDL."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 class LLM:
     """A loaded model with its tokenizer. Not thread-safe: one generation at a time."""
 
@@ -98,9 +105,11 @@ class LLM:
             )
         self.path = path
         # "torch": the reference model in plain torch (CPU or GPU; speculation = the exact reference event).
-        # "kernels": lumo's CUDA kernels (GPURunner; GPUSpecEngine for tree / chain). auto = torch until the
-        # kernel engines have passed their GPU tests (docs/runner.md, docs/spec-engine.md).
-        self.backend = "torch" if backend == "auto" else backend
+        # "kernels": lumo's CUDA kernels (GPURunner; GPUSpecEngine for tree / chain), batch invariant, so
+        # speculation is bitwise plain decoding. auto = kernels on a CUDA device in bf16, torch otherwise.
+        if backend == "auto":
+            backend = "kernels" if _kernels_supported(self.device, self.dtype) else "torch"
+        self.backend = backend
         if self.backend == "kernels" and (self.device.type != "cuda" or self.dtype != torch.bfloat16):
             raise ValueError("--backend kernels needs --device cuda and bfloat16")
         load_device = "cpu" if self.backend == "kernels" else self.device  # packing moves weights to the GPU
