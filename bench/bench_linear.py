@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from lumo.kernels import bf16_linear, nvfp4_linear, pack_nvfp4
+from lumo.kernels.linear import MAX_SPLITS
 
 SHAPES = [  # (name, K, N)
     ("in 5120->10240", 5120, 10240),
@@ -92,7 +93,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
     for m in ms:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        ws = torch.empty(8, 32, n, device="cuda")
+        ws = torch.empty(MAX_SPLITS, 32, n, device="cuda")  # any bf16 split count
         res = {}
         for st, rgw in [(None, None), *stages_sweep]:
             try:

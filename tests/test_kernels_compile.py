@@ -79,3 +79,18 @@ def test_pack_fused_keeps_shard_scales():
     ref = torch.cat([nvfp4_dequantize(*sh) for sh in shards])
     assert packed.shard_sizes == (40, 24)
     torch.testing.assert_close(unpack_nvfp4(packed), ref, rtol=0, atol=0)
+
+
+def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
+    """sm_86/89 and the sm_120 family (GB10) let a CTA opt into 99 KB of shared memory, not 227: the GEMV
+    rings shrink to fit (a launch choice, never a result bit), and a ring that cannot hold two stages
+    is refused with a clear error."""
+    from lumo.kernels import linear
+
+    monkeypatch.setattr(linear, "smem_limit", lambda device: 99 * 1024)
+    cpu = torch.device("cpu")
+    bf16_stage = linear.KW * linear._stage_bytes(1, True)  # 36 KB
+    assert linear.fit_stages(linear.STAGES, bf16_stage, cpu) == 2
+    assert linear.fit_stages(6, linear._fp4_stage_bytes(1, 4), cpu) == 6  # 61 KB ring fits as is
+    with pytest.raises(RuntimeError, match="does not fit"):
+        linear.fit_stages(4, 60 * 1024, cpu)

@@ -164,7 +164,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         if (slot < max_len) {
           kv[i].raw = __ldg(reinterpret_cast<const Raw*>(kbase + (size_t)slot * kv_row));
         } else {
-          kv[i].raw = Raw{};  // past the row's keys (or an out-of-range slot): no load, score unused
+          kv[i].raw = Raw{};  // past the row's keys: no load, score unused. An out-of-range slot (a
+                              // caller error) is read as a zero key: no fault, but it does take weight.
         }
       }
 #pragma unroll

@@ -147,6 +147,7 @@ class Kernel:
     name: str
     function: object  # CUfunction
     _max_shmem: list[int]
+    sm_major: int = 0  # the cubin's architecture (PDL only for 9 and newer: pdl.cuh is a no-op below)
 
     def launch(
         self,
@@ -188,14 +189,16 @@ class Kernel:
         stream = torch.cuda.current_stream().cuda_stream
         what = f"launch of {self.name} (grid {g}, block {b}, shmem {shmem}, attr max {self._max_shmem[0]})"
         params = (tuple(values), tuple(types))
-        if pdl and use_pdl():
+        if pdl and self.sm_major >= 9 and use_pdl():
             _check(cu.cuLaunchKernelEx(_pdl_config(g, b, shmem, stream), self.function, params, 0), what)
         else:
             _check(cu.cuLaunchKernel(self.function, *g, *b, shmem, stream, params, 0), what)
 
 
+@functools.cache
 def use_pdl() -> bool:
-    """Programmatic dependent launch for the kernels that support it (sm_90+); LUMO_PDL=0 turns it off.
+    """Programmatic dependent launch for the kernels that support it (sm_90+); LUMO_PDL=0 turns it off
+    (read once per process).
     H200, 27B decode step at 1k context: 9.09 ms with it, 9.44 ms without (bench_decode.py)."""
     return os.environ.get("LUMO_PDL", "1") != "0" and torch.cuda.get_device_capability()[0] >= 9
 
@@ -250,4 +253,6 @@ def compile_kernel(
         cubin = cached_cubin(path.read_text(), arch, define_options(defines), path.name)
     except KernelCompileError as e:
         raise KernelCompileError(f"kernel {kernel_name}: {e}") from None
-    return _load(cubin, kernel_name, device)
+    kernel = _load(cubin, kernel_name, device)
+    kernel.sm_major = int(re.match(r"sm_(\d+)", arch).group(1)) // 10
+    return kernel

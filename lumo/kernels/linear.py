@@ -192,6 +192,24 @@ def choose_rgw(row_groups: int, splits: int, nt: int) -> int:
     return 2
 
 
+@functools.cache
+def smem_limit(device: torch.device) -> int:
+    """Dynamic shared memory one CTA may opt into: 227 KB on the H100 / H200 and B200, 99 KB on sm_86 / 89
+    and the sm_120 family (GB10 included)."""
+    if device.type != "cuda":
+        return 227 * 1024
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def fit_stages(stages: int, stage_bytes: int, device: torch.device) -> int:
+    """The pipeline depth, lowered until the ring fits the device's shared memory (a launch choice only:
+    the stage count never changes a result bit)."""
+    fit = min(stages, smem_limit(device) // stage_bytes)
+    if fit < 2:
+        raise RuntimeError(f"a {stage_bytes}-byte pipeline stage does not fit twice in shared memory")
+    return fit
+
+
 def _check_x(x: torch.Tensor, k: int) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(f"x must be contiguous bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}")
@@ -219,7 +237,7 @@ def _launch_bf16(
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     nt = -(-m // 8)
-    stages = STAGES if nt == 1 else STAGES - 1
+    stages = fit_stages(STAGES if nt == 1 else STAGES - 1, KW * _stage_bytes(nt, True), x.device)
     cps = -(-chunks // splits)
     shmem = KW * stages * _stage_bytes(nt, True)
     part = partial if splits > 1 else out
@@ -250,8 +268,8 @@ def nvfp4_linear(
         return out
     rg, chunks, splits = packed.row_groups, packed.chunks, packed.splits
     nt = -(-m // 8)
-    stages = stages or FP4_STAGES[nt]
     rgw = rgw or choose_rgw(rg, splits, nt)
+    stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
     cps = -(-chunks // splits)
     part = packed.partial if splits > 1 else out
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
@@ -301,6 +319,12 @@ def bf16_linear(
     splits = _bf16_splits(n, k)
     if splits > 1 and workspace is None:
         workspace = torch.empty(splits, SMALL_M, n, device=x.device)
+    if splits > 1 and (
+        workspace.dtype != torch.float32
+        or not workspace.is_contiguous()
+        or workspace.numel() < splits * m * n
+    ):
+        raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
     _launch_bf16(w, x, out, workspace, splits)
     return out
 

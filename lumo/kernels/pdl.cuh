@@ -7,6 +7,12 @@
 // its writes are visible. Kernels that precede a PDL launch call pdl_trigger() as soon as they have no
 // more use for SM resources that the next kernel's prologue could use well (lumo: at their start for
 // the small row kernels, after the main loop for the GEMVs).
+//
+// Contract of what a GEMV reads before pdl_wait(): its weights, which no kernel of the step writes (they
+// are packed at load). A kernel that writes a weight right before a PDL GEMV would need a pdl_wait()
+// first in that GEMV. pdl_wait() compiles to nothing below sm_90, so PDL launches (Kernel.launch) are
+// only made for cubins of sm_90 and newer; a kernel compiled for an older arch override must not be
+// launched with pdl=True.
 #pragma once
 
 __device__ __forceinline__ void pdl_wait() {
