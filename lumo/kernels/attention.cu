@@ -80,28 +80,24 @@ __device__ __forceinline__ int kth_set_bit(u64 m, int k) {
 // Exchanges at lane distance 16, 8, 4 each hand half of the remaining keys to the partner; distances 2
 // and 1 finish the last one. Lane L ends with key ((L >> 2) & 7)'s sum (all four lanes of that quad hold
 // the same bits). The order of every addition is fixed by the lane and key indices alone.
+// One exchange of reduce8: lanes with bit 4 * HALF set keep the upper HALF of the values they hold, the
+// others the lower HALF; each sends its partner the half it drops and adds what it receives (keep + recv).
+template <int HALF>
+__device__ __forceinline__ void halve(float (&v)[8], int lane) {
+  const bool hi = lane & (4 * HALF);
+#pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float send = hi ? v[i] : v[i + HALF];
+    const float keep = hi ? v[i + HALF] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * HALF);
+  }
+}
+
 __device__ __forceinline__ float reduce8(float (&v)[8], int lane) {
-  {
-    const bool hi = lane & 16;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float send = hi ? v[i] : v[i + 4];
-      const float keep = hi ? v[i + 4] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-    }
-  }
-  {
-    const bool hi = lane & 8;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float send = hi ? v[i] : v[i + 2];
-      const float keep = hi ? v[i + 2] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
-    }
-  }
-  const bool hi = lane & 4;
-  const float send = hi ? v[0] : v[1];
-  float s = (hi ? v[1] : v[0]) + __shfl_xor_sync(0xffffffffu, send, 4);
+  halve<4>(v, lane);  // distance 16: 4 keys left per lane
+  halve<2>(v, lane);  // distance 8: 2
+  halve<1>(v, lane);  // distance 4: 1, key (lane >> 2) & 7
+  float s = v[0];
   const float o2 = __shfl_xor_sync(0xffffffffu, s, 2);
   s = (lane & 2) ? o2 + s : s + o2;  // both lanes of a pair add in the same order: identical bits
   const float o1 = __shfl_xor_sync(0xffffffffu, s, 1);
@@ -111,6 +107,22 @@ __device__ __forceinline__ float reduce8(float (&v)[8], int lane) {
 // Cache slot of logical position p of a row (p < n): the prefix, else its (p - len)-th tree slot.
 __device__ __forceinline__ int slot_of(int p, int len, u64 mk) {
   return p < len ? p : len + kth_set_bit(mk, p - len);
+}
+
+// This lane's DPL dims of the K or V rows of NB keys at logical positions p .. p + NB - 1, all loads in
+// flight together. Keys past the warp's `left` read as zero rows (no load; their scores are never used);
+// so does an out-of-range slot (a caller error): no fault, but that key does take weight.
+__device__ __forceinline__ void load_rows(Vec (&r)[NB], const bf16* base, size_t kv_row, int p, int left,
+                                          int len, u64 mk, int max_len) {
+#pragma unroll
+  for (int i = 0; i < NB; ++i) {
+    const int slot = i < left ? slot_of(p + i, len, mk) : max_len;
+    if (slot < max_len) {
+      r[i].raw = __ldg(reinterpret_cast<const Raw*>(base + (size_t)slot * kv_row));
+    } else {
+      r[i].raw = Raw{};
+    }
+  }
 }
 
 // Shared memory: per warp the scores / weights [SUB][G]; the NSUB sub-partials acc [NSUB][G][D] and
@@ -158,16 +170,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     // Pass A: scores of the warp's keys, NB keys per round (loads first, then the dot products).
     for (int b = 0; b < cnt; b += NB) {
       Vec kv[NB];
-#pragma unroll
-      for (int i = 0; i < NB; ++i) {
-        const int slot = b + i < cnt ? slot_of(p_begin + b + i, len, mk) : max_len;
-        if (slot < max_len) {
-          kv[i].raw = __ldg(reinterpret_cast<const Raw*>(kbase + (size_t)slot * kv_row));
-        } else {
-          kv[i].raw = Raw{};  // past the row's keys: no load, score unused. An out-of-range slot (a
-                              // caller error) is read as a zero key: no fault, but it does take weight.
-        }
-      }
+      load_rows(kv, kbase, kv_row, p_begin + b, cnt - b, len, mk, max_len);
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         float dots[NB];
@@ -211,15 +214,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       for (int j = 0; j < DPL; ++j) acc[g][j] = 0.0f;
     for (int b = 0; b < cnt; b += NB) {
       Vec vv[NB];
-#pragma unroll
-      for (int i = 0; i < NB; ++i) {
-        const int slot = b + i < cnt ? slot_of(p_begin + b + i, len, mk) : max_len;
-        if (slot < max_len) {
-          vv[i].raw = __ldg(reinterpret_cast<const Raw*>(vbase + (size_t)slot * kv_row));
-        } else {
-          vv[i].raw = Raw{};
-        }
-      }
+      load_rows(vv, vbase, kv_row, p_begin + b, cnt - b, len, mk, max_len);
 #pragma unroll
       for (int i = 0; i < NB; ++i) {
         if (b + i >= cnt) break;
