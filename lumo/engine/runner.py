@@ -158,6 +158,7 @@ class GPURunner:
         for s in range(0, n, chunk):
             self._prefill_chunk(ids[s : s + chunk], self.length, hidden_hook)
             self.length += min(chunk, n - s)
+        self._logits()  # of the last chunk's last row (self.hidden): one lm_head per prompt, not per chunk
         self.pos.fill_(self.length)
         self.sample_pos.fill_(self.length)
         self._sample()
@@ -192,7 +193,6 @@ class GPURunner:
             hidden = rmsnorm1p(h, w.norm, eps, delta=delta)  # [T, H]
             self.hidden.copy_(hidden[-1:])
             hidden_hook(hidden, start)
-        self._logits()
 
     def _attn_prefill(
         self, a: GPUAttn, x: torch.Tensor, positions: torch.Tensor, start: int, i: int

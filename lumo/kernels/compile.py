@@ -200,7 +200,7 @@ def use_pdl() -> bool:
     """Programmatic dependent launch for the kernels that support it (sm_90+); LUMO_PDL=0 turns it off
     (read once per process).
     H200, 27B decode step at 1k context: 9.09 ms with it, 9.44 ms without (bench_decode.py)."""
-    return os.environ.get("LUMO_PDL", "1") != "0" and torch.cuda.get_device_capability()[0] >= 9
+    return os.environ.get("LUMO_PDL", "1") != "0"
 
 
 def _pdl_config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: int) -> object:
