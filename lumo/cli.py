@@ -21,7 +21,10 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "--backend", default="auto", choices=["auto", "torch", "kernels"], help="kernels: lumo's CUDA runner"
     )
     p.add_argument(
-        "--spec", default="off", choices=["tree", "chain", "off"], help="speculative decoding (MTP)"
+        "--spec",
+        default="auto",
+        choices=["auto", "tree", "chain", "off"],
+        help="speculative decoding with the MTP head (auto: tree on the GPU kernels, off elsewhere)",
     )
     p.add_argument("--spec-depth", type=int, default=11, help="draft tree spine depth D")
     p.add_argument("--spec-topk", type=int, default=3, help="candidates per spine depth (siblings + 1)")

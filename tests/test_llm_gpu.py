@@ -42,9 +42,10 @@ def test_tree_and_chain_equal_plain_on_gpu(variant):
     the H200); on the CPU it is exact (tests/test_spec_ref.py)."""
     path = assets(variant)
     plain = LLM(path, device="cuda", spec="off")
-    tree = LLM(path, device="cuda", spec="tree")
+    tree = LLM(path, device="cuda")  # the default on the kernels: tree speculation, events replay graphs
     chain = LLM(path, device="cuda", spec="chain")
     assert plain.backend == tree.backend == chain.backend == "kernels"
+    assert tree.spec == "tree" and tree._gpu.use_graph
     accepted = []
     for i, prompt in enumerate(PROMPTS):
         want = plain.generate(prompt, max_tokens=64, temperature=0).token_ids

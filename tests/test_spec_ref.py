@@ -124,3 +124,16 @@ def test_embedded_model_spec_equals_plain(spec):
         accepted += fast.last_decoder.stats.accepted
     # the trained MTP head drafts tokens the target accepts (random weights accept ~0)
     assert sum(accepted) / len(accepted) > 0.5
+
+
+def test_auto_spec_is_tree_only_on_the_kernels(tmp_path):
+    """spec="auto" (the default) picks tree speculation on the kernels backend when the checkpoint has an
+    MTP head; on the CPU (torch backend) it decodes plainly, and a checkpoint without MTP never fails."""
+    from lumo.engine.llm import LLM
+    from lumo.testing import make_tiny_checkpoint
+
+    assert LLM(make_tiny_checkpoint(tmp_path / "mtp", num_hidden_layers=2), device="cpu").spec == "off"
+    bare = make_tiny_checkpoint(tmp_path / "bare", num_hidden_layers=2, mtp_num_hidden_layers=0)
+    assert LLM(bare, device="cpu").spec == "off"
+    with pytest.raises(ValueError, match="MTP head"):
+        LLM(bare, device="cpu", spec="tree")

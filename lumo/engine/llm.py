@@ -77,12 +77,12 @@ class LLM:
         dtype: str | None = None,
         max_model_len: int | None = None,
         progress: bool = False,
-        spec: str = "off",
+        spec: str = "auto",
         tree: TreeConfig | None = None,
         backend: str = "auto",
     ):
-        if spec not in ("off", "chain", "tree"):
-            raise ValueError(f"unknown spec mode {spec!r}: use tree, chain or off")
+        if spec not in ("auto", "off", "chain", "tree"):
+            raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
         if backend not in ("auto", "torch", "kernels"):
             raise ValueError(f"unknown backend {backend!r}: use auto, torch or kernels")
         self.spec, self.tree = spec, tree or TreeConfig()
@@ -119,6 +119,12 @@ class LLM:
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self.max_model_len = min(max_model_len or limit, limit)
+        # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
+        # otherwise (the torch backend's tree event forwards each node separately: exact, but slower).
+        if spec == "auto":
+            has_mtp = self.weights is not None and self.weights.mtp is not None
+            spec = "tree" if self.backend == "kernels" and has_mtp else "off"
+        self.spec = spec
         if spec != "off":  # fail at start-up, not on every request
             if self.weights is None or self.weights.mtp is None:
                 raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
@@ -137,8 +143,8 @@ class LLM:
             return backend
         from .gpu_spec import SpecBackend
 
-        # Eager events until graph replay == eager has been run on a GPU (tests/test_gpu_spec_gpu.py).
-        return SpecBackend(backend, self.tree, chain=self.spec == "chain", use_graph=False)
+        # Events replay CUDA graphs: bitwise the eager events (tests/test_gpu_spec_gpu.py, H200).
+        return SpecBackend(backend, self.tree, chain=self.spec == "chain", use_graph=True)
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
