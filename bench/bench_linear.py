@@ -82,7 +82,21 @@ def random_packed(n: int, k: int, copies: int):
     return [p] + [dataclasses.replace(p, qw=p.qw.clone(), qs=p.qs.clone()) for _ in range(copies - 1)]
 
 
-def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_sweep: list[int]) -> list[dict]:
+def config_kwargs(cfg: str) -> dict:
+    """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
+    kernel + splitk_reduce, "SxR" cross-CTA with STAGES x RGW, "kMxSxB" in-CTA split-K with MTW x STAGES x
+    CTAs per SM (M <= 8)."""
+    if cfg == "dflt":
+        return {}
+    if cfg == "cross":
+        return dict(ks=False)
+    if cfg.startswith("k"):
+        return dict(ks=tuple(int(v) for v in cfg[1:].split("x")))
+    st, rgw = (int(v) for v in cfg.split("x"))
+    return dict(stages=st, rgw=rgw)
+
+
+def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, configs: list[str]) -> list[dict]:
     wbytes = n * k // 2 + n * k // 16 + n * 4
     reps = max(20, min(1000, int(2e9 / wbytes)))
     copies = min(reps, max(2, -(-L2_ROTATE_BYTES // wbytes)))
@@ -95,20 +109,19 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(MAX_SPLITS, 32, n, device="cuda")  # any bf16 split count
         res = {}
-        for st, rgw in [(None, None), *stages_sweep]:
+        for cfg in ["dflt", *configs]:
+            kw = config_kwargs(cfg)
+            if m > 8 and "ks" in kw:
+                continue
             try:
-                res[f"{st or 'd'}x{rgw or 'd'}"] = time_graph(
-                    [
-                        lambda p=p, st=st, rgw=rgw, x=x, o=out: nvfp4_linear(x, p, out=o, stages=st, rgw=rgw)
-                        for p in packs
-                    ],
-                    reps,
+                res[cfg] = time_graph(
+                    [lambda p=p, x=x, o=out, kw=kw: nvfp4_linear(x, p, out=o, **kw) for p in packs], reps
                 )
-            except RuntimeError as e:  # a variant that does not launch is reported, not fatal
-                print(f"{name} M={m} config {st}x{rgw}: {e}", flush=True)
+            except (RuntimeError, ValueError) as e:  # a variant that does not launch is reported, not fatal
+                print(f"{name} M={m} config {cfg}: {e}", flush=True)
                 torch.cuda.synchronize()
-        # STAGES / RGW never change the result bits; the table reports the library default (dxd) and the best.
-        us = res["dxd"]
+        # Launch knobs never change the result bits; the table reports the library default and the best.
+        us = res["dflt"]
         best = min(res, key=res.get)
         t_torch = time_graph([lambda w=w, x=x, o=out: torch.matmul(x, w.t(), out=o) for w in wbs], reps)
         t_bf16 = time_graph(
@@ -145,7 +158,7 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, stages_swee
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 16, 32])
-    ap.add_argument("--configs", nargs="*", default=[], help="STAGESxRGW variants timed besides the default")
+    ap.add_argument("--configs", nargs="*", default=[], help="launch variants timed besides the default")
     ap.add_argument("--only", default="")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -156,8 +169,7 @@ def main() -> None:
     for name, k, n in SHAPES:
         if args.only and args.only not in name:
             continue
-        configs = [tuple(int(v) for v in c.split("x")) for c in args.configs]
-        rows += bench_shape(name, k, n, args.m, bw, configs)
+        rows += bench_shape(name, k, n, args.m, bw, args.configs)
         print(f"done {name}", flush=True)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -169,7 +181,7 @@ def main() -> None:
     )
     print(f"\n{dev}: device copy {bw:.0f} GB/s (read+write); NVFP4 W4A16, times in us (median, graph replay)")
     hdr = f"{'shape':22} {'M':>3} {'S':>2} {'us':>8} {'MB':>8} {'GB/s':>6} {'%bw':>5} "
-    hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'best':>5} {'cfg':>5}"
+    hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'best':>5} {'cfg':>7}"
     print(hdr)
     m1 = {r["shape"]: r["us"] for r in rows if r["m"] == 1}
     for r in rows:
@@ -178,7 +190,7 @@ def main() -> None:
             f"{r['shape']:22} {r['m']:3d} {r['splits']:2d} {r['us']:8.1f} "
             f"{r['bytes'] / 1e6:8.1f} {r['gbs']:6.0f} {r['pct_bw']:5.1f} {rel:5.2f} {r['torch_us']:9.1f} "
             f"{r['speedup_vs_torch']:7.2f} "
-            f"{r['bf16_us']:8.1f} {r['bf16_pct_bw']:7.1f} {r['best_us']:5.1f} {r['best_cfg']:>5}"
+            f"{r['bf16_us']:8.1f} {r['bf16_pct_bw']:7.1f} {r['best_us']:5.1f} {r['best_cfg']:>7}"
         )
 
 

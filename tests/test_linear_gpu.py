@@ -117,6 +117,24 @@ def test_launch_knobs_do_not_change_bits():
                 assert torch.equal(nvfp4_linear(x, packed, stages=stages, rgw=rgw), base), (m, stages, rgw)
 
 
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_in_cta_split_k_equals_cross_cta(splits):
+    """M <= 8: the in-CTA split-K kernel (a warp per slice, slices summed in shared memory) gives the bits
+    of nvfp4_gemv + splitk_reduce for every tile width, ring depth and register cap."""
+    gen = torch.Generator(DEV).manual_seed(23 + splits)
+    n, k = 64 * 7 + 19, 16 * 16 * splits + 16 * 3  # a short last slice
+    w, s, s2 = rand_nvfp4(n, k, gen)
+    packed = pack_nvfp4(w, s, s2, splits=splits)
+    for m in (1, 2, 7, 8):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        cross = nvfp4_linear(x, packed, ks=False)
+        assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
+        assert torch.equal(nvfp4_linear(x, packed), cross), m  # the default launch
+        for ks in ((1, 2, 1), (2, 3, 1), (4, 6, 1), (1, 6, 3)):
+            y = nvfp4_linear(x, packed, out=poisoned(m, n), ks=ks)
+            assert torch.equal(y, cross), (m, ks)
+
+
 def test_bf16_batch_invariant():
     gen = torch.Generator(DEV).manual_seed(5)
     n, k = 150, 16 * 41

@@ -29,8 +29,13 @@
 //       into the fp32 epilogue with gs.
 //   gs [N_pad] f32: weight_scale_2 per row (fused shards keep their own).
 //
-// lumo:test-defines NT=1 STAGES=4 RGW=4
-// lumo:test-defines NT=4 STAGES=3 RGW=8
+// In-CTA split-K (nvfp4_gemv_ks, small M): one CTA holds every split-K slice of MTW m16 tiles, a warp per
+// slice, and sums the slices in slice order in shared memory with the same fp32 operations as
+// splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce, so which of the two runs is a launch choice; it
+// saves the partial buffer's round trip and the second launch.
+//
+// lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16 KS_MINB=3
+// lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8 KS_MINB=1
 
 #include <cuda_bf16.h>
 
@@ -50,6 +55,9 @@
 #endif
 #ifndef RGW
 #define RGW 4  // nvfp4_gemv: warps (row groups) per CTA sharing one activation tile
+#endif
+#ifndef MTW
+#define MTW 2  // nvfp4_gemv_ks: m16 tiles per warp (a divisor of MT)
 #endif
 
 typedef unsigned int u32;
@@ -285,6 +293,159 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
   cp_async_wait<0>();
   pdl_trigger();  // the next kernel's prologue may overlap this one's stores and split-K finish
   if (active) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
+}
+
+// grid RG * MT / MTW, block 32 * KSW with KSW = S (warp s = split-K slice s, chunks [s * cps, min(C, (s + 1) * cps))),
+// dynamic smem max(S * STAGES * stage, (S - 1) * MTW * NT * 512) with stage = KS_WS_BYTES + 128 * XR.
+// Each warp runs its own cp.async ring (its weights, scales and the activation rows of each chunk) with no
+// block-wide barrier until the epilogue. The ring holds only XR = min(M, 8 * NT) activation rows, row r's
+// 64 columns at 128 r (lane (g, t) reads 32 bytes at 128 g + 32 t): at M = 1 a stage is 704 bytes, not
+// 1600. Per tile and slice the mma sequence is nvfp4_gemv's; the epilogue forms the partials acc * 2^7
+// exactly as nvfp4_gemv stores them and sums them as splitk_reduce does: a = p0, a += p_s,
+// out = bf16(a * gs).
+#ifndef KSW
+#define KSW 8  // nvfp4_gemv_ks: warps per CTA = split-K slices of the weight
+#endif
+#ifndef KS_MINB
+#define KS_MINB 1  // nvfp4_gemv_ks: CTAs per SM the launch wants resident at once (caps registers)
+#endif
+#define KS_W_BYTES (MTW * 512)
+#define KS_WS_BYTES (MTW * 576)
+extern "C" __global__ void __launch_bounds__(KSW * 32, KS_MINB)
+    nvfp4_gemv_ks(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
+                  int N, int K, int C, int cps) {
+  extern __shared__ uint4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int xr = min(M, 8 * NT);
+  const int stage = KS_WS_BYTES + 128 * xr;
+  char* ring = reinterpret_cast<char*>(smem) + warp * STAGES * stage;
+  const int tile0 = blockIdx.x * MTW;  // first m16 tile: row group tile0 / MT, tile tile0 % MT within it
+  const size_t unit = (size_t)(tile0 / MT) * C * MT + tile0 % MT;  // (rg, c = 0, p) in [RG][C][MT]
+  const char* wsrc = reinterpret_cast<const char*>(qw) + unit * 512;
+  const char* ssrc = reinterpret_cast<const char*>(qs) + unit * 64;
+  const int c0 = warp * cps;
+  const int nc = max(0, min(C, c0 + cps) - c0);
+
+  auto issue_w = [&](int i) {  // weights + scales of chunk c0 + i: no earlier kernel writes them
+    char* st = ring + (i % STAGES) * stage;
+    const size_t c = (size_t)(c0 + i) * MT;
+#pragma unroll
+    for (int p = 0; p < MTW; ++p)
+      cp_async16(st + (p * 32 + lane) * 16, wsrc + c * 512 + (p * 32 + lane) * 16, 16, false);
+    if (lane < MTW * 4) cp_async16(st + KS_W_BYTES + lane * 16, ssrc + c * 64 + lane * 16, 16, false);
+  };
+  auto issue_x = [&](int i) {  // the XR activation rows of chunk c0 + i, 16 bytes per copy
+    char* xs = ring + (i % STAGES) * stage + KS_WS_BYTES;
+    for (int q = lane; q < 8 * xr; q += 32) {
+      const int row = q >> 3, col = (c0 + i) * 64 + 8 * (q & 7);
+      const bool ok = col < K;
+      cp_async16(xs + q * 16, ok ? x + (size_t)row * K + col : x, ok ? 16 : 0, true);
+    }
+  };
+
+  float acc[MTW][NT][4];
+#pragma unroll
+  for (int i = 0; i < MTW; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (i < nc) issue_w(i);
+  pdl_wait();
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < nc) issue_x(i);
+    cp_async_commit();
+  }
+  for (int i = 0; i < nc; ++i) {
+    if (i + STAGES - 1 < nc) {  // refills chunk i - 1's stage (every lane read it before the last syncwarp)
+      issue_w(i + STAGES - 1);
+      issue_x(i + STAGES - 1);
+    }
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncwarp();
+    const char* st = ring + (i % STAGES) * stage;
+    uint4 wv[MTW];
+    u32 sv[MTW];
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) {
+      wv[p] = *reinterpret_cast<const uint4*>(st + (p * 32 + lane) * 16);
+      sv[p] = *reinterpret_cast<const unsigned short*>(st + KS_W_BYTES + (p * 32 + lane) * 2);
+    }
+    uint4 xv[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int row = 8 * j + g;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        xv[j][h] = row < xr ? *reinterpret_cast<const uint4*>(st + KS_WS_BYTES + row * 128 + t * 32 + h * 16)
+                            : make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) {
+      const u32 sg = scale2(sv[p], 0x4040), sg8 = scale2(sv[p], 0x4141);
+      const u32 words[4] = {wv[p].x, wv[p].y, wv[p].z, wv[p].w};
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        u32 A, B, Cr, D;
+        dequant8(words[s], A, B, Cr, D);
+        A = bmul2(A, sg);
+        B = bmul2(B, sg8);
+        Cr = bmul2(Cr, sg);
+        D = bmul2(D, sg8);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
+          mma_bf16(acc[p][j], A, B, Cr, D, xw[(s & 1) * 2], xw[(s & 1) * 2 + 1]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  pdl_trigger();
+  // Slice partials p_s = acc_s * 2^7 (as nvfp4_gemv stores them), summed in slice order by warp 0.
+  float* red = reinterpret_cast<float*>(smem);
+  __syncthreads();  // every warp is done with its ring
+#pragma unroll
+  for (int i = 0; i < MTW; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[i][j][e] *= DQ_UNSCALE;
+        if (warp > 0) red[(((warp - 1) * MTW + i) * NT + j) * 4 * 32 + e * 32 + lane] = acc[i][j][e];
+      }
+  __syncthreads();
+  if (warp > 0) return;
+  for (int w = 1; w < KSW; ++w)
+#pragma unroll
+    for (int i = 0; i < MTW; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] += red[(((w - 1) * MTW + i) * NT + j) * 4 * 32 + e * 32 + lane];
+#pragma unroll
+  for (int i = 0; i < MTW; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (tile0 + i) * 16 + g + 8 * h;
+      if (n >= N) continue;
+      const float scale = gs[n];
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = 8 * j + 2 * t + e;
+          if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(acc[i][j][2 * h + e] * scale);
+        }
+    }
 }
 
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and

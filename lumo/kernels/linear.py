@@ -248,16 +248,68 @@ def _launch_bf16(
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
+KS_STAGES = 6  # nvfp4_gemv_ks ring depth per warp (before fitting the co-residency below)
+KS_MAX_SPLITS = 16  # one warp per slice: 512 threads
+
+
+def _ks_stage_bytes(m: int, mtw: int) -> int:
+    """Weights + scales of MTW m16 tiles and min(M, 8) activation rows of one chunk (M <= 8)."""
+    return mtw * 576 + min(m, 8) * 128
+
+
+def choose_ks(
+    row_groups: int, splits: int, m: int, sms: int, smem_per_sm: int, smem_per_cta: int
+) -> tuple[int, int, int] | None:
+    """(MTW, STAGES, CTAs per SM) of the in-CTA split-K kernel for M activation rows, or None for
+    nvfp4_gemv + splitk_reduce. A launch choice only: both give the same bits. Used for M <= 8 (above that
+    the cross-CTA kernel shares each activation tile among row groups). MTW (m16 tiles per CTA) is the
+    largest that still gives >= 2 CTAs per SM; the ring is then made shallow enough that every CTA is
+    resident at once (one wave), and the CTAs-per-SM goes to __launch_bounds__ to cap the registers."""
+    if m > 8 or not 1 < splits <= KS_MAX_SPLITS:  # one slice: nvfp4_gemv has no reduce to save
+        return None
+    for mtw in (4, 2, 1):
+        ctas = row_groups * MT // mtw
+        if ctas >= 2 * sms:
+            break
+    want = min(-(-ctas // sms), 2048 // (32 * splits))
+    best = None
+    for stages in range(KS_STAGES, 2, -1):  # the deepest ring that keeps `want` CTAs per SM, else the most
+        ring = splits * stages * _ks_stage_bytes(m, mtw)
+        fit = min(want, smem_per_sm // (ring + 1024)) if ring <= smem_per_cta else 0
+        if fit and (best is None or fit > best[2]):
+            best = (mtw, stages, fit)
+        if fit == want:
+            break
+    return best
+
+
+@functools.cache
+def _ks_kernel(mtw: int, stages: int, splits: int, minb: int) -> Kernel:
+    defines = {"NT": 1, "MT": MT, "STAGES": stages, "MTW": mtw, "KSW": splits, "KS_MINB": minb}
+    return compile_kernel("linear", "nvfp4_gemv_ks", defines)
+
+
+@functools.cache
+def _sm_resources(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory per SM in bytes)."""
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", smem_limit(device) + 1024)
+    return props.multi_processor_count, per_sm
+
+
 def nvfp4_linear(
     x: torch.Tensor,
     packed: PackedNVFP4,
     out: torch.Tensor | None = None,
     stages: int | None = None,
     rgw: int | None = None,
+    ks: tuple[int, int, int] | bool | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
-    `stages` / `rgw` (row groups per CTA) are benchmark knobs; neither changes the result bits.
+    Benchmark knobs, none of which changes the result bits: `stages` / `rgw` (ring depth, row groups per
+    CTA) of the cross-CTA kernel; `ks`: (MTW, STAGES, CTAs per SM) forces the in-CTA split-K kernel (M <= 8),
+    False forbids it.
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)
@@ -268,9 +320,20 @@ def nvfp4_linear(
         return out
     rg, chunks, splits = packed.row_groups, packed.chunks, packed.splits
     nt = -(-m // 8)
+    cps = -(-chunks // splits)
+    if ks is None and stages is None and rgw is None:
+        ks = choose_ks(rg, splits, m, *_sm_resources(x.device), smem_limit(x.device))
+    if ks:
+        mtw, st, minb = ks
+        if nt > 1:
+            raise ValueError("the in-CTA split-K kernel serves M <= 8")
+        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
+        shmem = max(splits * st * _ks_stage_bytes(m, mtw), (splits - 1) * mtw * 512)
+        kern = _ks_kernel(mtw, st, splits, minb)
+        kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
+        return out
     rgw = rgw or choose_rgw(rg, splits, nt)
     stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
-    cps = -(-chunks // splits)
     part = packed.partial if splits > 1 else out
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
