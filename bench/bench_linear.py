@@ -27,6 +27,9 @@ SHAPES = [  # (name, K, N)
     ("down 17408->5120", 17408, 5120),
     ("out 6144->5120", 6144, 5120),
     ("lm_head 5120->248320", 5120, 248320),
+    # the 27B's other decode shapes: a GDN layer's fused q/k/v/z and an attention layer's fused q(+gate)/k/v
+    ("gdn qkvz 5120->16384", 5120, 16384),
+    ("attn qkv 5120->14336", 5120, 14336),
 ]
 L2_ROTATE_BYTES = 512 << 20  # rotate through at least this many weight bytes (L2 is 60 MB)
 
@@ -159,7 +162,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 16, 32])
     ap.add_argument("--configs", nargs="*", default=[], help="launch variants timed besides the default")
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", nargs="*", default=[], help="shapes whose name contains one of these")
     args = ap.parse_args()
     torch.manual_seed(0)
     bws = copy_bandwidth()
@@ -167,7 +170,7 @@ def main() -> None:
     print(f"copy bandwidth {bws}", flush=True)
     rows = []
     for name, k, n in SHAPES:
-        if args.only and args.only not in name:
+        if args.only and not any(o in name for o in args.only):
             continue
         rows += bench_shape(name, k, n, args.m, bw, args.configs)
         print(f"done {name}", flush=True)

@@ -97,25 +97,21 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 
 
 def test_in_cta_split_k_launch_choice():
-    """choose_ks: the H200 shapes of the 27B model get one wave of >= 2 CTAs per SM; one slice or M > 8
-    keeps the cross-CTA kernel; every choice fits the shared memory it is given."""
-    from lumo.kernels.linear import MT, _ks_stage_bytes, choose_ks, choose_splits
+    """choose_ks: 4..8 slices at M <= 8 run in-CTA on the H200 and the GB10 (every choice fits the shared
+    memory it is given); one or two slices, 16 slices and M > 8 keep the cross-CTA kernel."""
+    from lumo.kernels.linear import _ks_stage_bytes, choose_ks, choose_splits
 
     h200 = (132, 228 * 1024, 227 * 1024)
     gb10 = (48, 100 * 1024, 99 * 1024)
-    for n, k in [(10240, 5120), (6144, 5120), (34816, 5120), (5120, 17408), (5120, 6144), (48, 5120)]:
+    for n, k in [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]:
         rg, splits = -(-n // 64), choose_splits(n, k)
+        assert 4 <= splits <= 8, (n, k)
         for m in (1, 3, 8):
             for sms, per_sm, per_cta in (h200, gb10):
-                got = choose_ks(rg, splits, m, sms, per_sm, per_cta)
-                if got is None:  # nothing fits (GB10's 100 KB at 16 slices): the cross-CTA kernel runs
-                    assert sms == 48 and splits * 3 * _ks_stage_bytes(m, 1) > per_cta // 2, (n, k, m)
-                    continue
-                mtw, stages, minb = got
+                mtw, stages, minb = choose_ks(rg, splits, m, sms, per_sm, per_cta)
                 ring = splits * stages * _ks_stage_bytes(m, mtw)
                 assert stages >= 3 and ring <= per_cta and minb * (ring + 1024) <= per_sm
                 assert minb * 32 * splits <= 2048
-                if sms == 132 and rg * MT >= 2 * sms:
-                    assert rg * MT // mtw >= 2 * sms
         assert choose_ks(rg, splits, 9, *h200) is None
-    assert choose_ks(3880, 1, 1, *h200) is None  # lm_head: one slice, nothing to reduce
+    for n, k in [(34816, 5120), (5120, 17408), (248320, 5120)]:  # 2, 16 and 1 slices
+        assert choose_ks(-(-n // 64), choose_splits(n, k), 1, *h200) is None

@@ -248,8 +248,9 @@ def _launch_bf16(
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
-KS_STAGES = 6  # nvfp4_gemv_ks ring depth per warp (before fitting the co-residency below)
-KS_MAX_SPLITS = 16  # one warp per slice: 512 threads
+KS_STAGES = 4  # nvfp4_gemv_ks ring depth per warp (H200 sweep: 4 beat 6 at every shape)
+KS_MTW = 1  # m16 tiles per CTA (H200 sweep: 1 beat 2 and 4)
+KS_SPLITS = (4, 8)  # slice counts served in-CTA; at 2 (gate+up) and 16 (down) the cross-CTA kernel won
 
 
 def _ks_stage_bytes(m: int, mtw: int) -> int:
@@ -262,25 +263,18 @@ def choose_ks(
 ) -> tuple[int, int, int] | None:
     """(MTW, STAGES, CTAs per SM) of the in-CTA split-K kernel for M activation rows, or None for
     nvfp4_gemv + splitk_reduce. A launch choice only: both give the same bits. Used for M <= 8 (above that
-    the cross-CTA kernel shares each activation tile among row groups). MTW (m16 tiles per CTA) is the
-    largest that still gives >= 2 CTAs per SM; the ring is then made shallow enough that every CTA is
-    resident at once (one wave), and the CTAs-per-SM goes to __launch_bounds__ to cap the registers."""
-    if m > 8 or not 1 < splits <= KS_MAX_SPLITS:  # one slice: nvfp4_gemv has no reduce to save
+    the cross-CTA kernel shares each activation tile among row groups) and the slice counts where it
+    measured faster on the H200 (bench_linear.py, docs/kernels.md). The CTAs per SM that can be resident
+    at once go to __launch_bounds__."""
+    if m > 8 or not KS_SPLITS[0] <= splits <= KS_SPLITS[1]:
         return None
-    for mtw in (4, 2, 1):
-        ctas = row_groups * MT // mtw
-        if ctas >= 2 * sms:
-            break
+    ctas = row_groups * MT // KS_MTW
     want = min(-(-ctas // sms), 2048 // (32 * splits))
-    best = None
-    for stages in range(KS_STAGES, 2, -1):  # the deepest ring that keeps `want` CTAs per SM, else the most
-        ring = splits * stages * _ks_stage_bytes(m, mtw)
-        fit = min(want, smem_per_sm // (ring + 1024)) if ring <= smem_per_cta else 0
-        if fit and (best is None or fit > best[2]):
-            best = (mtw, stages, fit)
-        if fit == want:
-            break
-    return best
+    for stages in range(KS_STAGES, 2, -1):
+        ring = splits * stages * _ks_stage_bytes(m, KS_MTW)
+        if ring <= smem_per_cta:
+            return KS_MTW, stages, max(1, min(want, smem_per_sm // (ring + 1024)))
+    return None
 
 
 @functools.cache
@@ -329,6 +323,8 @@ def nvfp4_linear(
             raise ValueError("the in-CTA split-K kernel serves M <= 8")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
         shmem = max(splits * st * _ks_stage_bytes(m, mtw), (splits - 1) * mtw * 512)
+        if shmem > smem_limit(x.device):
+            raise ValueError(f"in-CTA split-K {ks} needs {shmem} bytes of shared memory per CTA")
         kern = _ks_kernel(mtw, st, splits, minb)
         kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
