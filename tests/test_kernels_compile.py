@@ -97,21 +97,17 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 
 
 def test_in_cta_split_k_launch_choice():
-    """choose_ks: 4..8 slices at M <= 8 run in-CTA on the H200 and the GB10 (every choice fits the shared
-    memory it is given); one or two slices, 16 slices and M > 8 keep the cross-CTA kernel."""
+    """choose_ks: 4..8 slices at M <= 8 run in-CTA with a ring that fits the H200's and the GB10's shared
+    memory; one or two slices, 16 slices and M > 8 keep the cross-CTA kernel."""
     from lumo.kernels.linear import _ks_stage_bytes, choose_ks, choose_splits
 
-    h200 = (132, 228 * 1024, 227 * 1024)
-    gb10 = (48, 100 * 1024, 99 * 1024)
     for n, k in [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]:
-        rg, splits = -(-n // 64), choose_splits(n, k)
+        splits = choose_splits(n, k)
         assert 4 <= splits <= 8, (n, k)
         for m in (1, 3, 8):
-            for sms, per_sm, per_cta in (h200, gb10):
-                mtw, stages, minb = choose_ks(rg, splits, m, sms, per_sm, per_cta)
-                ring = splits * stages * _ks_stage_bytes(m, mtw)
-                assert stages >= 3 and ring <= per_cta and minb * (ring + 1024) <= per_sm
-                assert minb * 32 * splits <= 2048
-        assert choose_ks(rg, splits, 9, *h200) is None
+            for smem in (227 * 1024, 99 * 1024):
+                mtw, stages = choose_ks(splits, m, smem)
+                assert stages >= 3 and splits * stages * _ks_stage_bytes(m, mtw) <= smem
+        assert choose_ks(splits, 9, 227 * 1024) is None
     for n, k in [(34816, 5120), (5120, 17408), (248320, 5120)]:  # 2, 16 and 1 slices
-        assert choose_ks(-(-n // 64), choose_splits(n, k), 1, *h200) is None
+        assert choose_ks(choose_splits(n, k), 1, 227 * 1024) is None

@@ -121,7 +121,7 @@ def test_launch_knobs_do_not_change_bits():
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_in_cta_split_k_equals_cross_cta(splits):
     """M <= 8: the in-CTA split-K kernel (a warp per slice, slices summed in shared memory) gives the bits
-    of nvfp4_gemv + splitk_reduce for every tile width, ring depth and register cap."""
+    of nvfp4_gemv + splitk_reduce for every tile width and ring depth."""
     gen = torch.Generator(DEV).manual_seed(23 + splits)
     n, k = 64 * 7 + 19, 16 * 16 * splits + 16 * 3  # a short last slice
     w, s, s2 = rand_nvfp4(n, k, gen)
@@ -131,7 +131,7 @@ def test_in_cta_split_k_equals_cross_cta(splits):
         cross = nvfp4_linear(x, packed, ks=False)
         assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
         assert torch.equal(nvfp4_linear(x, packed), cross), m  # the default launch
-        for ks in ((1, 2, 1), (2, 3, 1), (4, 6, 1), (1, 6, 3)):
+        for ks in ((1, 2), (2, 3), (4, 6), (1, 4)):
             if splits * ks[1] * _ks_stage_bytes(m, ks[0]) > smem_limit(x.device):
                 continue
             y = nvfp4_linear(x, packed, out=poisoned(m, n), ks=ks)

@@ -34,8 +34,8 @@
 // splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce, so which of the two runs is a launch choice; it
 // saves the partial buffer's round trip and the second launch.
 //
-// lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16 KS_MINB=3
-// lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8 KS_MINB=1
+// lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16
+// lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8
 
 #include <cuda_bf16.h>
 
@@ -306,12 +306,9 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
 #ifndef KSW
 #define KSW 8  // nvfp4_gemv_ks: warps per CTA = split-K slices of the weight
 #endif
-#ifndef KS_MINB
-#define KS_MINB 1  // nvfp4_gemv_ks: CTAs per SM the launch wants resident at once (caps registers)
-#endif
 #define KS_W_BYTES (MTW * 512)
 #define KS_WS_BYTES (MTW * 576)
-extern "C" __global__ void __launch_bounds__(KSW * 32, KS_MINB)
+extern "C" __global__ void __launch_bounds__(KSW * 32)
     nvfp4_gemv_ks(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
                   int N, int K, int C, int cps) {

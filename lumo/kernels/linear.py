@@ -248,8 +248,7 @@ def _launch_bf16(
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
-KS_STAGES = 4  # nvfp4_gemv_ks ring depth per warp (H200 sweep: 4 beat 6 at every shape)
-KS_MTW = 1  # m16 tiles per CTA (H200 sweep: 1 beat 2 and 4)
+KS_STAGES = 4  # nvfp4_gemv_ks ring depth per warp (H200 sweep: 3..5 within 5 %, 6 slower)
 KS_SPLITS = (4, 8)  # slice counts served in-CTA; at 2 (gate+up) and 16 (down) the cross-CTA kernel won
 
 
@@ -258,37 +257,25 @@ def _ks_stage_bytes(m: int, mtw: int) -> int:
     return mtw * 576 + min(m, 8) * 128
 
 
-def choose_ks(
-    row_groups: int, splits: int, m: int, sms: int, smem_per_sm: int, smem_per_cta: int
-) -> tuple[int, int, int] | None:
-    """(MTW, STAGES, CTAs per SM) of the in-CTA split-K kernel for M activation rows, or None for
-    nvfp4_gemv + splitk_reduce. A launch choice only: both give the same bits. Used for M <= 8 (above that
-    the cross-CTA kernel shares each activation tile among row groups) and the slice counts where it
-    measured faster on the H200 (bench_linear.py, docs/kernels.md). The CTAs per SM that can be resident
-    at once go to __launch_bounds__."""
+def choose_ks(splits: int, m: int, smem_per_cta: int) -> tuple[int, int] | None:
+    """(MTW, STAGES) of the in-CTA split-K kernel for M activation rows, or None for nvfp4_gemv +
+    splitk_reduce. A launch choice only: both give the same bits. Used for M <= 8 (above that the
+    cross-CTA kernel shares each activation tile among row groups) and where it measured faster on the
+    H200 (bench/bench_linear.py, docs/kernels.md): 4..8 slices; one m16 tile per CTA at 8 slices, two
+    at 4 (a 5120 -> 16384 weight: 19.9 us against 23.1 with one tile, as 1024 CTAs of 4 warps)."""
     if m > 8 or not KS_SPLITS[0] <= splits <= KS_SPLITS[1]:
         return None
-    ctas = row_groups * MT // KS_MTW
-    want = min(-(-ctas // sms), 2048 // (32 * splits))
+    mtw = 2 if splits <= 4 else 1
     for stages in range(KS_STAGES, 2, -1):
-        ring = splits * stages * _ks_stage_bytes(m, KS_MTW)
-        if ring <= smem_per_cta:
-            return KS_MTW, stages, max(1, min(want, smem_per_sm // (ring + 1024)))
+        if splits * stages * _ks_stage_bytes(m, mtw) <= smem_per_cta:
+            return mtw, stages
     return None
 
 
 @functools.cache
-def _ks_kernel(mtw: int, stages: int, splits: int, minb: int) -> Kernel:
-    defines = {"NT": 1, "MT": MT, "STAGES": stages, "MTW": mtw, "KSW": splits, "KS_MINB": minb}
+def _ks_kernel(mtw: int, stages: int, splits: int) -> Kernel:
+    defines = {"NT": 1, "MT": MT, "STAGES": stages, "MTW": mtw, "KSW": splits}
     return compile_kernel("linear", "nvfp4_gemv_ks", defines)
-
-
-@functools.cache
-def _sm_resources(device: torch.device) -> tuple[int, int]:
-    """(SM count, shared memory per SM in bytes)."""
-    props = torch.cuda.get_device_properties(device)
-    per_sm = getattr(props, "shared_memory_per_multiprocessor", smem_limit(device) + 1024)
-    return props.multi_processor_count, per_sm
 
 
 def nvfp4_linear(
@@ -297,12 +284,12 @@ def nvfp4_linear(
     out: torch.Tensor | None = None,
     stages: int | None = None,
     rgw: int | None = None,
-    ks: tuple[int, int, int] | bool | None = None,
+    ks: tuple[int, int] | bool | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
     Benchmark knobs, none of which changes the result bits: `stages` / `rgw` (ring depth, row groups per
-    CTA) of the cross-CTA kernel; `ks`: (MTW, STAGES, CTAs per SM) forces the in-CTA split-K kernel (M <= 8),
+    CTA) of the cross-CTA kernel; `ks`: (MTW, STAGES) forces the in-CTA split-K kernel (M <= 8),
     False forbids it.
     """
     _check_x(x, packed.k)
@@ -316,16 +303,16 @@ def nvfp4_linear(
     nt = -(-m // 8)
     cps = -(-chunks // splits)
     if ks is None and stages is None and rgw is None:
-        ks = choose_ks(rg, splits, m, *_sm_resources(x.device), smem_limit(x.device))
+        ks = choose_ks(splits, m, smem_limit(x.device))
     if ks:
-        mtw, st, minb = ks
+        mtw, st = ks
         if nt > 1:
             raise ValueError("the in-CTA split-K kernel serves M <= 8")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
         shmem = max(splits * st * _ks_stage_bytes(m, mtw), (splits - 1) * mtw * 512)
         if shmem > smem_limit(x.device):
             raise ValueError(f"in-CTA split-K {ks} needs {shmem} bytes of shared memory per CTA")
-        kern = _ks_kernel(mtw, st, splits, minb)
+        kern = _ks_kernel(mtw, st, splits)
         kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
     rgw = rgw or choose_rgw(rg, splits, nt)
