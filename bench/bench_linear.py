@@ -87,16 +87,18 @@ def random_packed(n: int, k: int, copies: int):
 
 def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
-    kernel + splitk_reduce, "SxR" cross-CTA with STAGES x RGW, "kMxS" in-CTA split-K with MTW x STAGES
+    kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x RGW, "kMxS" in-CTA split-K with MTW x STAGES
     (M <= 8)."""
     if cfg == "dflt":
         return {}
     if cfg == "cross":
-        return dict(ks=False)
+        return dict(ks=False, cluster=False)
+    if cfg == "cl":
+        return dict(ks=False, cluster=True)
     if cfg.startswith("k"):
         return dict(ks=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))
-    return dict(stages=st, rgw=rgw)
+    return dict(stages=st, rgw=rgw, cluster=False)
 
 
 def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, configs: list[str]) -> list[dict]:

@@ -119,18 +119,26 @@ def test_launch_knobs_do_not_change_bits():
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
-def test_in_cta_split_k_equals_cross_cta(splits):
-    """M <= 8: the in-CTA split-K kernel (a warp per slice, slices summed in shared memory) gives the bits
-    of nvfp4_gemv + splitk_reduce for every tile width and ring depth."""
+def test_split_k_variants_equal_cross_cta(splits):
+    """The in-CTA split-K kernel (M <= 8: a warp per slice, slices summed in shared memory) and the
+    cluster-reduced one (sm_90+: the S CTAs of a tile sum in distributed shared memory) give the bits of
+    nvfp4_gemv + splitk_reduce for every tile width, ring depth and row-group count."""
     gen = torch.Generator(DEV).manual_seed(23 + splits)
     n, k = 64 * 7 + 19, 16 * 16 * splits + 16 * 3  # a short last slice
     w, s, s2 = rand_nvfp4(n, k, gen)
     packed = pack_nvfp4(w, s, s2, splits=splits)
-    for m in (1, 2, 7, 8):
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    for m in (1, 2, 7, 8, 9, 17, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        cross = nvfp4_linear(x, packed, ks=False)
+        cross = nvfp4_linear(x, packed, ks=False, cluster=False)
         assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
         assert torch.equal(nvfp4_linear(x, packed), cross), m  # the default launch
+        if clusters:
+            for st, rgw in ((None, None), (2, 1), (3, 8)):
+                y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, cluster=True)
+                assert torch.equal(y, cross), (m, st, rgw)
+        if m > 8:
+            continue
         for ks in ((1, 2), (2, 3), (4, 6), (1, 4)):
             if splits * ks[1] * _ks_stage_bytes(m, ks[0]) > smem_limit(x.device):
                 continue

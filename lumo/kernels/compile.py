@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -148,6 +148,7 @@ class Kernel:
     function: object  # CUfunction
     _max_shmem: list[int]
     sm_major: int = 0  # the cubin's architecture (PDL only for 9 and newer: pdl.cuh is a no-op below)
+    _non_portable: list[bool] = field(default_factory=lambda: [False])  # cluster sizes > 8 allowed yet
 
     def launch(
         self,
@@ -156,9 +157,11 @@ class Kernel:
         args: Sequence[object],
         shmem: int = 0,
         pdl: bool = False,
+        cluster: tuple[int, int, int] | None = None,
     ) -> None:
         """Launch on torch's current stream. pdl=True: with programmatic dependent launch when
-        use_pdl() (the kernel must call pdl_wait() before it reads what earlier kernels write; pdl.cuh)."""
+        use_pdl() (the kernel must call pdl_wait() before it reads what earlier kernels write; pdl.cuh).
+        cluster: thread-block cluster dims (sm_90+; above 8 CTAs the non-portable sizes are allowed)."""
         from cuda.bindings import driver as cu
 
         g = (grid,) if isinstance(grid, int) else tuple(grid)
@@ -189,8 +192,18 @@ class Kernel:
         stream = torch.cuda.current_stream().cuda_stream
         what = f"launch of {self.name} (grid {g}, block {b}, shmem {shmem}, attr max {self._max_shmem[0]})"
         params = (tuple(values), tuple(types))
-        if pdl and self.sm_major >= 9 and use_pdl():
-            _check(cu.cuLaunchKernelEx(_pdl_config(g, b, shmem, stream), self.function, params, 0), what)
+        pdl = pdl and self.sm_major >= 9 and use_pdl()
+        if cluster is not None:
+            if self.sm_major < 9:
+                raise RuntimeError(f"{self.name}: thread-block clusters need sm_90 or newer")
+            if max(cluster) > 8 and not self._non_portable[0]:
+                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+                _check(cu.cuFuncSetAttribute(self.function, attr, 1), f"cuFuncSetAttribute({self.name})")
+                self._non_portable[0] = True
+            what += f", cluster {cluster}"
+        if pdl or cluster is not None:
+            cfg = _launch_config(g, b, shmem, stream, pdl, cluster)
+            _check(cu.cuLaunchKernelEx(cfg, self.function, params, 0), what)
         else:
             _check(cu.cuLaunchKernel(self.function, *g, *b, shmem, stream, params, 0), what)
 
@@ -203,17 +216,32 @@ def use_pdl() -> bool:
     return os.environ.get("LUMO_PDL", "1") != "0"
 
 
-def _pdl_config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int, stream: int) -> object:
+def _launch_config(
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    shmem: int,
+    stream: int,
+    pdl: bool,
+    cluster: tuple[int, int, int] | None,
+) -> object:
     from cuda.bindings import driver as cu
 
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
+    attrs = []
+    if pdl:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    if cluster is not None:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        attrs.append(attr)
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
     cfg.sharedMemBytes, cfg.hStream = shmem, stream
-    cfg.attrs, cfg.numAttrs = [attr], 1
+    cfg.attrs, cfg.numAttrs = attrs, len(attrs)
     return cfg
 
 

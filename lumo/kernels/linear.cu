@@ -184,6 +184,73 @@ __device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, in
   }
 }
 
+// Thread-block clusters (sm_90+): barrier and a 16-byte read of another CTA's shared memory.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ float4 ld_cluster4(const float* local, u32 rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  u32 remote, a = (u32)__cvta_generic_to_shared(local);
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+#endif
+  return v;
+}
+
+// Epilogue of nvfp4_gemv_cl: CTA s of the cluster (slice s) puts its partials p_s = acc * 2^7 in its shared
+// memory as red[warp][i][j][e][lane]; after a cluster barrier CTA s sums the s-th share of the entries over
+// the slices in slice order (a = p_0, a += p_1, ...: splitk_reduce's operations) and stores
+// bf16(a * gs[n]); a second barrier keeps every CTA's shared memory alive until all reads are done.
+// 4 consecutive lanes share g (lane = 4g + t), so one 16-byte read covers t = 0..3 of one (w, i, j, e).
+__device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
+                                                     bf16* __restrict__ out, int M, int N, int lane, int warp) {
+  extern __shared__ uint4 smem[];
+  float* red = reinterpret_cast<float*>(smem);  // RGW * MT * NT * 512 bytes (the ring is done)
+  const int S = gridDim.y;                      // the cluster: the S slices of this row-group tile
+  u32 rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+  __syncthreads();  // every warp is done with the ring
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[(((warp * MT + i) * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e] * DQ_UNSCALE;
+  cluster_sync();
+  constexpr int Q = RGW * MT * NT * 4 * 8;  // 16-byte groups (w, i, j, e, g)
+  const int per = (Q + S - 1) / S;
+  const int q1 = min(Q, (int)(rank + 1) * per);
+  for (int q = rank * per + threadIdx.x; q < q1; q += blockDim.x) {
+    float4 a = ld_cluster4(red + 4 * q, 0);
+    for (int s = 1; s < S; ++s) {
+      const float4 b = ld_cluster4(red + 4 * q, s);
+      a.x += b.x;
+      a.y += b.y;
+      a.z += b.z;
+      a.w += b.w;
+    }
+    const int g = q & 7, e = (q >> 3) & 3, j = (q >> 5) % NT, i = (q >> 5) / NT % MT, w = (q >> 5) / NT / MT;
+    const int n = (blockIdx.x * RGW + w) * MT * 16 + 16 * i + g + 8 * (e >> 1);
+    if (n >= N) continue;
+    const float scale = gs[n];
+    const float v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int m = 8 * j + 2 * t + (e & 1);
+      if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(v[t] * scale);
+    }
+  }
+  cluster_sync();  // no CTA leaves (and frees its shared memory) while another still reads it
+}
+
 // grid (ceil(RG / RGW), S), block 32 * RGW, dynamic smem STAGES * FP4_STAGE.
 // Split s covers chunks [s * cps, min(C, (s + 1) * cps)); with S > 1 it writes fp32 partials [S, M, N]
 // that splitk_reduce sums. (A fused finish, where the last CTA of a row tile to arrive sums the slices,
@@ -191,10 +258,11 @@ __device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, in
 // reduce; the fence, arrival atomic and serial tail of every launch cost more than the second launch.)
 // One cp.async ring per CTA: stage i holds chunk c0 + i's activation tile (loaded by all threads) and each
 // warp's weights + scales for it (loaded by that warp). One __syncthreads per chunk.
-extern "C" __global__ void __launch_bounds__(RGW * 32)
-    nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
-               const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
-               float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+template <bool kCluster>
+__device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                                                const float* __restrict__ gs, const bf16* __restrict__ x,
+                                                bf16* __restrict__ out, float* __restrict__ partial, int M,
+                                                int N, int K, int RG, int C, int cps) {
   extern __shared__ uint4 smem[];
   char* ring = reinterpret_cast<char*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -292,7 +360,32 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
   }
   cp_async_wait<0>();
   pdl_trigger();  // the next kernel's prologue may overlap this one's stores and split-K finish
-  if (active) store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
+  if (kCluster) {
+    cluster_reduce_store(acc, gs, out, M, N, lane, warp);
+  } else if (active) {
+    store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(RGW * 32)
+    nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+               const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
+               float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+  nvfp4_gemv_body<false>(qw, qs, gs, x, out, partial, M, N, K, RG, C, cps);
+}
+
+// The same GEMV launched as clusters of the S split-K CTAs of a row-group tile (cluster dims (1, S, 1),
+// sm_90+): the slices' partials stay in shared memory and the cluster sums them through distributed
+// shared memory, so there is no partial buffer and no second launch. Bitwise nvfp4_gemv + splitk_reduce.
+extern "C" __global__ void __launch_bounds__(RGW * 32)
+    nvfp4_gemv_cl(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
+                  int N, int K, int RG, int C, int cps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  nvfp4_gemv_body<true>(qw, qs, gs, x, out, nullptr, M, N, K, RG, C, cps);
+#else
+  __trap();  // clusters need sm_90; linear.py never launches this below
+#endif
 }
 
 // grid RG * MT / MTW, block 32 * KSW with KSW = S (warp s = split-K slice s, chunks [s * cps, min(C, (s + 1) * cps))),

@@ -252,6 +252,12 @@ KS_STAGES = 4  # nvfp4_gemv_ks ring depth per warp (H200 sweep: 3..5 within 5 %,
 KS_SPLITS = (4, 8)  # slice counts served in-CTA; at 2 (gate+up) and 16 (down) the cross-CTA kernel won
 
 
+@functools.cache
+def _clusters(device: torch.device) -> bool:
+    """Thread-block clusters (sm_90+) reduce the split-K slices of a tile in distributed shared memory."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _ks_stage_bytes(m: int, mtw: int) -> int:
     """Weights + scales of MTW m16 tiles and min(M, 8) activation rows of one chunk (M <= 8)."""
     return mtw * 576 + min(m, 8) * 128
@@ -285,12 +291,13 @@ def nvfp4_linear(
     stages: int | None = None,
     rgw: int | None = None,
     ks: tuple[int, int] | bool | None = None,
+    cluster: bool | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
     Benchmark knobs, none of which changes the result bits: `stages` / `rgw` (ring depth, row groups per
     CTA) of the cross-CTA kernel; `ks`: (MTW, STAGES) forces the in-CTA split-K kernel (M <= 8),
-    False forbids it.
+    False forbids it; `cluster`: True / False forces / forbids the cluster-reduced split-K (sm_90+).
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)
@@ -317,6 +324,15 @@ def nvfp4_linear(
         return out
     rgw = rgw or choose_rgw(rg, splits, nt)
     stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
+    if cluster is None:
+        cluster = 1 < splits <= MAX_SPLITS and _clusters(x.device)
+    if cluster and splits > 1:
+        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
+        shmem = max(stages * _fp4_stage_bytes(nt, rgw), rgw * MT * nt * 512)
+        kern = _kernel("nvfp4_gemv_cl", nt, stages, KW, rgw)
+        grid = (-(-rg // rgw), splits)
+        kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
+        return out
     part = packed.partial if splits > 1 else out
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
