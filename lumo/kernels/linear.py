@@ -324,8 +324,8 @@ def nvfp4_linear(
         return out
     rgw = rgw or choose_rgw(rg, splits, nt)
     stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
-    if cluster is None:
-        cluster = 1 < splits <= MAX_SPLITS and _clusters(x.device)
+    if cluster is None:  # H200: M = 32 4-18 % faster per shape, verify 15.36 -> 14.66 ms; M <= 8 +-4 %
+        cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
     if cluster and splits > 1:
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
         shmem = max(stages * _fp4_stage_bytes(nt, rgw), rgw * MT * nt * 512)
