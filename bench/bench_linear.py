@@ -87,8 +87,8 @@ def random_packed(n: int, k: int, copies: int):
 
 def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
-    kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x RGW, "kMxS" in-CTA split-K with MTW x STAGES
-    (M <= 8)."""
+    kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
+    RGW, "kMxS" in-CTA split-K with MTW x STAGES (M <= 8)."""
     if cfg == "dflt":
         return {}
     if cfg == "cross":

@@ -19,7 +19,7 @@ from lumo.engine.gpu_weights import (
     random_model_weights,
 )
 from lumo.engine.llm import embedded_model_path
-from lumo.engine.runner import linear_weight_bytes, memory_plan
+from lumo.engine.runner import linear_weight_bytes, memory_plan, splitk_partial_bytes
 from lumo.kernels.linear import unpack_nvfp4
 from lumo.quant import fp8_quantize, nvfp4_quantize
 from lumo.weights import DenseLinear, FP8Linear, NVFP4Linear, load_model
@@ -111,6 +111,30 @@ def test_random_weights_run_through_the_reference_and_byte_count(nvfp4):
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     gw = pack_weights(small, w, "cpu")
     assert gw.nbytes() == linear_weight_bytes(small, nvfp4=nvfp4)
+
+
+def test_memory_plan_counts_the_split_k_partials():
+    """The plan's split-K partial bytes are what packing allocates (32 rows off sm_90+; a K wide enough
+    for 2 and 4 slices)."""
+    cfg = config_27b(num_layers=4, vocab_size=300)
+    wide = replace(
+        cfg,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    )
+    gw = pack_weights(wide, random_model_weights(wide, "cpu", nvfp4=True, seed=2), "cpu")
+    lins = [gw.lm_head] + [lin for lw in gw.layers for lin in (lw.gate_up, lw.down)]
+    lins += [lin for lw in gw.layers for lin in vars(lw.mixer).values() if hasattr(lin, "parts")]
+    parts = [p.packed.partial for lin in lins for p in lin.parts if p.packed is not None]
+    got = sum(t.numel() * 4 for t in parts if t is not None)
+    assert got > 0 and got == splitk_partial_bytes(wide, rows=32)
 
 
 def test_memory_plan_matches_the_reference_cache():

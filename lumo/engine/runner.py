@@ -357,27 +357,44 @@ class GPURunner:
 # Memory plan (docs/runner.md): bytes by component for a config, a context and a prefill chunk.
 
 
-def linear_weight_bytes(cfg: ModelConfig, nvfp4: bool = True, dense_ba: bool = True) -> int:
-    """Bytes of every linear weight incl. lm_head: NVFP4 = 0.5 B/weight + one 2-byte pair of scales per 32
-    weights (the packed layout; rows padded to 64, K to 64) + 4 B/row; dense = 2 B/weight."""
+def linear_shapes(cfg: ModelConfig, dense_ba: bool = True) -> list[tuple[int, int, bool]]:
+    """(N, K, quantized) of every linear weight of the model incl. lm_head, fused as the runner packs
+    them (q/k/v/z, gate+up, attention q+gate/k/v); the GDN b/a projection stays dense if dense_ba."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     nv, dv, C = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.conv_dim
+    shapes = [(V, H, True)]
+    for kind in cfg.layer_types:
+        shapes += [(2 * I, H, True), (H, I, True)]
+        if kind == FULL:
+            shapes += [(nh * 2 * d + 2 * nkv * d, H, True), (H, nh * d, True)]
+        else:
+            shapes += [(C + nv * dv, H, True), (H, nv * dv, True), (2 * nv, H, not dense_ba)]
+    return shapes
 
-    def fp4(n: int, k: int) -> int:
-        if not nvfp4:
+
+def linear_weight_bytes(cfg: ModelConfig, nvfp4: bool = True, dense_ba: bool = True) -> int:
+    """Bytes of every linear weight incl. lm_head: NVFP4 = 0.5 B/weight + one 2-byte pair of scales per 32
+    weights (the packed layout; rows padded to 64, K to 64) + 4 B/row; dense = 2 B/weight."""
+
+    def size(n: int, k: int, quantized: bool) -> int:
+        if not (nvfp4 and quantized):
             return 2 * n * k
         n_pad, k_pad = -(-n // 64) * 64, -(-k // 64) * 64
         return n_pad * k_pad // 2 + n_pad * k_pad // 16 + 4 * n_pad
 
-    total = fp4(V, H)
-    for kind in cfg.layer_types:
-        total += fp4(2 * I, H) + fp4(H, I)
-        if kind == FULL:
-            total += fp4(nh * 2 * d + 2 * nkv * d, H) + fp4(H, nh * d)
-        else:
-            total += fp4(C + nv * dv, H) + fp4(H, nv * dv)
-            total += 2 * 2 * nv * H if dense_ba else fp4(2 * nv, H)
+    return sum(size(n, k, q) for n, k, q in linear_shapes(cfg, dense_ba))
+
+
+def splitk_partial_bytes(cfg: ModelConfig, rows: int = 8) -> int:
+    """The NVFP4 weights' split-K partial buffers (lumo.kernels.linear.partial_rows: 8 rows on sm_90+,
+    the GB10 included; 32 below)."""
+    from ..kernels.linear import choose_splits
+
+    total = 0
+    for n, k, quantized in linear_shapes(cfg):
+        s = choose_splits(n, k) if quantized else 1
+        total += 4 * s * rows * n if s > 1 else 0
     return total
 
 
@@ -403,6 +420,7 @@ def memory_plan(cfg: ModelConfig, max_len: int, chunk: int = PREFILL_CHUNK, nvfp
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
+        "splitk_partials": splitk_partial_bytes(cfg) if nvfp4 else 0,
         "kv_cache": n_full * max_len * nkv * d * 2 * 2,  # K and V, bf16
         "gdn_state": n_gdn * nv * dk * dv * 4,
         "conv_state": n_gdn * C * (K - 1) * 2,

@@ -60,7 +60,7 @@ class PackedNVFP4:
     k: int  # input features K
     splits: int  # split-K slices (fixed per weight: the K order never depends on M)
     shard_sizes: tuple[int, ...]  # N of each fused shard, in order
-    partial: torch.Tensor | None  # [splits, 32, N] f32 workspace when splits > 1
+    partial: torch.Tensor | None  # [splits, partial_rows, N] f32 workspace when splits > 1
 
     @property
     def chunks(self) -> int:
@@ -154,10 +154,16 @@ def pack_fused(
     qs = (s16 - ((s16 >> 15) << 16)).to(torch.int16).contiguous()
 
     splits = choose_splits(n, k) if splits is None else splits
-    partial = torch.empty(splits, SMALL_M, n, device=device) if splits > 1 else None
+    partial = torch.empty(splits, partial_rows(device), n, device=device) if splits > 1 else None
     gs_pad = torch.nn.functional.pad(gs, (0, n_pad - n)).contiguous()
     sizes = tuple(w.shape[0] for w, _, _ in shards)
     return PackedNVFP4(qw, qs, gs_pad, n, k, splits, sizes, partial)
+
+
+def partial_rows(device: torch.device) -> int:
+    """Rows of a weight's split-K partial buffer. On sm_90+ the partials of M > 8 stay in the clusters'
+    shared memory (nvfp4_gemv_cl), so the buffer serves M <= 8 (27B: 0.55 GB instead of 2.2 GB at 32)."""
+    return 8 if device.type == "cuda" and _clusters(device) else SMALL_M
 
 
 def split_fused(out: torch.Tensor, packed: PackedNVFP4) -> tuple[torch.Tensor, ...]:
@@ -334,11 +340,13 @@ def nvfp4_linear(
         kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
         return out
     part = packed.partial if splits > 1 else out
+    if splits > 1 and part.shape[1] < m:  # cross-CTA at M > 8 where clusters exist: only when forced
+        part = torch.empty(splits, m, packed.n, device=x.device)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
     kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
     if splits > 1:
-        _reduce(packed.partial, packed.gs, out, m, packed.n, splits)
+        _reduce(part, packed.gs, out, m, packed.n, splits)
     return out
 
 
