@@ -111,3 +111,12 @@ def test_in_cta_split_k_launch_choice():
         assert choose_ks(splits, 9, 227 * 1024) is None
     for n, k in [(34816, 5120), (5120, 17408), (248320, 5120)]:  # 2, 16 and 1 slices
         assert choose_ks(choose_splits(n, k), 1, 227 * 1024) is None
+
+
+def test_no_clusters_below_sm90():
+    """max_cluster_size answers 0 for a pre-Hopper cubin without asking the driver (the cluster-reduced
+    split-K then falls back to the cross-CTA kernel)."""
+    from lumo.kernels.compile import Kernel
+
+    k = Kernel("nvfp4_gemv_cl", object(), [48 * 1024], sm_major=8)
+    assert k.max_cluster_size((10, 8, 1), 128, 60000) == 0

@@ -148,7 +148,8 @@ class Kernel:
     function: object  # CUfunction
     _max_shmem: list[int]
     sm_major: int = 0  # the cubin's architecture (PDL only for 9 and newer: pdl.cuh is a no-op below)
-    _non_portable: list[bool] = field(default_factory=lambda: [False])  # cluster sizes > 8 allowed yet
+    _non_portable: list[bool] = field(default_factory=lambda: [False])  # cluster sizes > 8 allowed
+    _cluster_sizes: dict = field(default_factory=dict)  # max_cluster_size's answers
 
     def launch(
         self,
@@ -167,10 +168,7 @@ class Kernel:
         g = (grid,) if isinstance(grid, int) else tuple(grid)
         b = (block,) if isinstance(block, int) else tuple(block)
         g, b = g + (1,) * (3 - len(g)), b + (1,) * (3 - len(b))
-        if shmem > 48 * 1024 and shmem > self._max_shmem[0]:
-            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            _check(cu.cuFuncSetAttribute(self.function, attr, shmem), f"cuFuncSetAttribute({self.name})")
-            self._max_shmem[0] = shmem
+        self._allow_shmem(shmem)
         values, types = [], []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -196,16 +194,50 @@ class Kernel:
         if cluster is not None:
             if self.sm_major < 9:
                 raise RuntimeError(f"{self.name}: thread-block clusters need sm_90 or newer")
-            if max(cluster) > 8 and not self._non_portable[0]:
-                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-                _check(cu.cuFuncSetAttribute(self.function, attr, 1), f"cuFuncSetAttribute({self.name})")
-                self._non_portable[0] = True
+            if max(cluster) > 8:
+                self._allow_non_portable_clusters()
             what += f", cluster {cluster}"
         if pdl or cluster is not None:
             cfg = _launch_config(g, b, shmem, stream, pdl, cluster)
             _check(cu.cuLaunchKernelEx(cfg, self.function, params, 0), what)
         else:
             _check(cu.cuLaunchKernel(self.function, *g, *b, shmem, stream, params, 0), what)
+
+    def _allow_shmem(self, shmem: int) -> None:
+        from cuda.bindings import driver as cu
+
+        if shmem > 48 * 1024 and shmem > self._max_shmem[0]:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _check(cu.cuFuncSetAttribute(self.function, attr, shmem), f"cuFuncSetAttribute({self.name})")
+            self._max_shmem[0] = shmem
+
+    def _allow_non_portable_clusters(self) -> bool:
+        """Clusters above 8 CTAs (H100 / H200 schedule 16); False where the device refuses them."""
+        from cuda.bindings import driver as cu
+
+        if not self._non_portable[0]:
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            (err,) = cu.cuFuncSetAttribute(self.function, attr, 1)
+            self._non_portable[0] = err == cu.CUresult.CUDA_SUCCESS
+        return self._non_portable[0]
+
+    def max_cluster_size(self, grid: tuple[int, int, int], block: int, shmem: int) -> int:
+        """The largest thread-block cluster the device can schedule for this launch shape (the driver's
+        occupancy query; non-portable sizes allowed where the device has them); 0 below sm_90 or on error.
+        Cached per (block, shmem)."""
+        from cuda.bindings import driver as cu
+
+        key = (block, shmem)
+        if key not in self._cluster_sizes:
+            size = 0
+            if self.sm_major >= 9:
+                self._allow_shmem(shmem)
+                self._allow_non_portable_clusters()
+                cfg = _launch_config(grid, (block, 1, 1), shmem, 0, False, None)
+                err, n = cu.cuOccupancyMaxPotentialClusterSize(self.function, cfg)
+                size = n if err == cu.CUresult.CUDA_SUCCESS else 0
+            self._cluster_sizes[key] = size
+        return self._cluster_sizes[key]
 
 
 @functools.cache

@@ -333,12 +333,13 @@ def nvfp4_linear(
     if cluster is None:  # H200: M = 32 4-18 % faster per shape, verify 15.36 -> 14.66 ms; M <= 8 +-4 %
         cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
     if cluster and splits > 1:
-        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
         shmem = max(stages * _fp4_stage_bytes(nt, rgw), rgw * MT * nt * 512)
         kern = _kernel("nvfp4_gemv_cl", nt, stages, KW, rgw)
-        grid = (-(-rg // rgw), splits)
-        kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
-        return out
+        grid = (-(-rg // rgw), splits, 1)
+        if kern.max_cluster_size(grid, 32 * rgw, shmem) >= splits:  # else the cross-CTA kernel below
+            args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
+            kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
+            return out
     part = packed.partial if splits > 1 else out
     if splits > 1 and part.shape[1] < m:  # cross-CTA at M > 8 where clusters exist: only when forced
         part = torch.empty(splits, m, packed.n, device=x.device)
