@@ -338,3 +338,27 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
     L = rs.length
     for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
         assert torch.equal(a[:L], b[:L])
+
+
+def test_no_room_to_capture_runs_eagerly(monkeypatch):
+    """use_graph=True with a prompt that leaves no room for capture()'s two warm-up events: the decoder
+    runs its events eagerly (same tokens) instead of failing the request."""
+    ops = _emulated_ops()
+    for mod in ("lumo.engine.runner", "lumo.engine.gpu_spec", "lumo.engine.gpu_weights"):
+        m = importlib.import_module(mod)
+        for name, fn in ops.items():
+            if callable(fn) and hasattr(m, name):
+                monkeypatch.setattr(m, name, fn)
+    cfg, gw = tiny()
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    outs = []
+    for use_graph in (True, False):
+        r = GPURunner(cfg, gw, len(prompt) + 30, prefill_chunk=10, device="cpu")
+        dec = GPUSpecDecoder(r, SamplingParams(temperature=0.0), tree, use_graph=use_graph)
+        got = dec.prefill(prompt)
+        assert not dec.engine.can_capture() and dec.engine.graphs is None
+        while len(got) < 12:
+            got += dec.step()
+        outs.append(got[:12])
+    assert outs[0] == outs[1]

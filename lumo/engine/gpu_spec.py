@@ -253,13 +253,17 @@ class GPUSpecEngine:
             self.d1.out,  # the first draft step's hidden input
         ]
 
+    def can_capture(self) -> bool:
+        """Room in the cache after the current length for capture()'s two warm-up events."""
+        return self.runner.length + 3 * self.R + 3 * self.cap <= self.runner.max_len
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture draft, verify and accept+commit as three CUDA graphs. Two warm-up events on a side
         stream compile and load every kernel; the state they advance is restored (what they wrote past
         len in the K/V caches and the MTP cache is rewritten before it is read)."""
         r = self.runner
-        if r.length + 3 * self.R + 3 * self.cap > r.max_len:
+        if not self.can_capture():
             raise ValueError("capture() needs room for two warm-up events in the cache")
         steps = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
         saved = [t.clone() for t in self._state()]
@@ -549,12 +553,15 @@ class GPUSpecDecoder:
         e.set_sampling(self.params)
         self.stats = SpecStats()
         self.pending = e.prefill(prompt_ids)
-        if self.use_graph and e.graphs is None:
+        if self.use_graph and e.graphs is None and e.can_capture():
             e.capture()  # after prefill: the warm-up runs on real state, then restores it
         return [self.pending]
 
     def step(self) -> list[int]:
-        out = self.engine.event(use_graph=self.use_graph)
+        # Graphs once captured; a first request whose prompt leaves no room for capture()'s warm-up
+        # events runs eagerly (bitwise the same, tests/test_gpu_spec_gpu.py), and a later one captures.
+        graph = self.use_graph and self.engine.graphs is not None
+        out = self.engine.event(use_graph=graph)
         self.stats.events += 1
         self.stats.accepted.append(len(out) - 1)
         self.pending = out[-1]
