@@ -262,7 +262,6 @@ class GPUSpecEngine:
         """Capture draft, verify and accept+commit as three CUDA graphs. Two warm-up events on a side
         stream compile and load every kernel; the state they advance is restored (what they wrote past
         len in the K/V caches and the MTP cache is rewritten before it is read)."""
-        r = self.runner
         if not self.can_capture():
             raise ValueError("capture() needs room for two warm-up events in the cache")
         steps = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
