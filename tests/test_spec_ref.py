@@ -137,3 +137,16 @@ def test_auto_spec_is_tree_only_on_the_kernels(tmp_path):
     assert LLM(bare, device="cpu").spec == "off"
     with pytest.raises(ValueError, match="MTP head"):
         LLM(bare, device="cpu", spec="tree")
+
+
+def test_gpu_tree_larger_than_the_verifier_fails_at_start():
+    """The GPU verifier takes <= 32 rows: a bigger tree (or chain) is a one-line start-up error."""
+    from lumo.engine.llm import _check_gpu_tree
+    from lumo.engine.tree import chain_config
+
+    _check_gpu_tree(TreeConfig())
+    _check_gpu_tree(chain_config(31))
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        _check_gpu_tree(TreeConfig(depth=11, topk=4, budget=40, rows=48))
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        _check_gpu_tree(chain_config(40))

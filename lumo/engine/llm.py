@@ -17,7 +17,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import make_decoder
 from .sampling import SamplingParams
-from .tree import build_tree
+from .tree import build_tree, chain_config
 
 EMBEDDED_NAME = "lumo-tiny"
 
@@ -65,6 +65,17 @@ def _kernels_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cuda" or dtype != torch.bfloat16:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _check_gpu_tree(tree: TreeConfig) -> None:
+    """The GPU verifier runs the tree's rows through the batch-invariant GEMV (at most SMALL_M rows)."""
+    from .gpu_weights import SMALL_M
+
+    if tree.rows > SMALL_M:
+        raise ValueError(
+            f"the GPU tree verifier takes at most {SMALL_M} rows; this tree needs {tree.rows} "
+            "(lower --spec-budget or --spec-depth)"
+        )
 
 
 class LLM:
@@ -125,6 +136,8 @@ class LLM:
             has_mtp = self.weights is not None and self.weights.mtp is not None
             spec = "tree" if self.backend == "kernels" and has_mtp else "off"
         self.spec = spec
+        if spec != "off" and self.backend == "kernels":
+            _check_gpu_tree(self.tree if spec == "tree" else chain_config(self.tree.depth))
         if spec != "off":  # fail at start-up, not on every request
             if self.weights is None or self.weights.mtp is None:
                 raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")

@@ -398,8 +398,13 @@ def splitk_partial_bytes(cfg: ModelConfig, rows: int = 8) -> int:
     return total
 
 
-def memory_plan(cfg: ModelConfig, max_len: int, chunk: int = PREFILL_CHUNK, nvfp4: bool = True) -> dict:
-    """Bytes of each part of a runner: weights, caches, decode buffers, and the per-chunk prefill peak."""
+def memory_plan(
+    cfg: ModelConfig, max_len: int, chunk: int = PREFILL_CHUNK, nvfp4: bool = True, partial_rows: int = 8
+) -> dict:
+    """Bytes of each part of a runner: weights, caches, decode buffers, and the per-chunk prefill peak.
+    partial_rows: lumo.kernels.linear.partial_rows of the device (8 on sm_90+ with 16-CTA clusters, the
+    H200 measured; 32 below sm_90). Plain decoding: the MTP head of tree speculation is not counted
+    (bench/bench_spec.py reports it)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     nv, dk, dv, C, K = (
@@ -420,7 +425,7 @@ def memory_plan(cfg: ModelConfig, max_len: int, chunk: int = PREFILL_CHUNK, nvfp
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
-        "splitk_partials": splitk_partial_bytes(cfg) if nvfp4 else 0,
+        "splitk_partials": splitk_partial_bytes(cfg, partial_rows) if nvfp4 else 0,
         "kv_cache": n_full * max_len * nkv * d * 2 * 2,  # K and V, bf16
         "gdn_state": n_gdn * nv * dk * dv * 4,
         "conv_state": n_gdn * C * (K - 1) * 2,

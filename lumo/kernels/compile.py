@@ -194,7 +194,7 @@ class Kernel:
         if cluster is not None:
             if self.sm_major < 9:
                 raise RuntimeError(f"{self.name}: thread-block clusters need sm_90 or newer")
-            if max(cluster) > 8:
+            if cluster[0] * cluster[1] * cluster[2] > 8:
                 self._allow_non_portable_clusters()
             what += f", cluster {cluster}"
         if pdl or cluster is not None:

@@ -315,9 +315,11 @@ def nvfp4_linear(
     rg, chunks, splits = packed.row_groups, packed.chunks, packed.splits
     nt = -(-m // 8)
     cps = -(-chunks // splits)
-    if ks is None and stages is None and rgw is None:
+    if ks is None and stages is None and rgw is None and cluster is not True:
         ks = choose_ks(splits, m, smem_limit(x.device))
     if ks:
+        if not isinstance(ks, tuple) or len(ks) != 2 or ks[0] not in (1, 2, 4):
+            raise ValueError(f"ks must be (MTW in 1, 2, 4; STAGES), got {ks!r}")
         mtw, st = ks
         if nt > 1:
             raise ValueError("the in-CTA split-K kernel serves M <= 8")
@@ -340,9 +342,11 @@ def nvfp4_linear(
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
+    if splits > 1 and packed.partial.shape[1] < m:
+        # M > 8 with partials sized for M <= 8 (partial_rows): clusters were forced off, or this device
+        # cannot schedule S-CTA clusters. Grown once to 32 rows (a capture allocates it from its pool).
+        packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
     part = packed.partial if splits > 1 else out
-    if splits > 1 and part.shape[1] < m:  # cross-CTA at M > 8 where clusters exist: only when forced
-        part = torch.empty(splits, m, packed.n, device=x.device)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
     kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
