@@ -188,3 +188,18 @@ def test_graph_replay_equals_eager(m):
         torch.cuda.synchronize()
         assert torch.equal(y, nvfp4_linear(x, packed))
         assert torch.equal(yb, bf16_linear(x, wb))
+
+
+def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):
+    """Where the driver says S-CTA clusters do not fit (max_cluster_size < S), M > 8 runs the cross-CTA
+    kernel: same bits, and the weight's partial buffer grows once to 32 rows."""
+    from lumo.kernels.compile import Kernel
+
+    gen = torch.Generator(DEV).manual_seed(29)
+    n, k = 64 * 5 + 7, 16 * 16 * 16
+    packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=16)
+    x = torch.randn(32, k, generator=gen, device=DEV).to(torch.bfloat16)
+    want = nvfp4_linear(x, packed, ks=False, cluster=False)
+    monkeypatch.setattr(Kernel, "max_cluster_size", lambda self, grid, block, shmem: 8)
+    assert torch.equal(nvfp4_linear(x, packed, out=poisoned(32, n)), want)
+    assert packed.partial.shape == (16, 32, n)
