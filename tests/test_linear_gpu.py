@@ -14,7 +14,7 @@ from lumo.kernels import (
     pack_nvfp4,
     split_fused,
 )
-from lumo.kernels.linear import _ks_stage_bytes, smem_limit
+from lumo.kernels.linear import _ks_stage_bytes, partial_rows, smem_limit
 from lumo.quant import nvfp4_dequantize
 
 pytestmark = pytest.mark.gpu
@@ -197,9 +197,11 @@ def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):
 
     gen = torch.Generator(DEV).manual_seed(29)
     n, k = 64 * 5 + 7, 16 * 16 * 16
-    packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=16)
+    weight = rand_nvfp4(n, k, gen)
     x = torch.randn(32, k, generator=gen, device=DEV).to(torch.bfloat16)
-    want = nvfp4_linear(x, packed, ks=False, cluster=False)
+    want = nvfp4_linear(x, pack_nvfp4(*weight, splits=16), ks=False, cluster=False)
+    packed = pack_nvfp4(*weight, splits=16)
+    assert packed.partial.shape == (16, partial_rows(x.device), n)
     monkeypatch.setattr(Kernel, "max_cluster_size", lambda self, grid, block, shmem: 8)
     assert torch.equal(nvfp4_linear(x, packed, out=poisoned(32, n)), want)
     assert packed.partial.shape == (16, 32, n)
