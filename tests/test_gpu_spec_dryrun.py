@@ -288,18 +288,23 @@ def _emulated_ops():
     return locals()
 
 
-@pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=5)],
-    ids=["greedy", "seeded"],
-)
-def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
+def _install_emulation(monkeypatch) -> None:
+    """Every launcher the engine imports replaced by its row-by-row emulation."""
     ops = _emulated_ops()
     for mod in ("lumo.engine.runner", "lumo.engine.gpu_spec", "lumo.engine.gpu_weights"):
         m = importlib.import_module(mod)
         for name, fn in ops.items():
             if callable(fn) and hasattr(m, name):
                 monkeypatch.setattr(m, name, fn)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=5)],
+    ids=["greedy", "seeded"],
+)
+def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
+    _install_emulation(monkeypatch)
     cfg, gw = tiny()
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
     # prefill chunks of 10: the MTP's carried row crosses chunk boundaries (same chunking for both runners)
@@ -343,12 +348,7 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
 def test_no_room_to_capture_runs_eagerly(monkeypatch):
     """use_graph=True with a prompt that leaves no room for capture()'s two warm-up events: the decoder
     runs its events eagerly (same tokens) instead of failing the request."""
-    ops = _emulated_ops()
-    for mod in ("lumo.engine.runner", "lumo.engine.gpu_spec", "lumo.engine.gpu_weights"):
-        m = importlib.import_module(mod)
-        for name, fn in ops.items():
-            if callable(fn) and hasattr(m, name):
-                monkeypatch.setattr(m, name, fn)
+    _install_emulation(monkeypatch)
     cfg, gw = tiny()
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
     prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")

@@ -211,15 +211,15 @@ class Kernel:
             _check(cu.cuFuncSetAttribute(self.function, attr, shmem), f"cuFuncSetAttribute({self.name})")
             self._max_shmem[0] = shmem
 
-    def _allow_non_portable_clusters(self) -> bool:
-        """Clusters above 8 CTAs (H100 / H200 schedule 16); False where the device refuses them."""
+    def _allow_non_portable_clusters(self) -> None:
+        """Clusters above 8 CTAs (H100 / H200 schedule 16). A device that refuses the attribute keeps the
+        portable sizes; max_cluster_size then reports at most 8."""
         from cuda.bindings import driver as cu
 
         if not self._non_portable[0]:
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
             (err,) = cu.cuFuncSetAttribute(self.function, attr, 1)
             self._non_portable[0] = err == cu.CUresult.CUDA_SUCCESS
-        return self._non_portable[0]
 
     def max_cluster_size(self, grid: tuple[int, int, int], block: int, shmem: int) -> int:
         """The largest thread-block cluster the device can schedule for this launch shape (the driver's

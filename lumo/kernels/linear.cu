@@ -115,6 +115,27 @@ __device__ __forceinline__ u32 scale2(u32 bytes, u32 sel) {
 }
 #define DQ_UNSCALE 128.0f  // 2^7 left over by scale2 * dequant8, applied with gs in fp32 (exact)
 
+// One m16 tile's chunk: its 16 packed bytes (4 k-steps of this lane's A fragments) and scale pair are
+// dequantised and multiplied into the NT n8 tiles of activations xv (this lane's 32 bytes per tile).
+__device__ __forceinline__ void fp4_tile_mma(float (*acc)[4], const uint4& wv, u32 sv, const uint4 (*xv)[2]) {
+  const u32 sg = scale2(sv, 0x4040), sg8 = scale2(sv, 0x4141);
+  const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    u32 A, B, Cr, D;
+    dequant8(words[s], A, B, Cr, D);
+    A = bmul2(A, sg);
+    B = bmul2(B, sg8);
+    Cr = bmul2(Cr, sg);
+    D = bmul2(D, sg8);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
+      mma_bf16(acc[j], A, B, Cr, D, xw[(s & 1) * 2], xw[(s & 1) * 2 + 1]);
+    }
+  }
+}
+
 // Activation rows 8j+g, columns k0 + 16t .. +15 of every n8 tile j into this warp's stage (zero padded).
 __device__ __forceinline__ void load_x(char* xs, const bf16* __restrict__ x, int M, int K, int k0, int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -340,22 +361,7 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
     for (int p = 0; p < MT; ++p) {
       const uint4 wv = *reinterpret_cast<const uint4*>(st + wofs + (p * 32 + lane) * 16);
       const u32 sv = *reinterpret_cast<const unsigned short*>(st + wofs + Q_BYTES + (p * 32 + lane) * 2);
-      const u32 sg = scale2(sv, 0x4040), sg8 = scale2(sv, 0x4141);
-      const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        u32 A, B, Cr, D;
-        dequant8(words[s], A, B, Cr, D);
-        A = bmul2(A, sg);
-        B = bmul2(B, sg8);
-        Cr = bmul2(Cr, sg);
-        D = bmul2(D, sg8);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
-          mma_bf16(acc[p][j], A, B, Cr, D, xw[(s & 1) * 2], xw[(s & 1) * 2 + 1]);
-        }
-      }
+      fp4_tile_mma(acc[p], wv, sv, xv);
     }
   }
   cp_async_wait<0>();
@@ -479,24 +485,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32)
     }
     __syncwarp();
 #pragma unroll
-    for (int p = 0; p < MTW; ++p) {
-      const u32 sg = scale2(sv[p], 0x4040), sg8 = scale2(sv[p], 0x4141);
-      const u32 words[4] = {wv[p].x, wv[p].y, wv[p].z, wv[p].w};
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        u32 A, B, Cr, D;
-        dequant8(words[s], A, B, Cr, D);
-        A = bmul2(A, sg);
-        B = bmul2(B, sg8);
-        Cr = bmul2(Cr, sg);
-        D = bmul2(D, sg8);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
-          mma_bf16(acc[p][j], A, B, Cr, D, xw[(s & 1) * 2], xw[(s & 1) * 2 + 1]);
-        }
-      }
-    }
+    for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wv[p], sv[p], xv);
   }
   cp_async_wait<0>();
   pdl_trigger();
