@@ -29,7 +29,6 @@ import torch
 from lumo.config import ModelConfig
 from lumo.engine.gpu_weights import GPUWeights, config_27b, pack_weights, random_model_weights
 from lumo.engine.runner import GPURunner, linear_weight_bytes, memory_plan
-from lumo.kernels.linear import partial_rows
 from lumo.weights import GDNWeights, ModelWeights
 
 GB = 1e9
@@ -277,7 +276,7 @@ def main() -> None:
         prefill.append({"tokens": n, "s": s, "tok_s": n / s, "peak_gb": peak / GB})
         print(f"prefill {n}: {s:.2f} s, {n / s:.0f} tokens/s, peak {peak / GB:.1f} GB")
     peak_all = torch.cuda.max_memory_allocated()
-    plan = memory_plan(cfg, max_len, partial_rows=partial_rows(torch.device("cuda")))
+    plan = memory_plan(cfg, max_len)
 
     prof = None if args.no_profile else profile_step(runner, args.contexts[0])
     peer = None

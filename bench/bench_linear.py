@@ -88,15 +88,15 @@ def random_packed(n: int, k: int, copies: int):
 def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
-    RGW, "kMxS" in-CTA split-K with MTW x STAGES (M <= 8)."""
+    RGW, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF."""
     if cfg == "dflt":
         return {}
     if cfg == "cross":
-        return dict(ks=False, cluster=False)
+        return dict(rd=False, cluster=False)
     if cfg == "cl":
-        return dict(ks=False, cluster=True)
-    if cfg.startswith("k"):
-        return dict(ks=tuple(int(v) for v in cfg[1:].split("x")))
+        return dict(rd=False, cluster=True)
+    if cfg.startswith("r"):
+        return dict(rd=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))
     return dict(stages=st, rgw=rgw, cluster=False)
 
@@ -116,8 +116,6 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, configs: li
         res = {}
         for cfg in ["dflt", *configs]:
             kw = config_kwargs(cfg)
-            if m > 8 and isinstance(kw.get("ks"), tuple):  # the in-CTA kernel serves M <= 8
-                continue
             try:
                 res[cfg] = time_graph(
                     [lambda p=p, x=x, o=out, kw=kw: nvfp4_linear(x, p, out=o, **kw) for p in packs], reps

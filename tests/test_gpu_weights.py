@@ -114,8 +114,8 @@ def test_random_weights_run_through_the_reference_and_byte_count(nvfp4):
 
 
 def test_memory_plan_counts_the_split_k_partials():
-    """The plan's split-K partial bytes are what packing allocates (32 rows off sm_90+; a K wide enough
-    for 2 and 4 slices)."""
+    """Packing allocates no split-K partials (the first launch that needs one does, [S, 32, N] f32); the
+    plan counts 32 rows for the weights of >= min_splits slices, with the slice counts the packer chose."""
     cfg = config_27b(num_layers=4, vocab_size=300)
     wide = replace(
         cfg,
@@ -132,9 +132,12 @@ def test_memory_plan_counts_the_split_k_partials():
     gw = pack_weights(wide, random_model_weights(wide, "cpu", nvfp4=True, seed=2), "cpu")
     lins = [gw.lm_head] + [lin for lw in gw.layers for lin in (lw.gate_up, lw.down)]
     lins += [lin for lw in gw.layers for lin in vars(lw.mixer).values() if hasattr(lin, "parts")]
-    parts = [p.packed.partial for lin in lins for p in lin.parts if p.packed is not None]
-    got = sum(t.numel() * 4 for t in parts if t is not None)
-    assert got > 0 and got == splitk_partial_bytes(wide, rows=32)
+    packed = [p.packed for lin in lins for p in lin.parts if p.packed is not None]
+    assert all(p.partial is None for p in packed)
+    for min_splits in (2, 4, 16):
+        want = sum(4 * p.splits * 32 * p.n for p in packed if p.splits > 1 and p.splits >= min_splits)
+        assert splitk_partial_bytes(wide, min_splits) == want
+    assert splitk_partial_bytes(wide, 2) > splitk_partial_bytes(wide, 4) > 0
 
 
 def test_memory_plan_matches_the_reference_cache():

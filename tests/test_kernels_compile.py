@@ -96,21 +96,22 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
         linear.fit_stages(4, 60 * 1024, cpu)
 
 
-def test_in_cta_split_k_launch_choice():
-    """choose_ks: 4..8 slices at M <= 8 run in-CTA with a ring that fits the H200's and the GB10's shared
-    memory; one or two slices, 16 slices and M > 8 keep the cross-CTA kernel."""
-    from lumo.kernels.linear import _ks_stage_bytes, choose_ks, choose_splits
+def test_register_direct_launch_choice():
+    """choose_rd: every 27B shape runs the register-direct kernel at M <= 8; the cluster-reduced kernel
+    takes 16 slices from M = 9 and 8 slices from M = 17 on."""
+    from lumo.kernels.linear import choose_rd, choose_splits
 
-    for n, k in [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]:
+    shapes = [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]
+    shapes += [(34816, 5120), (5120, 17408), (248320, 5120)]
+    for n, k in shapes:
         splits = choose_splits(n, k)
-        assert 4 <= splits <= 8, (n, k)
-        for m in (1, 3, 8):
-            for smem in (227 * 1024, 99 * 1024):
-                mtw, stages = choose_ks(splits, m, smem)
-                assert stages >= 3 and splits * stages * _ks_stage_bytes(m, mtw) <= smem
-        assert choose_ks(splits, 9, 227 * 1024) is None
-    for n, k in [(34816, 5120), (5120, 17408), (248320, 5120)]:  # 2, 16 and 1 slices
-        assert choose_ks(choose_splits(n, k), 1, 227 * 1024) is None
+        for m in range(1, 33):
+            rd = choose_rd(splits, m)
+            if m > 16 and splits >= 8 or m > 8 and splits == 16:
+                assert rd is None, (n, k, m)
+                continue
+            mtw, pf = rd
+            assert mtw in (1, 2, 4) and pf >= 2, (n, k, m)
 
 
 def test_no_clusters_below_sm90():

@@ -14,7 +14,6 @@ from lumo.kernels import (
     pack_nvfp4,
     split_fused,
 )
-from lumo.kernels.linear import _ks_stage_bytes, partial_rows, smem_limit
 from lumo.quant import nvfp4_dequantize
 
 pytestmark = pytest.mark.gpu
@@ -120,7 +119,7 @@ def test_launch_knobs_do_not_change_bits():
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_split_k_variants_equal_cross_cta(splits):
-    """The in-CTA split-K kernel (M <= 8: a warp per slice, slices summed in shared memory) and the
+    """The register-direct in-CTA split-K kernel (a warp per slice, slices summed in shared memory) and the
     cluster-reduced one (sm_90+: the S CTAs of a tile sum in distributed shared memory) give the bits of
     nvfp4_gemv + splitk_reduce for every tile width, ring depth and row-group count."""
     gen = torch.Generator(DEV).manual_seed(23 + splits)
@@ -130,20 +129,17 @@ def test_split_k_variants_equal_cross_cta(splits):
     clusters = torch.cuda.get_device_capability()[0] >= 9
     for m in (1, 2, 7, 8, 9, 17, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        cross = nvfp4_linear(x, packed, ks=False, cluster=False)
+        cross = nvfp4_linear(x, packed, rd=False, cluster=False)
         assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
         assert torch.equal(nvfp4_linear(x, packed), cross), m  # the default launch
         if clusters:
             for st, rgw in ((None, None), (2, 1), (3, 8)):
                 y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, cluster=True)
                 assert torch.equal(y, cross), (m, st, rgw)
-        if m > 8:
-            continue
-        for ks in ((1, 2), (2, 3), (4, 6), (1, 4)):
-            if splits * ks[1] * _ks_stage_bytes(m, ks[0]) > smem_limit(x.device):
-                continue
-            y = nvfp4_linear(x, packed, out=poisoned(m, n), ks=ks)
-            assert torch.equal(y, cross), (m, ks)
+        rds = ((1, 1), (1, 4), (2, 3), (4, 2), (2, 6)) if m <= 8 else ((1, 2), (4, 2))
+        for rd in rds:  # register-direct: any tile width and prefetch depth
+            y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd)
+            assert torch.equal(y, cross), (m, rd)
 
 
 def test_bf16_batch_invariant():
@@ -192,16 +188,17 @@ def test_graph_replay_equals_eager(m):
 
 def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):
     """Where the driver says S-CTA clusters do not fit (max_cluster_size < S), M > 8 runs the cross-CTA
-    kernel: same bits, and the weight's partial buffer grows once to 32 rows."""
+    kernel: same bits, and the weight's partial buffer is made then, for 32 rows."""
     from lumo.kernels.compile import Kernel
 
     gen = torch.Generator(DEV).manual_seed(29)
     n, k = 64 * 5 + 7, 16 * 16 * 16
     weight = rand_nvfp4(n, k, gen)
     x = torch.randn(32, k, generator=gen, device=DEV).to(torch.bfloat16)
-    want = nvfp4_linear(x, pack_nvfp4(*weight, splits=16), ks=False, cluster=False)
+    want = nvfp4_linear(x, pack_nvfp4(*weight, splits=16), rd=False, cluster=False)
     packed = pack_nvfp4(*weight, splits=16)
-    assert packed.partial.shape == (16, partial_rows(x.device), n)
+    assert torch.equal(nvfp4_linear(x[:1], packed), want[:1])  # M = 1: register-direct, no partials
+    assert packed.partial is None
     monkeypatch.setattr(Kernel, "max_cluster_size", lambda self, grid, block, shmem: 8)
     assert torch.equal(nvfp4_linear(x, packed, out=poisoned(32, n)), want)
     assert packed.partial.shape == (16, 32, n)

@@ -386,25 +386,31 @@ def linear_weight_bytes(cfg: ModelConfig, nvfp4: bool = True, dense_ba: bool = T
     return sum(size(n, k, q) for n, k, q in linear_shapes(cfg, dense_ba))
 
 
-def splitk_partial_bytes(cfg: ModelConfig, rows: int = 8) -> int:
-    """The NVFP4 weights' split-K partial buffers (lumo.kernels.linear.partial_rows: 8 rows on sm_90+,
-    the GB10 included; 32 below)."""
-    from ..kernels.linear import choose_splits
+def splitk_partial_bytes(cfg: ModelConfig, min_splits: int = 16) -> int:
+    """Bytes of the NVFP4 weights' split-K partial buffers that a run can allocate ([S, 32, N] f32, made
+    by the first launch that needs one, lumo.kernels.linear.nvfp4_linear): those of weights with S >=
+    min_splits slices, which run the cross-CTA kernel at M > 8 where the device cannot schedule S-CTA
+    clusters. 16 (default) for sm_90+: a GB10 may refuse 16-CTA clusters (the H200 schedules them, so
+    nothing is allocated there); 8 below sm_90; 2 counts every split weight."""
+    from ..kernels.linear import SMALL_M, choose_splits
 
     total = 0
     for n, k, quantized in linear_shapes(cfg):
         s = choose_splits(n, k) if quantized else 1
-        total += 4 * s * rows * n if s > 1 else 0
+        total += 4 * s * SMALL_M * n if s > 1 and s >= min_splits else 0
     return total
 
 
 def memory_plan(
-    cfg: ModelConfig, max_len: int, chunk: int = PREFILL_CHUNK, nvfp4: bool = True, partial_rows: int = 8
+    cfg: ModelConfig,
+    max_len: int,
+    chunk: int = PREFILL_CHUNK,
+    nvfp4: bool = True,
+    partial_min_splits: int = 16,
 ) -> dict:
     """Bytes of each part of a runner: weights, caches, decode buffers, and the per-chunk prefill peak.
-    partial_rows: lumo.kernels.linear.partial_rows of the device (8 on sm_90+ with 16-CTA clusters, the
-    H200 measured; 32 below sm_90). Plain decoding: the MTP head of tree speculation is not counted
-    (bench/bench_spec.py reports it)."""
+    partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8 below). Plain decoding: the MTP head
+    of tree speculation is not counted (bench/bench_spec.py reports it)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     nv, dk, dv, C, K = (
@@ -425,7 +431,7 @@ def memory_plan(
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
-        "splitk_partials": splitk_partial_bytes(cfg, partial_rows) if nvfp4 else 0,
+        "splitk_partials": splitk_partial_bytes(cfg, partial_min_splits) if nvfp4 else 0,
         "kv_cache": n_full * max_len * nkv * d * 2 * 2,  # K and V, bf16
         "gdn_state": n_gdn * nv * dk * dv * 4,
         "conv_state": n_gdn * C * (K - 1) * 2,

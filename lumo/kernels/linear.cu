@@ -29,13 +29,13 @@
 //       into the fp32 epilogue with gs.
 //   gs [N_pad] f32: weight_scale_2 per row (fused shards keep their own).
 //
-// In-CTA split-K (nvfp4_gemv_ks, small M): one CTA holds every split-K slice of MTW m16 tiles, a warp per
-// slice, and sums the slices in slice order in shared memory with the same fp32 operations as
-// splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce, so which of the two runs is a launch choice; it
-// saves the partial buffer's round trip and the second launch.
+// In-CTA split-K (nvfp4_gemv_rd): one CTA holds every split-K slice of MTW m16 tiles, a warp per slice
+// loading its operands straight into registers, and sums the slices in slice order in shared memory with
+// the same fp32 operations as splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce, so which of the two
+// runs is a launch choice; it saves the partial buffer's round trip and the second launch.
 //
-// lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16
-// lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8
+// lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16 PF=4
+// lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8 PF=2
 
 #include <cuda_bf16.h>
 
@@ -57,8 +57,16 @@
 #define RGW 4  // nvfp4_gemv: warps (row groups) per CTA sharing one activation tile
 #endif
 #ifndef MTW
-#define MTW 2  // nvfp4_gemv_ks: m16 tiles per warp (a divisor of MT)
+#define MTW 2  // nvfp4_gemv_rd: m16 tiles per warp (a divisor of MT)
 #endif
+
+// Measurement probes (bench/probe_linear.py only; the library never sets it): LUMO_PROBE 1 skips the
+// dequant + mma (the memory pipeline alone), 2 reads every chunk's weights from the first two chunks of its
+// row group (L2-resident: the arithmetic and the pipeline without DRAM traffic).
+#ifndef LUMO_PROBE
+#define LUMO_PROBE 0
+#endif
+#define PROBE_CHUNK(c) (LUMO_PROBE == 2 ? ((c) & 1) : (c))
 
 typedef unsigned int u32;
 typedef __nv_bfloat16 bf16;
@@ -118,6 +126,7 @@ __device__ __forceinline__ u32 scale2(u32 bytes, u32 sel) {
 // One m16 tile's chunk: its 16 packed bytes (4 k-steps of this lane's A fragments) and scale pair are
 // dequantised and multiplied into the NT n8 tiles of activations xv (this lane's 32 bytes per tile).
 __device__ __forceinline__ void fp4_tile_mma(float (*acc)[4], const uint4& wv, u32 sv, const uint4 (*xv)[2]) {
+  if (LUMO_PROBE == 1) return;
   const u32 sg = scale2(sv, 0x4040), sg8 = scale2(sv, 0x4141);
   const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
 #pragma unroll
@@ -297,7 +306,7 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
 
   auto issue_w = [&](int i) {  // this warp's weights + scales of chunk c0 + i: no earlier kernel writes them
     char* st = ring + (i % STAGES) * FP4_STAGE;
-    const int c = c0 + i;
+    const int c = PROBE_CHUNK(c0 + i);
     if (active) {
 #pragma unroll
       for (int p = 0; p < MT; ++p)
@@ -394,103 +403,20 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
 #endif
 }
 
-// grid RG * MT / MTW, block 32 * KSW with KSW = S (warp s = split-K slice s, chunks [s * cps, min(C, (s + 1) * cps))),
-// dynamic smem max(S * STAGES * stage, (S - 1) * MTW * NT * 512) with stage = KS_WS_BYTES + 128 * XR.
-// Each warp runs its own cp.async ring (its weights, scales and the activation rows of each chunk) with no
-// block-wide barrier until the epilogue. The ring holds only XR = min(M, 8 * NT) activation rows, row r's
-// 64 columns at 128 r (lane (g, t) reads 32 bytes at 128 g + 32 t): at M = 1 a stage is 704 bytes, not
-// 1600. Per tile and slice the mma sequence is nvfp4_gemv's; the epilogue forms the partials acc * 2^7
-// exactly as nvfp4_gemv stores them and sums them as splitk_reduce does: a = p0, a += p_s,
-// out = bf16(a * gs).
 #ifndef KSW
-#define KSW 8  // nvfp4_gemv_ks: warps per CTA = split-K slices of the weight
+#define KSW 8  // nvfp4_gemv_rd: warps per CTA = split-K slices of the weight
 #endif
-#define KS_W_BYTES (MTW * 512)
-#define KS_WS_BYTES (MTW * 576)
-extern "C" __global__ void __launch_bounds__(KSW * 32)
-    nvfp4_gemv_ks(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
-                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
-                  int N, int K, int C, int cps) {
+
+// Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp s holds slice s's accumulators
+// of MTW m16 tiles from tile0 on. The slice partials p_s = acc_s * 2^7 (as nvfp4_gemv stores them) are summed
+// in slice order by warp 0 (a = p_0, a += p_s: splitk_reduce's operations), which stores bf16(a * gs[n]).
+// Needs (KSW - 1) * MTW * NT * 512 bytes of dynamic shared memory.
+__device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
+                                                bf16* __restrict__ out, int M, int N, int tile0, int warp,
+                                                int lane) {
   extern __shared__ uint4 smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int xr = min(M, 8 * NT);
-  const int stage = KS_WS_BYTES + 128 * xr;
-  char* ring = reinterpret_cast<char*>(smem) + warp * STAGES * stage;
-  const int tile0 = blockIdx.x * MTW;  // first m16 tile: row group tile0 / MT, tile tile0 % MT within it
-  const size_t unit = (size_t)(tile0 / MT) * C * MT + tile0 % MT;  // (rg, c = 0, p) in [RG][C][MT]
-  const char* wsrc = reinterpret_cast<const char*>(qw) + unit * 512;
-  const char* ssrc = reinterpret_cast<const char*>(qs) + unit * 64;
-  const int c0 = warp * cps;
-  const int nc = max(0, min(C, c0 + cps) - c0);
-
-  auto issue_w = [&](int i) {  // weights + scales of chunk c0 + i: no earlier kernel writes them
-    char* st = ring + (i % STAGES) * stage;
-    const size_t c = (size_t)(c0 + i) * MT;
-#pragma unroll
-    for (int p = 0; p < MTW; ++p)
-      cp_async16(st + (p * 32 + lane) * 16, wsrc + c * 512 + (p * 32 + lane) * 16, 16, false);
-    if (lane < MTW * 4) cp_async16(st + KS_W_BYTES + lane * 16, ssrc + c * 64 + lane * 16, 16, false);
-  };
-  auto issue_x = [&](int i) {  // the XR activation rows of chunk c0 + i, 16 bytes per copy
-    char* xs = ring + (i % STAGES) * stage + KS_WS_BYTES;
-    for (int q = lane; q < 8 * xr; q += 32) {
-      const int row = q >> 3, col = (c0 + i) * 64 + 8 * (q & 7);
-      const bool ok = col < K;
-      cp_async16(xs + q * 16, ok ? x + (size_t)row * K + col : x, ok ? 16 : 0, true);
-    }
-  };
-
-  float acc[MTW][NT][4];
-#pragma unroll
-  for (int i = 0; i < MTW; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
-    if (i < nc) issue_w(i);
-  pdl_wait();
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < nc) issue_x(i);
-    cp_async_commit();
-  }
-  for (int i = 0; i < nc; ++i) {
-    if (i + STAGES - 1 < nc) {  // refills chunk i - 1's stage (every lane read it before the last syncwarp)
-      issue_w(i + STAGES - 1);
-      issue_x(i + STAGES - 1);
-    }
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
-    const char* st = ring + (i % STAGES) * stage;
-    uint4 wv[MTW];
-    u32 sv[MTW];
-#pragma unroll
-    for (int p = 0; p < MTW; ++p) {
-      wv[p] = *reinterpret_cast<const uint4*>(st + (p * 32 + lane) * 16);
-      sv[p] = *reinterpret_cast<const unsigned short*>(st + KS_W_BYTES + (p * 32 + lane) * 2);
-    }
-    uint4 xv[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int row = 8 * j + g;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        xv[j][h] = row < xr ? *reinterpret_cast<const uint4*>(st + KS_WS_BYTES + row * 128 + t * 32 + h * 16)
-                            : make_uint4(0u, 0u, 0u, 0u);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wv[p], sv[p], xv);
-  }
-  cp_async_wait<0>();
-  pdl_trigger();
-  // Slice partials p_s = acc_s * 2^7 (as nvfp4_gemv stores them), summed in slice order by warp 0.
   float* red = reinterpret_cast<float*>(smem);
+  const int g = lane >> 2, t = lane & 3;
   __syncthreads();  // every warp is done with its ring
 #pragma unroll
   for (int i = 0; i < MTW; ++i)
@@ -525,6 +451,108 @@ extern "C" __global__ void __launch_bounds__(KSW * 32)
           if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(acc[i][j][2 * h + e] * scale);
         }
     }
+}
+
+// Register-direct in-CTA split-K (nvfp4_gemv_rd, M <= 8 * NT). grid RG * MT / MTW, block 32 * KSW with
+// KSW = S: warp s walks split-K slice s (chunks [s * cps, min(C, (s + 1) * cps))) of the CTA's MTW m16 tiles.
+// The packed layout already gives each lane its own 16 bytes of A fragments per m16 tile, so every lane
+// loads its weights, scale pair and B fragments (row 8j + g of x, 32 bytes per n8 tile) straight into
+// registers, PF chunks ahead (a register ring of PF slots, indexed at compile time by unrolling the loop PF
+// times). No cp.async, no shared memory and no barrier until the epilogue. It replaced a cp.async-ring
+// version of the same split (nvfp4_gemv_ks, session 3): the H200 profile showed these GEMVs issue-bound
+// (the same time with the weights served from L2), and ~230 of that kernel's ~290 instructions per chunk
+// and warp were ring bookkeeping; this loop has ~85 (MTW 1). Dynamic smem: (S - 1) * MTW * NT * 512 bytes.
+#ifndef PF
+#define PF 4  // nvfp4_gemv_rd: chunks in flight per warp
+#endif
+
+__device__ __forceinline__ uint4 ld_stream16(const uint4* p) {  // read once: keep it out of L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 ld_stream2(const unsigned short* p) {
+  unsigned short v;
+  asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(KSW * 32)
+    nvfp4_gemv_rd(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
+                  int N, int K, int C, int cps) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile0 = blockIdx.x * MTW;
+  const int c0 = warp * cps;
+  const int nc = max(0, min(C, c0 + cps) - c0);
+  // Tile (rg, c, p) of [RG][C][MT] holds 32 lanes x 16 bytes (qw) and 32 lanes x 2 bytes (qs).
+  const size_t unit = ((size_t)(tile0 / MT) * C + c0) * MT + tile0 % MT;
+  const uint4* wp = qw + unit * 32 + lane;
+  const unsigned short* sp = qs + unit * 32 + lane;
+  // B fragments: row 8j + g of x, columns 64c + 16t + 8h (h = 0, 1); rows >= M and columns >= K are zero.
+  const bf16* xp[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    xok[j] = 8 * j + g < M;
+    xp[j] = x + (size_t)(xok[j] ? 8 * j + g : 0) * K + (size_t)c0 * 64 + 16 * t;
+  }
+
+  uint4 wr[PF][MTW];
+  u32 sr[PF][MTW];
+  uint4 xr[PF][NT][2];
+  auto load_w = [&](int slot, int i) {  // weights + scales of chunk c0 + i: no earlier kernel writes them
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) {
+      wr[slot][p] = ld_stream16(wp + ((size_t)PROBE_CHUNK(i) * MT + p) * 32);
+      sr[slot][p] = ld_stream2(sp + ((size_t)PROBE_CHUNK(i) * MT + p) * 32);
+    }
+  };
+  auto load_x = [&](int slot, int i) {
+    const bool kin = (c0 + i) * 64 + 16 * t < K;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        xr[slot][j][h] = xok[j] && kin ? *reinterpret_cast<const uint4*>(xp[j] + (size_t)i * 64 + 8 * h)
+                                       : make_uint4(0u, 0u, 0u, 0u);
+  };
+
+  float acc[MTW][NT][4];
+#pragma unroll
+  for (int i = 0; i < MTW; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+#pragma unroll
+  for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (i < nc) load_w(i, i);
+  pdl_wait();
+#pragma unroll
+  for (int i = 0; i < PF - 1; ++i)
+    if (i < nc) load_x(i, i);
+  auto step = [&](int u, int i) {  // chunk i (slot u = i % PF); first refill the slot chunk i - 1 used
+    if (i + PF - 1 < nc) {
+      load_w((u + PF - 1) % PF, i + PF - 1);
+      load_x((u + PF - 1) % PF, i + PF - 1);
+    }
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[u][p], sr[u][p], xr[u]);
+  };
+  int i0 = 0;
+  for (; i0 + PF <= nc; i0 += PF)
+#pragma unroll
+    for (int u = 0; u < PF; ++u) step(u, i0 + u);
+#pragma unroll
+  for (int u = 0; u < PF - 1; ++u)
+    if (i0 + u < nc) step(u, i0 + u);
+  pdl_trigger();
+  slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane);
 }
 
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and

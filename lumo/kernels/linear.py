@@ -60,7 +60,7 @@ class PackedNVFP4:
     k: int  # input features K
     splits: int  # split-K slices (fixed per weight: the K order never depends on M)
     shard_sizes: tuple[int, ...]  # N of each fused shard, in order
-    partial: torch.Tensor | None  # [splits, partial_rows, N] f32 workspace when splits > 1
+    partial: torch.Tensor | None  # [splits, 32, N] f32, made by the first launch that needs it (nvfp4_linear)
 
     @property
     def chunks(self) -> int:
@@ -154,16 +154,9 @@ def pack_fused(
     qs = (s16 - ((s16 >> 15) << 16)).to(torch.int16).contiguous()
 
     splits = choose_splits(n, k) if splits is None else splits
-    partial = torch.empty(splits, partial_rows(device), n, device=device) if splits > 1 else None
     gs_pad = torch.nn.functional.pad(gs, (0, n_pad - n)).contiguous()
     sizes = tuple(w.shape[0] for w, _, _ in shards)
-    return PackedNVFP4(qw, qs, gs_pad, n, k, splits, sizes, partial)
-
-
-def partial_rows(device: torch.device) -> int:
-    """Rows of a weight's split-K partial buffer. On sm_90+ the partials of M > 8 stay in the clusters'
-    shared memory (nvfp4_gemv_cl), so the buffer serves M <= 8 (27B: 0.55 GB instead of 2.2 GB at 32)."""
-    return 8 if device.type == "cuda" and _clusters(device) else SMALL_M
+    return PackedNVFP4(qw, qs, gs_pad, n, k, splits, sizes, None)
 
 
 def split_fused(out: torch.Tensor, packed: PackedNVFP4) -> tuple[torch.Tensor, ...]:
@@ -254,40 +247,35 @@ def _launch_bf16(
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
-KS_STAGES = 4  # nvfp4_gemv_ks ring depth per warp (H200 sweep: 3..5 within 5 %, 6 slower)
-KS_SPLITS = (4, 8)  # slice counts served in-CTA; at 2 (gate+up) and 16 (down) the cross-CTA kernel won
-
-
 @functools.cache
 def _clusters(device: torch.device) -> bool:
     """Thread-block clusters (sm_90+) reduce the split-K slices of a tile in distributed shared memory."""
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _ks_stage_bytes(m: int, mtw: int) -> int:
-    """Weights + scales of MTW m16 tiles and min(M, 8) activation rows of one chunk (M <= 8)."""
-    return mtw * 576 + min(m, 8) * 128
+# (MTW, PF) of the register-direct in-CTA split-K kernel by split-K slice count, for M up to the first
+# number; a missing entry runs nvfp4_gemv (one slice) or the cluster-reduced nvfp4_gemv_cl. From the H200
+# sweeps of bench/bench_linear.py (docs/kernels.md): at M <= 8 it won at every slice count (the lm_head's
+# one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 up to 8 slices; at M = 32
+# up to 4 (5120 -> 10240, 8 slices: 19.4 us in clusters against 32.5).
+RD_CHOICE = (
+    (1, {1: (2, 4), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
+    (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
+    (16, {1: (2, 2), 2: (2, 2), 4: (2, 2), 8: (2, 2)}),
+    (SMALL_M, {1: (2, 2), 2: (2, 2), 4: (4, 2)}),
+)
 
 
-def choose_ks(splits: int, m: int, smem_per_cta: int) -> tuple[int, int] | None:
-    """(MTW, STAGES) of the in-CTA split-K kernel for M activation rows, or None for nvfp4_gemv +
-    splitk_reduce. A launch choice only: both give the same bits. Used for M <= 8 (above that the
-    cross-CTA kernel shares each activation tile among row groups) and where it measured faster on the
-    H200 (bench/bench_linear.py, docs/kernels.md): 4..8 slices; one m16 tile per CTA at 8 slices, two
-    at 4 (a 5120 -> 16384 weight: 19.9 us against 23.1 with one tile, as 1024 CTAs of 4 warps)."""
-    if m > 8 or not KS_SPLITS[0] <= splits <= KS_SPLITS[1]:
-        return None
-    mtw = 2 if splits <= 4 else 1
-    for stages in range(KS_STAGES, 2, -1):
-        if splits * stages * _ks_stage_bytes(m, mtw) <= smem_per_cta:
-            return mtw, stages
-    return None
+def choose_rd(splits: int, m: int) -> tuple[int, int] | None:
+    """(MTW, PF) of nvfp4_gemv_rd for a weight of `splits` slices and M <= 32 rows, or None for
+    nvfp4_gemv(_cl). A launch choice only: every kernel gives the bits of nvfp4_gemv + splitk_reduce."""
+    return next(table for top, table in RD_CHOICE if m <= top).get(splits)
 
 
 @functools.cache
-def _ks_kernel(mtw: int, stages: int, splits: int) -> Kernel:
-    defines = {"NT": 1, "MT": MT, "STAGES": stages, "MTW": mtw, "KSW": splits}
-    return compile_kernel("linear", "nvfp4_gemv_ks", defines)
+def _rd_kernel(nt: int, mtw: int, pf: int, splits: int) -> Kernel:
+    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}
+    return compile_kernel("linear", "nvfp4_gemv_rd", defines)
 
 
 def nvfp4_linear(
@@ -296,14 +284,14 @@ def nvfp4_linear(
     out: torch.Tensor | None = None,
     stages: int | None = None,
     rgw: int | None = None,
-    ks: tuple[int, int] | bool | None = None,
     cluster: bool | None = None,
+    rd: tuple[int, int] | bool | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
     Benchmark knobs, none of which changes the result bits: `stages` / `rgw` (ring depth, row groups per
-    CTA) of the cross-CTA kernel; `ks`: (MTW, STAGES) forces the in-CTA split-K kernel (M <= 8),
-    False forbids it; `cluster`: True / False forces / forbids the cluster-reduced split-K (sm_90+).
+    CTA) of the cross-CTA kernel; `cluster`: True / False forces / forbids the cluster-reduced split-K
+    (sm_90+); `rd`: (MTW, PF) forces the register-direct in-CTA split-K kernel, False forbids it.
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)
@@ -315,20 +303,15 @@ def nvfp4_linear(
     rg, chunks, splits = packed.row_groups, packed.chunks, packed.splits
     nt = -(-m // 8)
     cps = -(-chunks // splits)
-    if ks is None and stages is None and rgw is None and cluster is not True:
-        ks = choose_ks(splits, m, smem_limit(x.device))
-    if ks:
-        if not isinstance(ks, tuple) or len(ks) != 2 or ks[0] not in (1, 2, 4):
-            raise ValueError(f"ks must be (MTW in 1, 2, 4; STAGES), got {ks!r}")
-        mtw, st = ks
-        if nt > 1:
-            raise ValueError("the in-CTA split-K kernel serves M <= 8")
+    if rd is None and stages is None and rgw is None and cluster is None:
+        rd = choose_rd(splits, m)
+    if rd:
+        if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
+            raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
+        mtw, pf = rd
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
-        shmem = max(splits * st * _ks_stage_bytes(m, mtw), (splits - 1) * mtw * 512)
-        if shmem > smem_limit(x.device):
-            raise ValueError(f"in-CTA split-K {ks} needs {shmem} bytes of shared memory per CTA")
-        kern = _ks_kernel(mtw, st, splits)
-        kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
+        shmem = (splits - 1) * mtw * nt * 512
+        _rd_kernel(nt, mtw, pf, splits).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
     rgw = rgw or choose_rgw(rg, splits, nt)
     stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
@@ -342,9 +325,10 @@ def nvfp4_linear(
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
-    if splits > 1 and packed.partial.shape[1] < m:
-        # M > 8 with partials sized for M <= 8 (partial_rows): clusters were forced off, or this device
-        # cannot schedule S-CTA clusters. Grown once to 32 rows (a capture allocates it from its pool).
+    if splits > 1 and packed.partial is None:
+        # Only here does a weight need its split-K partials: a slice count the other kernels do not serve
+        # by default (clusters unavailable or forced off, or a knob). Allocated once, for 32 rows (a
+        # capture allocates it from its pool). runner.memory_plan counts it where it can happen.
         packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
     part = packed.partial if splits > 1 else out
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
