@@ -4,37 +4,21 @@ Variants (linear.cu LUMO_PROBE): "nomath" skips the dequant + mma (the cp.async 
 alone), "l2w" reads every chunk's weights from its row group's first two chunks (L2-resident: the
 arithmetic and pipeline without DRAM). The bf16 cuBLAS GEMV of the same shape is the bandwidth reference.
 
-    python bench/probe_linear.py            # timing table (graph replay, median), printed last
-    ncu --profile-from-start off ... python bench/probe_linear.py --ncu    # one launch of each case
+    python -m bench.probe_linear            # timing table (graph replay, median), printed last
+    ncu --profile-from-start off ... python -m bench.probe_linear --ncu    # one launch of each case
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_linear import L2_ROTATE_BYTES, copy_bandwidth, random_packed, time_graph  # noqa: E402
-
-from lumo.kernels import linear  # noqa: E402
+from bench.bench_linear import L2_ROTATE_BYTES, copy_bandwidth, random_packed, time_graph
+from lumo.kernels import linear
 
 SHAPES = [("gate+up", 5120, 34816), ("in 5120->10240", 5120, 10240), ("down", 17408, 5120)]
 PROBES = {"lib": 0, "nomath": 1, "l2w": 2}
-_compile = linear.compile_kernel
-
-
-def use_probe(probe: int) -> None:
-    """Route the linear module's kernel compiles through LUMO_PROBE=probe (0: the library kernels)."""
-
-    def compile_probe(src, name, defines=None):
-        return _compile(src, name, {**(defines or {}), "LUMO_PROBE": probe})
-
-    linear.compile_kernel = compile_probe if probe else _compile
-    linear._kernel.cache_clear()
-    linear._rd_kernel.cache_clear()
 
 
 def cases(m: int) -> list[tuple[str, dict]]:
@@ -68,7 +52,7 @@ def main() -> None:
                     runs.append((f"{pname}/{cname}", probe, kw))
             ref = linear.nvfp4_linear(x, packs[0])
             for label, probe, kw in runs:
-                use_probe(probe)
+                kw = dict(kw, probe=probe)
                 fns = [lambda p=p, kw=kw, x=x, o=out: linear.nvfp4_linear(x, p, out=o, **kw) for p in packs]
                 if args.ncu:
                     fns[0]()  # compiled and warm before the profiled launch
@@ -84,7 +68,6 @@ def main() -> None:
                     linear.nvfp4_linear(x, packs[0], out=out, **kw)
                     assert torch.equal(out, ref), f"{name} M={m} {label}: result changed"
                 rows.append((name, m, label, us, 100 * wbytes / (us * 1e-6) / 1e9 / bw))
-            use_probe(0)
             if args.ncu:
                 torch.matmul(x, wbs[0].t())
                 torch.cuda.synchronize()

@@ -36,6 +36,8 @@
 //
 // lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16 PF=4
 // lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8 PF=2
+// lumo:test-defines NT=2 STAGES=3 RGW=4 MTW=2 KSW=4 PF=3 LUMO_PROBE=1
+// lumo:test-defines NT=1 STAGES=5 RGW=2 MTW=1 KSW=2 PF=2 LUMO_PROBE=2
 
 #include <cuda_bf16.h>
 

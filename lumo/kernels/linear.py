@@ -169,8 +169,9 @@ FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 swee
 
 
 @functools.cache
-def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4) -> Kernel:
-    return compile_kernel("linear", name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw})
+def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4, probe: int = 0) -> Kernel:
+    defines = {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw}
+    return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
 
 
 def _stage_bytes(nt: int, bf16_weights: bool) -> int:
@@ -273,9 +274,9 @@ def choose_rd(splits: int, m: int) -> tuple[int, int] | None:
 
 
 @functools.cache
-def _rd_kernel(nt: int, mtw: int, pf: int, splits: int) -> Kernel:
+def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}
-    return compile_kernel("linear", "nvfp4_gemv_rd", defines)
+    return compile_kernel("linear", "nvfp4_gemv_rd", defines | ({"LUMO_PROBE": probe} if probe else {}))
 
 
 def nvfp4_linear(
@@ -286,12 +287,15 @@ def nvfp4_linear(
     rgw: int | None = None,
     cluster: bool | None = None,
     rd: tuple[int, int] | bool | None = None,
+    probe: int = 0,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
     Benchmark knobs, none of which changes the result bits: `stages` / `rgw` (ring depth, row groups per
     CTA) of the cross-CTA kernel; `cluster`: True / False forces / forbids the cluster-reduced split-K
     (sm_90+); `rd`: (MTW, PF) forces the register-direct in-CTA split-K kernel, False forbids it.
+    `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
+    LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights); its output is meaningless.
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)
@@ -311,7 +315,7 @@ def nvfp4_linear(
         mtw, pf = rd
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
         shmem = (splits - 1) * mtw * nt * 512
-        _rd_kernel(nt, mtw, pf, splits).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
+        _rd_kernel(nt, mtw, pf, splits, probe).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
     rgw = rgw or choose_rgw(rg, splits, nt)
     stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
@@ -319,7 +323,7 @@ def nvfp4_linear(
         cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
     if cluster and splits > 1:
         shmem = max(stages * _fp4_stage_bytes(nt, rgw), rgw * MT * nt * 512)
-        kern = _kernel("nvfp4_gemv_cl", nt, stages, KW, rgw)
+        kern = _kernel("nvfp4_gemv_cl", nt, stages, KW, rgw, probe)
         grid = (-(-rg // rgw), splits, 1)
         if kern.max_cluster_size(grid, 32 * rgw, shmem) >= splits:  # else the cross-CTA kernel below
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
@@ -332,7 +336,7 @@ def nvfp4_linear(
         packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
     part = packed.partial if splits > 1 else out
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
-    kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw)
+    kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe)
     kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)

@@ -1,0 +1,1 @@
+"""Benchmarks and measurement tools: python bench/NAME.py, or python -m bench.NAME from the repo root."""
