@@ -1,1 +1,2 @@
-"""Benchmarks and measurement tools: python bench/NAME.py, or python -m bench.NAME from the repo root."""
+"""Benchmarks and measurement tools, run from the repository root: python bench/bench_*.py, and
+python -m bench.probe_linear (it imports bench.bench_linear)."""

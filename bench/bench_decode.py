@@ -276,7 +276,8 @@ def main() -> None:
         prefill.append({"tokens": n, "s": s, "tok_s": n / s, "peak_gb": peak / GB})
         print(f"prefill {n}: {s:.2f} s, {n / s:.0f} tokens/s, peak {peak / GB:.1f} GB")
     peak_all = torch.cuda.max_memory_allocated()
-    plan = memory_plan(cfg, max_len)
+    min_splits = 16 if torch.cuda.get_device_capability()[0] >= 9 else 8  # clusters take the rest at M > 8
+    plan = memory_plan(cfg, max_len, partial_min_splits=min_splits)
 
     prof = None if args.no_profile else profile_step(runner, args.contexts[0])
     peer = None

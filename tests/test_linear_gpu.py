@@ -14,6 +14,7 @@ from lumo.kernels import (
     pack_nvfp4,
     split_fused,
 )
+from lumo.kernels.linear import smem_limit
 from lumo.quant import nvfp4_dequantize
 
 pytestmark = pytest.mark.gpu
@@ -137,7 +138,9 @@ def test_split_k_variants_equal_cross_cta(splits):
                 y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, cluster=True)
                 assert torch.equal(y, cross), (m, st, rgw)
         rds = ((1, 1), (1, 4), (2, 3), (4, 2), (2, 6)) if m <= 8 else ((1, 2), (4, 2))
-        for rd in rds:  # register-direct: any tile width and prefetch depth
+        for rd in rds:  # register-direct: any tile width and prefetch depth that fits shared memory
+            if (splits - 1) * rd[0] * -(-m // 8) * 512 > smem_limit(x.device):
+                continue
             y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd)
             assert torch.equal(y, cross), (m, rd)
 
@@ -168,21 +171,26 @@ def test_graph_replay_equals_eager(m):
     packed = pack_nvfp4(w, s, s2, splits=2)
     wb = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-    y, yb = poisoned(m, n), poisoned(m, n)
+    y, yb, yc = poisoned(m, n), poisoned(m, n), poisoned(m, n)
     nvfp4_linear(x, packed, out=y)  # compile and load outside the capture
+    nvfp4_linear(x, packed, out=yc, rd=False, cluster=False)
     bf16_linear(x, wb, out=yb, workspace=torch.empty(4, 32, n, device=DEV))
     ws = torch.empty(8, 32, n, device=DEV)
+    fresh = pack_nvfp4(w, s, s2, splits=2)  # the cross-CTA kernel makes its partial buffer in the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         nvfp4_linear(x, packed, out=y)
+        nvfp4_linear(x, fresh, out=yc, rd=False, cluster=False)
         bf16_linear(x, wb, out=yb, workspace=ws)
+    assert fresh.partial is not None
     for _ in range(2):
         x.copy_(torch.randn(m, k, generator=gen, device=DEV))
-        y.fill_(float("nan"))
-        yb.fill_(float("nan"))
+        for t in (y, yb, yc):
+            t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, nvfp4_linear(x, packed))
+        assert torch.equal(yc, y)
         assert torch.equal(yb, bf16_linear(x, wb))
 
 

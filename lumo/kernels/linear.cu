@@ -63,8 +63,9 @@
 #endif
 
 // Measurement probes (bench/probe_linear.py only; the library never sets it): LUMO_PROBE 1 skips the
-// dequant + mma (the memory pipeline alone), 2 reads every chunk's weights from the first two chunks of its
-// row group (L2-resident: the arithmetic and the pipeline without DRAM traffic).
+// dequant + mma (the memory pipeline alone; nvfp4_gemv_rd then drops its activation loads too), 2 reads
+// every chunk's weights from the first two chunks of its row group (nvfp4_gemv) or split-K slice
+// (nvfp4_gemv_rd): L2-resident, the arithmetic and the pipeline without DRAM traffic.
 #ifndef LUMO_PROBE
 #define LUMO_PROBE 0
 #endif
@@ -426,7 +427,7 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        acc[i][j][e] *= DQ_UNSCALE;
+        acc[i][j][e] = __fmul_rn(acc[i][j][e], DQ_UNSCALE);  // never fused into the sum below
         if (warp > 0) red[(((warp - 1) * MTW + i) * NT + j) * 4 * 32 + e * 32 + lane] = acc[i][j][e];
       }
   __syncthreads();

@@ -291,9 +291,11 @@ def nvfp4_linear(
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
-    Benchmark knobs, none of which changes the result bits: `stages` / `rgw` (ring depth, row groups per
-    CTA) of the cross-CTA kernel; `cluster`: True / False forces / forbids the cluster-reduced split-K
-    (sm_90+); `rd`: (MTW, PF) forces the register-direct in-CTA split-K kernel, False forbids it.
+    Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
+    in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw` or
+    `cluster` also turns off the automatic choice of `rd` and picks among the ring kernels: `stages` /
+    `rgw` (ring depth, row groups per CTA) of the cross-CTA kernel, `cluster` True / False forces / forbids
+    the cluster-reduced split-K (sm_90+).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights); its output is meaningless.
     """
@@ -315,6 +317,8 @@ def nvfp4_linear(
         mtw, pf = rd
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
         shmem = (splits - 1) * mtw * nt * 512
+        if shmem > smem_limit(x.device):
+            raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
         _rd_kernel(nt, mtw, pf, splits, probe).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
     rgw = rgw or choose_rgw(rg, splits, nt)
