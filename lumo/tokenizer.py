@@ -7,6 +7,7 @@ template gives byte-identical prompts in lumo and in transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -151,8 +152,24 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        # add_special_tokens=False: no BOS/EOS post-processing; the chat template writes any markers itself
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # add_special_tokens=False: no BOS/EOS post-processing; the chat template writes any markers itself.
+        # encode_batch, because it releases the GIL while it works (encode does not): a long prompt
+        # tokenised in a server worker thread must not stall the event loop.
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone UTF-16 surrogate, e.g. from a JSON "\ud800"
+                raise TokenizerError(
+                    f"the text is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+                    f"character {e.start}"
+                ) from None
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token string in the vocabulary: a token never covers more characters
+        of (normalised) text than that."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -276,7 +276,7 @@ def resolve_model_path(model: str | Path) -> Path:
 
 def checkpoint_files(root: Path) -> tuple[dict[str, str], list[str]]:
     """(tensor name -> shard file name, shard files) from model.safetensors.index.json or *.safetensors."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -293,8 +293,11 @@ def checkpoint_files(root: Path) -> tuple[dict[str, str], list[str]]:
         raise WeightError(f"no .safetensors files in {root}")
     weight_map = {}
     for f in files:
-        with safe_open(root / f, framework="pt", device="cpu") as h:
-            weight_map.update(dict.fromkeys(h.keys(), f))
+        try:
+            with safe_open(root / f, framework="pt", device="cpu") as h:
+                weight_map.update(dict.fromkeys(h.keys(), f))
+        except (OSError, SafetensorError) as e:  # truncated, empty or not a safetensors file
+            raise WeightError(f"cannot read {root / f}: {e}") from None
     return weight_map, files
 
 

@@ -60,6 +60,34 @@ def test_unsupported_architecture(tmp_path):
     assert r.returncode == 2 and "unsupported architecture" in r.stderr and "llama" in r.stderr
 
 
+@pytest.mark.parametrize("size", [0, 1000, None], ids=["empty", "header-cut", "body-cut"])
+def test_corrupt_weights_file(tmp_path, size):
+    """A truncated or empty model.safetensors is a user error (one line, exit 2) for generate and serve."""
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    f = ckpt / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2 if size is None else size])
+    generate = ["generate", "--model", str(ckpt), "--prompt", "x", "--device", "cpu"]
+    for args in (generate, ["serve", str(ckpt)]):
+        r = lumo(*args)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert "model.safetensors" in r.stderr
+
+
+def test_serve_on_a_busy_port(tmp_path):
+    import socket
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        r = lumo("serve", str(ckpt), "--device", "cpu", "--port", port)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "cannot listen on 127.0.0.1:" + port in r.stderr and "serving" not in r.stdout
+
+
 def test_prompt_longer_than_context(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
     r = lumo(

@@ -115,6 +115,14 @@ BAD = [
         "",
     ),
     (
+        "template-kwargs-clash",
+        CHAT,
+        {"messages": USER, "chat_template_kwargs": {"messages": 5}},
+        400,
+        "chat_template_kwargs",
+        "may not set messages",
+    ),
+    (
         "template-raises",
         CHAT,
         {"messages": [*USER, {"role": "system", "content": "late"}]},
@@ -131,6 +139,29 @@ def test_bad_request(server, case):
     r = httpx.post(server.url + path, json=body, timeout=30)
     err = _check_error(r, status, param)
     assert words in err["message"]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (COMP, b'{"prompt": "a\\ud800b", "max_tokens": 2}'),
+        (COMP, b'{"prompt": "a\\ud800b", "max_tokens": 2, "stream": true}'),
+        (CHAT, b'{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}'),
+    ],
+    ids=["completion", "stream", "chat"],
+)
+def test_lone_surrogate_is_a_400(server, path, body):
+    r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert "lone surrogate" in _check_error(r, 400)["message"]
+
+
+def test_huge_prompt_is_refused_without_tokenising(server):
+    """Far more characters than the context could hold: a 400 at once (tokenising 20 MB took ~20 s)."""
+    t0 = time.perf_counter()
+    r = httpx.post(server.url + COMP, json={"prompt": "abc def " * 2_500_000, "max_tokens": 2}, timeout=60)
+    err = _check_error(r, 400, "prompt")
+    assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    assert time.perf_counter() - t0 < 10
 
 
 def test_malformed_json(server):

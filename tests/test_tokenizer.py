@@ -59,6 +59,35 @@ def test_round_trip(tok, text):
     assert tok.decode(ids) == text
 
 
+def test_encode_matches_the_library_and_refuses_lone_surrogates(tok):
+    rng = random.Random(3)
+    for text in [*TEXTS, *(random_text(rng, 200) for _ in range(20))]:
+        assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+    with pytest.raises(TokenizerError, match="lone surrogate U[+]D800 at character 1"):
+        tok.encode("a\ud800b")
+    assert tok.max_token_chars >= max(len(tok.decode([i])) for i in range(tok.vocab_size))
+
+
+def test_encode_lets_other_threads_run(tok):
+    """A long prompt tokenised in a server worker thread must not hold the GIL (it stalled the event loop:
+    the library's encode holds it, encode_batch does not)."""
+    import threading
+    import time
+
+    text = "abc def " * 200_000
+    done, ticks = threading.Event(), 0
+    worker = threading.Thread(target=lambda: (tok.encode(text), done.set()))
+    t0 = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        time.sleep(0.005)
+        ticks += 1
+    worker.join()
+    elapsed = time.perf_counter() - t0
+    assert elapsed > 0.2, "the text tokenised too fast to tell"
+    assert ticks > 0.3 * elapsed / 0.005, (ticks, elapsed)  # holding the GIL gave ~2 ticks in 1.7 s
+
+
 def test_no_bos_and_special_tokens(tok):
     assert tok.encode("a") == [tok.token_to_id("a")]  # nothing prepended
     ids = tok.encode("<|im_start|>user\nhi<think>x</think><|im_end|>")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..tokenizer import TokenizerError
 from .chat import delta_json, finish_reason, message_json, opens_reasoning, render_prompt
 from .errors import APIError, install_error_handlers
 from .metrics import ServerMetrics
@@ -28,6 +30,9 @@ from .worker import EngineWorker, Job
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
+# A prompt of more than context x longest-token characters x this is refused without tokenising it (the
+# slack covers normalisation that merges characters, e.g. NFC composing combining marks).
+PROMPT_CHARS_SLACK = 4
 DISCONNECT_POLL_S = 0.2
 
 
@@ -121,6 +126,18 @@ class _Server:
             raise APIError(400, msg, "max_tokens", "context_length_exceeded")
         return max_tokens
 
+    async def _encode(self, text: str, param: str) -> list[int]:
+        """A prompt's token ids, tokenised in a worker thread. A text far longer than the context could
+        hold is refused at once, and text that is not valid Unicode is a 400."""
+        tok, limit = self.llm.tokenizer, self.llm.max_model_len
+        if len(text) > PROMPT_CHARS_SLACK * limit * tok.max_token_chars:
+            msg = f"the prompt has {len(text)} characters, far more than the context of {limit} tokens holds"
+            raise APIError(400, msg, param, "context_length_exceeded")
+        try:
+            return await run_in_threadpool(tok.encode, text)
+        except TokenizerError as e:
+            raise APIError(400, str(e), param) from None
+
     def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> Job:
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
         return self.worker.submit(job)
@@ -155,7 +172,7 @@ class _Server:
         prompt = body.single_prompt()
         tok = self.llm.tokenizer
         if isinstance(prompt, str):
-            prompt_ids = await run_in_threadpool(tok.encode, prompt)
+            prompt_ids = await self._encode(prompt, "prompt")
         else:
             if any(t < 0 or t >= tok.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", "prompt")
@@ -206,7 +223,7 @@ class _Server:
         body.check_supported()
         tok = self.llm.tokenizer
         prompt = render_prompt(tok, body)
-        prompt_ids = await run_in_threadpool(tok.encode, prompt)
+        prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
         job = self._submit(prompt_ids, max_tokens, body.sampling())
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -305,6 +322,7 @@ def run_server(
     llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, max_queue: int = 64
 ) -> None:
     """Serve `llm` until interrupted; prints one startup line with the URL and the model."""
+    sock = _listen(host, port)
     app = create_app(llm, model_name, max_queue)
     shown = f"[{host}]" if ":" in host else host
     print(
@@ -312,4 +330,20 @@ def run_server(
         f"at http://{shown}:{port}/v1",
         flush=True,
     )
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the startup line: a busy port or an unknown host is a one-line
+    user error (ValueError), not uvicorn's log line after "serving"."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # one address; IPv4 first where a name has both (e.g. localhost), as clients mostly dial 127.0.0.1
+        family, kind, proto, _, addr = min(infos, key=lambda i: i[0] != socket.AF_INET)
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:  # socket.gaierror included
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock

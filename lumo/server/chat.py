@@ -73,6 +73,8 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
     messages = [template_message(i, m) for i, m in enumerate(req.messages)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     kwargs = dict(req.chat_template_kwargs or {})
+    if taken := sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt"}):
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
     if req.tool_choice is not None:
         choice = req.tool_choice
         kwargs["tool_choice"] = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
