@@ -148,7 +148,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from .tokenizer import TokenizerError
     from .weights import WeightError
 
-    return (ConfigError, WeightError, TokenizerError, ValueError, FileNotFoundError, NotADirectoryError)
+    # OSError: permissions, a read-only or full disk, a missing path - the environment, not a lumo bug
+    return (ConfigError, WeightError, TokenizerError, ValueError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,29 @@ class ConfigError(ValueError):
     """A config.json that lumo cannot serve; the message is one line meant for the user."""
 
 
+_MISSING = object()
+
+
+def _int(d: dict[str, Any], key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+    """An integer field of config.json, checked (a bool or a float is not an integer here)."""
+    v = d.get(key, default) if default is not _MISSING else d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"config.json: {key} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _float(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ConfigError(f"config.json: {key} must be a number, got {v!r}")
+    return float(v)
+
+
+def _bool(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(f"config.json: {key} must be true or false, got {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The Qwen3.5/3.8 hybrid text model: only the fields lumo reads (names follow config.json)."""
@@ -82,7 +105,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a config.json dict: the `qwen3_5` wrapper (text_config) or a flat `qwen3_5_text`."""
+        """Build from a config.json dict: the `qwen3_5` wrapper (text_config) or a flat `qwen3_5_text`.
+        Every field lumo reads is type- and range-checked: a bad one is a ConfigError naming it."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         top = d
         if "text_config" in d and isinstance(d["text_config"], dict):
             d = {**d["text_config"]}
@@ -98,45 +124,60 @@ class ModelConfig:
             )
         if missing := [k for k in _REQUIRED if k not in d]:
             raise ConfigError(f"config.json lacks {', '.join(missing)}")
-        n = int(d["num_hidden_layers"])
+        n = _int(d, "num_hidden_layers")
         if d.get("layer_types"):
+            if not isinstance(d["layer_types"], list):
+                raise ConfigError(f"config.json: layer_types must be a list, got {d['layer_types']!r}")
             layer_types = tuple(d["layer_types"])
             if len(layer_types) != n:
                 raise ConfigError(f"layer_types has {len(layer_types)} entries for {n} layers")
         else:
-            interval = int(d.get("full_attention_interval", 4))
+            interval = _int(d, "full_attention_interval", 4)
             layer_types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
-        if bad := set(layer_types) - {FULL, LINEAR}:
+        if bad := set(map(str, layer_types)) - {FULL, LINEAR}:
             raise ConfigError(f"unsupported layer types {sorted(bad)}")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json: rope_parameters must be an object, got {rope!r}")
+        rope_theta = _float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
+        prf = _float(
+            rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)), "partial_rotary_factor"
+        )
+        if not 0 < prf <= 1:
+            raise ConfigError(f"config.json: partial_rotary_factor must lie in (0, 1], got {prf}")
         eos = d.get("eos_token_id", top.get("eos_token_id"))
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        nh = int(d["num_attention_heads"])
+        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if any(isinstance(e, bool) or not isinstance(e, int) for e in eos_list):
+            raise ConfigError(f"config.json: eos_token_id must be an integer or a list of them, got {eos!r}")
+        nh = _int(d, "num_attention_heads")
+        hidden = _int(d, "hidden_size")
         cfg = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
+            vocab_size=_int(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_int(d, "intermediate_size"),
             layer_types=layer_types,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             num_attention_heads=nh,
-            num_key_value_heads=int(d.get("num_key_value_heads", nh)),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // nh),
-            rope_theta=float(rope_theta),
-            partial_rotary_factor=float(prf),
-            linear_num_key_heads=int(d["linear_num_key_heads"]),
-            linear_num_value_heads=int(d["linear_num_value_heads"]),
-            linear_key_head_dim=int(d["linear_key_head_dim"]),
-            linear_value_head_dim=int(d["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
-            mtp_num_hidden_layers=int(d.get("mtp_num_hidden_layers", 0) or 0),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            attn_output_gate=bool(d.get("attn_output_gate", True)),
-            eos_token_ids=eos_ids,
+            num_key_value_heads=_int(d, "num_key_value_heads", nh),
+            head_dim=_int(d, "head_dim", None) if d.get("head_dim") is not None else hidden // nh,
+            rope_theta=rope_theta,
+            partial_rotary_factor=prf,
+            linear_num_key_heads=_int(d, "linear_num_key_heads"),
+            linear_num_value_heads=_int(d, "linear_num_value_heads"),
+            linear_key_head_dim=_int(d, "linear_key_head_dim"),
+            linear_value_head_dim=_int(d, "linear_value_head_dim"),
+            linear_conv_kernel_dim=_int(d, "linear_conv_kernel_dim", 4, minimum=2),
+            mtp_num_hidden_layers=_int(d, "mtp_num_hidden_layers", 0, minimum=0)
+            if d.get("mtp_num_hidden_layers")
+            else 0,
+            tie_word_embeddings=_bool(d.get("tie_word_embeddings", False), "tie_word_embeddings"),
+            max_position_embeddings=_int(d, "max_position_embeddings", 32768, minimum=2),
+            attn_output_gate=_bool(d.get("attn_output_gate", True), "attn_output_gate"),
+            eos_token_ids=tuple(eos_list),
             model_type=str(model_type),
         )
+        if cfg.head_dim < 1:
+            raise ConfigError(f"config.json: head_dim must be >= 1 (hidden_size {hidden} / {nh} heads)")
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if cfg.num_attention_heads % cfg.num_key_value_heads:

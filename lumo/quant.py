@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -185,11 +186,9 @@ def quantize_checkpoint(
     told otherwise. `exclude` (fnmatch on module names) replaces DEFAULT_EXCLUDE when given.
     Returns the relative Frobenius error of the dequantised weights per tensor class (q_proj, ...).
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    from safetensors import SafetensorError
 
-    from .weights import WeightError, checkpoint_files, resolve_model_path
+    from .weights import WeightError, resolve_model_path
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -198,20 +197,71 @@ def quantize_checkpoint(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     src_dir = resolve_model_path(str(src))
     dst_dir = Path(dst).expanduser()
+    if dst_dir.is_symlink():
+        if not dst_dir.exists():
+            raise WeightError(f"destination {dst_dir} is a dangling symlink")
+        dst_dir = dst_dir.resolve()
     if dst_dir.resolve() == src_dir.resolve():
         raise WeightError("the destination must differ from the source checkpoint")
     if dst_dir.exists() and (not dst_dir.is_dir() or any(dst_dir.iterdir())):
         raise WeightError(f"destination {dst_dir} exists and is not an empty directory")
-    config = (
-        json.loads((src_dir / "config.json").read_text()) if (src_dir / "config.json").is_file() else None
-    )
-    if config is None:
+    cfg_path = src_dir / "config.json"
+    if not cfg_path.is_file():
         raise WeightError(f"no config.json in {src_dir}")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightError(f"{cfg_path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WeightError(f"{cfg_path} must hold a JSON object")
     if config.get("quantization_config") or (src_dir / "hf_quant_config.json").is_file():
         raise WeightError(f"{src_dir} is already quantised; `lumo quantize` needs a BF16/F16/F32 checkpoint")
-    weight_map, files = checkpoint_files(src_dir)
 
-    dst_dir.mkdir(parents=True, exist_ok=True)
+    # Everything is written to a staging directory beside the destination and renamed into place at the
+    # end, so an error or an interrupt never leaves a partial checkpoint under the destination's name.
+    dst_dir = dst_dir.absolute()
+    dst_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = dst_dir.parent / f".{dst_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        errors = _quantize_into(src_dir, stage, config, quant_algo, patterns, dev, progress)
+        if dst_dir.exists():
+            dst_dir.rmdir()  # empty, checked above
+        os.replace(stage, dst_dir)
+    except SafetensorError as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise WeightError(f"cannot read the safetensors files in {src_dir}: {e}") from None
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if fmt == "nvfp4":
+        print(
+            "lumo quantize: note: input_scale = 1.0 is an uncalibrated placeholder; W4A4 consumers need "
+            "ModelOpt calibration (use --format w4a16_nvfp4 for a weight-only checkpoint)",
+            file=sys.stderr,
+        )
+    return errors
+
+
+def _quantize_into(
+    src_dir: Path,
+    out_dir: Path,
+    config: dict,
+    quant_algo: str,
+    patterns: list[str],
+    dev: torch.device,
+    progress: bool,
+) -> dict[str, float]:
+    """quantize_checkpoint's work: every shard of src_dir quantised into out_dir, then the index, the
+    quantisation config, config.json and the tokenizer / generation files."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from .weights import WeightError, checkpoint_files
+
+    weight_map, files = checkpoint_files(src_dir)
     err2: dict[str, float] = {}  # class -> sum of squared errors
     ref2: dict[str, float] = {}  # class -> sum of squared weights
     new_map: dict[str, str] = {}
@@ -234,7 +284,10 @@ def quantize_checkpoint(
                         out[name] = t
                         continue
                     module = name[: -len(".weight")]
-                    packed, scale, scale_2 = nvfp4_quantize(t.to(dev))
+                    try:
+                        packed, scale, scale_2 = nvfp4_quantize(t.to(dev))
+                    except ValueError as e:
+                        raise WeightError(f"tensor {name}: {e}") from None
                     ref = t.to(dev).double()
                     err = nvfp4_dequantize(packed, scale, scale_2).double() - ref
                     cls = tensor_class(module)
@@ -247,24 +300,18 @@ def quantize_checkpoint(
             for name, t in out.items():
                 new_map[name] = fname
                 total_size += t.numel() * t.element_size()
-            save_file(out, str(dst_dir / fname), metadata={"format": "pt"})
+            save_file(out, str(out_dir / fname), metadata={"format": "pt"})
 
     if (src_dir / "model.safetensors.index.json").is_file():
         index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(new_map.items()))}
-        (dst_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     hq = hf_quant_config(quant_algo, patterns)
-    (dst_dir / "hf_quant_config.json").write_text(json.dumps(hq, indent=4) + "\n")
-    config["quantization_config"] = quantization_config(hq)
-    (dst_dir / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "hf_quant_config.json").write_text(json.dumps(hq, indent=4) + "\n")
+    config = {**config, "quantization_config": quantization_config(hq)}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     for p in sorted(src_dir.iterdir()):
         if p.is_file() and p.suffix in _COPY_SUFFIXES and p.name not in _NOT_COPIED:
-            shutil.copyfile(p, dst_dir / p.name)
-    if fmt == "nvfp4":
-        print(
-            "lumo quantize: note: input_scale = 1.0 is an uncalibrated placeholder; W4A4 consumers need "
-            "ModelOpt calibration (use --format w4a16_nvfp4 for a weight-only checkpoint)",
-            file=sys.stderr,
-        )
+            shutil.copyfile(p, out_dir / p.name)
     return {c: math.sqrt(err2[c] / ref2[c]) if ref2[c] > 0 else 0.0 for c in sorted(err2)}
 
 

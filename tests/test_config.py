@@ -65,6 +65,19 @@ def test_frozen():
         ({**TEXT, "layer_types": ["linear_attention"] * 3}, "layer_types"),
         ({**TEXT, "layer_types": ["sliding_attention"] * 64}, "sliding_attention"),
         ({**TEXT, "linear_num_value_heads": 40}, "multiple"),
+        # wrong types and ranges are named, not tracebacks (or silently wrong, like bool("false"))
+        ({**TEXT, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+        ({**TEXT, "hidden_size": None}, "hidden_size must be an integer"),
+        ({**TEXT, "hidden_size": [64]}, "hidden_size must be an integer"),
+        ({**TEXT, "num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1"),
+        ({**TEXT, "num_key_value_heads": 0}, "num_key_value_heads"),
+        ({**TEXT, "linear_num_key_heads": 0}, "linear_num_key_heads"),
+        ({k: v for k, v in TEXT.items() if k != "layer_types"} | {"full_attention_interval": 0}, "interval"),
+        ({**TEXT, "rope_parameters": [1, 2]}, "rope_parameters must be an object"),
+        ({**TEXT, "rope_parameters": {"partial_rotary_factor": 2.0}}, "partial_rotary_factor"),
+        ({**TEXT, "eos_token_id": ["a"]}, "eos_token_id"),
+        ({**TEXT, "max_position_embeddings": 1}, "max_position_embeddings"),
+        ([1], "JSON object"),
     ],
 )
 def test_errors_are_one_line(d, words):

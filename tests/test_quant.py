@@ -242,3 +242,53 @@ def test_quantize_errors(tmp_path):
     quantize_checkpoint(src, tmp_path / "q", fmt="w4a16_nvfp4", progress=False)
     with pytest.raises(WeightError, match="already quantised"):
         quantize_checkpoint(tmp_path / "q", tmp_path / "qq", progress=False)
+
+
+def test_quantize_never_leaves_a_partial_destination(tmp_path, monkeypatch):
+    """An error or an interrupt midway leaves neither the destination nor the staging directory behind."""
+    import shutil
+
+    import lumo.quant as quant
+
+    src, tensors = source_checkpoint(tmp_path)
+    leftovers = lambda: sorted(p.name for p in tmp_path.iterdir() if p.name != "src")  # noqa: E731
+
+    # a truncated second shard: read after the first shard was written
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    shard = broken / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(WeightError, match="cannot read"):
+        quantize_checkpoint(broken, tmp_path / "q1", progress=False)
+    assert leftovers() == ["broken"]
+
+    # a non-finite weight: the message names the tensor
+    bad = tmp_path / "nan"
+    shutil.copytree(src, bad)
+    name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+    f = bad / json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"][name]
+    shard = load_file(f)
+    shard[name] = shard[name].clone()
+    shard[name][0, 0] = float("nan")
+    save_file(shard, str(f))
+    with pytest.raises(WeightError, match=name.replace(".", "[.]")):
+        quantize_checkpoint(bad, tmp_path / "q2", progress=False)
+    assert leftovers() == ["broken", "nan"]
+
+    # an interrupt while the last files are copied (after config.json was written)
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quant.shutil, "copyfile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_checkpoint(src, tmp_path / "q3", progress=False)
+    assert leftovers() == ["broken", "nan"]
+    monkeypatch.undo()
+
+    # an empty destination directory is replaced by the finished checkpoint; a dangling link is refused
+    (tmp_path / "q4").mkdir()
+    quantize_checkpoint(src, tmp_path / "q4", progress=False)
+    assert (tmp_path / "q4" / "config.json").is_file()
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(WeightError, match="dangling symlink"):
+        quantize_checkpoint(src, tmp_path / "link", progress=False)

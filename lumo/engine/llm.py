@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import time
 from collections.abc import Iterator
@@ -18,6 +19,25 @@ from ..weights import load_model, resolve_model_path
 from .decode import make_decoder
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
+
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: logits / t would overflow float32
+
+
+def _integer(v: object, what: str) -> int:
+    """An integer argument (Python or numpy / torch integer; not a bool, a float or a string)."""
+    try:
+        if isinstance(v, bool):
+            raise TypeError
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {v!r}") from None
+
+
+def _number(v: object, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"{what} must be a number, got {v!r}")
+    return float(v)
+
 
 EMBEDDED_NAME = "lumo-tiny"
 
@@ -127,7 +147,7 @@ class LLM:
         self.config, self.weights = load_model(path, device=load_device, dtype=self.dtype, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
         limit = self.config.max_position_embeddings
-        if max_model_len is not None and max_model_len < 2:
+        if max_model_len is not None and _integer(max_model_len, "max_model_len") < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
         self.max_model_len = min(max_model_len or limit, limit)
         # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
@@ -184,7 +204,11 @@ class LLM:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            if not isinstance(prompt, list | tuple) or any(isinstance(t, str) for t in prompt):
+                raise ValueError("the prompt must be one string or one list of token ids")
+            ids = [_integer(t, "a prompt token id") for t in prompt]
             if any(t < 0 or t >= self.config.vocab_size for t in ids):
                 raise ValueError(f"prompt token ids must lie in [0, {self.config.vocab_size})")
         if not ids:
@@ -198,15 +222,18 @@ class LLM:
         top_p: float | None = None,
         seed: int | None = None,
     ) -> SamplingParams:
+        """Checked sampling settings (None: the checkpoint's generation_config, else temperature 1, no
+        top-k / top-p). Temperatures below GREEDY_BELOW are greedy; the seed is taken modulo 2^64."""
         d = self._defaults
-        t = d.get("temperature", 1.0) if temperature is None else float(temperature)
-        k = d.get("top_k", 0) if top_k is None else int(top_k)
-        p = d.get("top_p", 1.0) if top_p is None else float(top_p)
+        t = _number(d.get("temperature", 1.0) if temperature is None else temperature, "temperature")
+        k = _integer(d.get("top_k", 0) if top_k is None else top_k, "top_k")
+        p = _number(d.get("top_p", 1.0) if top_p is None else top_p, "top_p")
         if not (math.isfinite(t) and t >= 0 and 0.0 < p <= 1.0 and k >= 0):
             raise ValueError("need a finite temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        return SamplingParams(temperature=t, top_k=k, top_p=p, seed=int(seed))
+        if t < GREEDY_BELOW:
+            t = 0.0
+        seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else _integer(seed, "seed")
+        return SamplingParams(temperature=t, top_k=k, top_p=p, seed=seed)
 
     def _stream(
         self,
@@ -218,8 +245,14 @@ class LLM:
         seed: int | None = None,
         stop: list[str] | str | None = None,
     ) -> Iterator[StreamChunk]:
-        if max_tokens < 1:
+        if _integer(max_tokens, "max_tokens") < 1:
             raise ValueError("max_tokens must be at least 1")
+        if not (
+            stop is None
+            or isinstance(stop, str)
+            or (isinstance(stop, list | tuple) and all(isinstance(x, str) for x in stop))
+        ):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         n = len(prompt_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(

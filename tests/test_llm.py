@@ -1,0 +1,67 @@
+"""The Python API on the CPU: argument checking and the greedy limit of small temperatures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lumo.engine.llm import LLM
+from lumo.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_hidden_layers=4)
+    return LLM(ckpt, device="cpu", spec="off", max_model_len=64)
+
+
+def test_tiny_temperatures_are_greedy(llm):
+    # logits / 1e-40 overflow float32: such temperatures sample greedily instead of emitting garbage
+    greedy = llm.generate("hello", max_tokens=8, temperature=0).token_ids
+    for t in (1e-40, 1e-6):
+        assert llm.generate("hello", max_tokens=8, temperature=t, seed=3).token_ids == greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(max_tokens=2.5), "max_tokens must be an integer"),
+        (dict(max_tokens=True), "max_tokens must be an integer"),
+        (dict(temperature="hot"), "temperature must be a number"),
+        (dict(top_k=1.5), "top_k must be an integer"),
+        (dict(seed=0.5), "seed must be an integer"),
+        (dict(stop=5), "stop must be a string or a list of strings"),
+        (dict(stop=[b"x"]), "stop must be a string or a list of strings"),
+    ],
+    ids=[
+        "max-tokens-float",
+        "max-tokens-bool",
+        "temperature-str",
+        "top-k-float",
+        "seed-float",
+        "stop-int",
+        "stop-bytes",
+    ],
+)
+def test_bad_arguments_are_value_errors(llm, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        llm.generate("hello", **{"max_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize("prompt", [["hi", "there"], [1.9, 2.0], [True], None, 7])
+def test_bad_prompts_are_value_errors(llm, prompt):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(prompt, max_tokens=2)
+
+
+def test_token_id_prompts(llm):
+    ids = llm.tokenizer.encode("hello")
+    want = llm.generate(ids, max_tokens=4, temperature=0).token_ids
+    assert llm.generate(torch.tensor(ids), max_tokens=4, temperature=0).token_ids == want
+    assert llm.generate(tuple(ids), max_tokens=4, temperature=0).token_ids == want
+
+
+def test_bad_max_model_len(tmp_path):
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="max_model_len must be an integer"):
+        LLM(ckpt, device="cpu", max_model_len="8")
