@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lumo import model as M
+from lumo.config import ModelConfig
 from lumo.engine.gpu_decode import GPUBackend
 from lumo.engine.gpu_weights import (
     GPUGDN,
@@ -90,21 +91,26 @@ def test_mixed_kinds_become_parts_in_order():
     assert [t.shape[-1] for t in gl.split(y)] == [40, 24, 10, 6, 8]
 
 
-@pytest.mark.parametrize("nvfp4", [True, False], ids=["nvfp4", "bf16"])
-def test_random_weights_run_through_the_reference_and_byte_count(nvfp4):
-    cfg = config_27b(num_layers=4, vocab_size=200)
-    small = replace(
-        cfg,
-        hidden_size=64,
-        intermediate_size=96,
+def shrunk_27b(vocab_size: int, hidden_size: int, intermediate_size: int, head_dim: int) -> ModelConfig:
+    """The 27B config at 4 layers with small widths: 4 / 2 attention heads, 2 / 4 GDN key / value heads,
+    every head head_dim wide."""
+    return replace(
+        config_27b(num_layers=4, vocab_size=vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=head_dim,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        linear_key_head_dim=head_dim,
+        linear_value_head_dim=head_dim,
     )
+
+
+@pytest.mark.parametrize("nvfp4", [True, False], ids=["nvfp4", "bf16"])
+def test_random_weights_run_through_the_reference_and_byte_count(nvfp4):
+    small = shrunk_27b(vocab_size=200, hidden_size=64, intermediate_size=96, head_dim=32)
     w = random_model_weights(small, "cpu", nvfp4=nvfp4, seed=1)
     ids = torch.randint(0, small.vocab_size, (1, 13), generator=torch.Generator().manual_seed(0))
     logits, _ = M.forward(small, w, ids)
@@ -116,19 +122,7 @@ def test_random_weights_run_through_the_reference_and_byte_count(nvfp4):
 def test_memory_plan_counts_the_split_k_partials():
     """Packing allocates no split-K partials (the first launch that needs one does, [S, 32, N] f32); the
     plan counts 32 rows for the weights of >= min_splits slices, with the slice counts the packer chose."""
-    cfg = config_27b(num_layers=4, vocab_size=300)
-    wide = replace(
-        cfg,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-    )
+    wide = shrunk_27b(vocab_size=300, hidden_size=1024, intermediate_size=2048, head_dim=64)
     gw = pack_weights(wide, random_model_weights(wide, "cpu", nvfp4=True, seed=2), "cpu")
     lins = [gw.lm_head] + [lin for lw in gw.layers for lin in (lw.gate_up, lw.down)]
     lins += [lin for lw in gw.layers for lin in vars(lw.mixer).values() if hasattr(lin, "parts")]

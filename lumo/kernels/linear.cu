@@ -335,13 +335,7 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
     }
   };
 
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  float acc[MT][NT][4] = {};
 
   // Prologue: the first stages' weights go out before the wait for the previous kernel (PDL), their
   // activations after it. Group 0 holds all prologue weights and x of stage 0, group i x of stage i.
@@ -524,13 +518,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32)
                                        : make_uint4(0u, 0u, 0u, 0u);
   };
 
-  float acc[MTW][NT][4];
-#pragma unroll
-  for (int i = 0; i < MTW; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  float acc[MTW][NT][4] = {};
 
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
@@ -591,13 +579,7 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
     load_x(ring + (i % STAGES) * BF16_STAGE + BF16_W_BYTES, x, M, K, (c0 + i * KW) * 64, lane);
   };
 
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  float acc[MT][NT][4] = {};
 
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)

@@ -168,10 +168,14 @@ STAGES = 4  # bf16_gemv: cp.async stages per warp for M <= 8; 3 for larger M
 FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 sweep, docs/kernels.md)
 
 
+def _compile(name: str, defines: dict[str, int], probe: int) -> Kernel:
+    """A linear.cu kernel; `probe` != 0 builds a LUMO_PROBE measurement variant (bench/probe_linear.py)."""
+    return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
+
+
 @functools.cache
 def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4, probe: int = 0) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw}
-    return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
+    return _compile(name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw}, probe)
 
 
 def _stage_bytes(nt: int, bf16_weights: bool) -> int:
@@ -275,8 +279,7 @@ def choose_rd(splits: int, m: int) -> tuple[int, int] | None:
 
 @functools.cache
 def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}
-    return compile_kernel("linear", "nvfp4_gemv_rd", defines | ({"LUMO_PROBE": probe} if probe else {}))
+    return _compile("nvfp4_gemv_rd", {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}, probe)
 
 
 def nvfp4_linear(
