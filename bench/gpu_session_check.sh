@@ -34,4 +34,6 @@ if [[ $what == bench || $what == all ]]; then
   grep -E "^27B|^GDN|^embedded" "$out/bench_spec.log"
   group 60 bench_linear python bench/bench_linear.py
   tail -30 "$out/bench_linear.log"
+  group 60 bench_attention python -m bench.bench_attention
+  grep "^|" "$out/bench_attention.log"
 fi

@@ -2,7 +2,9 @@
 
 Variants (linear.cu LUMO_PROBE): "nomath" skips the dequant + mma (the cp.async pipeline and barriers
 alone), "l2w" reads every chunk's weights from its row group's first two chunks (L2-resident: the
-arithmetic and pipeline without DRAM). The bf16 cuBLAS GEMV of the same shape is the bandwidth reference.
+arithmetic and pipeline without DRAM), "fmadq" computes the dequant's shifts as integer products (the
+same bits on the FMA pipe instead of the ALU pipe). The bf16 cuBLAS GEMV of the same shape is the
+bandwidth reference.
 
     python -m bench.probe_linear            # timing table (graph replay, median), printed last
     ncu --profile-from-start off ... python -m bench.probe_linear --ncu    # one launch of each case
@@ -18,7 +20,7 @@ from bench.bench_linear import L2_ROTATE_BYTES, copy_bandwidth, random_packed, t
 from lumo.kernels import linear
 
 SHAPES = [("gate+up", 5120, 34816), ("in 5120->10240", 5120, 10240), ("down", 17408, 5120)]
-PROBES = {"lib": 0, "nomath": 1, "l2w": 2}
+PROBES = {"lib": 0, "nomath": 1, "l2w": 2, "fmadq": 3}
 
 
 def cases(m: int) -> list[tuple[str, dict]]:
@@ -64,7 +66,7 @@ def main() -> None:
                     print(f"ncu case {name} M={m} {label}", flush=True)
                     continue
                 us = time_graph(fns, reps)
-                if probe == 0:  # the library kernels must still give the library's bits
+                if probe in (0, 3):  # the library kernels (and the product dequant) give the library's bits
                     linear.nvfp4_linear(x, packs[0], out=out, **kw)
                     assert torch.equal(out, ref), f"{name} M={m} {label}: result changed"
                 rows.append((name, m, label, us, 100 * wbytes / (us * 1e-6) / 1e9 / bw))

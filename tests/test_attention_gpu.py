@@ -52,7 +52,18 @@ def length_t(n: int) -> torch.Tensor:
     return torch.tensor([n], dtype=torch.int32, device=DEV)
 
 
-HEADS = [(4, 2, 64), (12, 4, 64), (10, 2, 64), (16, 4, 128), (6, 1, 256), (24, 4, 256), (8, 4, 256)]
+HEADS = [
+    (4, 2, 64),
+    (12, 4, 64),
+    (10, 2, 64),
+    (16, 4, 128),
+    (6, 1, 256),
+    (24, 4, 256),
+    (8, 4, 256),
+    (16, 1, 128),
+    (12, 1, 64),
+    (9, 1, 256),  # G > 8: a row's heads fill more than one P.V pass
+]
 
 
 @pytest.mark.parametrize("nh,nkv,d", HEADS, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in HEADS])

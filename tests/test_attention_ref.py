@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lumo.kernels.attention import attn_decode_ref, attn_prefill, attn_prefill_ref
+from lumo.kernels.attention import attn_decode_ref, attn_prefill, attn_prefill_ref, check_heads
 from lumo.model import attention
 
 
@@ -67,3 +67,14 @@ def test_prefill_matches_model_attention(start, T, nh, nkv, d):
     gate = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
     gated = attn_prefill(q, kc, vc, start, gate=gate)
     assert rel_err(gated, ref * torch.sigmoid(gate.float())) < 1e-2
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(24, 4, 256), (4, 2, 64), (16, 1, 128), (4, 4, 64)])
+def test_check_heads_accepts_what_the_decode_kernel_serves(nh, nkv, d):
+    check_heads(nh, nkv, d)
+
+
+@pytest.mark.parametrize("nh,nkv,d", [(24, 4, 96), (34, 2, 128), (6, 4, 64), (8, 0, 64)])
+def test_check_heads_names_unsupported_heads(nh, nkv, d):
+    with pytest.raises(ValueError, match="GPU attention supports"):
+        check_heads(nh, nkv, d)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..config import FULL, ModelConfig
-from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
+from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_gather, conv_pred_chain, conv_prefill, conv_state_commit
 from ..kernels.gdn import gdn_decode, gdn_prefill
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
@@ -46,6 +46,7 @@ class GPURunner:
     ):
         if max_len < 1 or prefill_chunk < 1:
             raise ValueError("max_len and prefill_chunk must be positive")
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.cfg, self.max_len, self.prefill_chunk = cfg, max_len, prefill_chunk
         self.device = dev = torch.device(device)
         self.w = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, dev)

@@ -6,24 +6,41 @@
 //
 // Split-K over FIXED chunks of logical positions: chunk c = positions [c*CHUNK, (c+1)*CHUNK), whatever len
 // and T are. Inside a chunk, warp `sub` owns positions [c*CHUNK + sub*SUB, +SUB): it computes their scores,
-// max, exps, sum and P.V in position order; the NSUB sub-partials are combined in sub order, the chunks by
-// attn_decode_merge in chunk order. Everything a row computes is a function of (its q, its n_t keys in
-// position order) only: T, the row's index and the other rows never enter its arithmetic (batch invariant),
-// and a tree row equals the plain decode of the same token after its ancestors were committed.
+// max, exps, sum and P.V; the NSUB sub-partials are combined in sub order, the chunks by attn_decode_merge
+// in a fixed order of chunk indices. Everything a query row computes is a function of (its q, its n_t keys
+// in position order) only: T, the row's index, the other rows and which CTA, warp or lane serves it never
+// enter its arithmetic (batch invariant), and a tree row equals the plain decode of the same token after
+// its ancestors were committed. (An mma's output row i depends on A row i and its column j on B column j
+// only: a query row's bits do not depend on where in a tile it sits.)
 //
-// Work split: CTA = (kv head, row, chunk slot). Rows are a grid dimension, so T tree rows run in parallel
-// (their K/V reads of the shared prefix hit L2). The grid's chunk slots are a launch choice: CTA z walks
-// chunks z, z + gridDim.z, ... while they hold keys of its row, so a captured graph replays for any len and
-// the grid need not be sized by the cache capacity. Slots are the slowest grid dimension: the CTAs with
-// work (low slots) are dispatched first, the ones past a short cache last, where they only exit. One warp computes all G query heads of the group for
-// its sub-chunk: a K/V row is loaded once (lane = DPL contiguous dims, 16 B for d = 256) and used G times.
-// Latency: a warp loads NB keys' rows at once (NB independent 16-byte loads per lane in flight) before it
-// uses any; the NB partial dot products of a head are reduced together by a transposing butterfly (each
-// exchange halves the values a lane holds: NB - 1 + 5 - log2(NB) shuffles for NB keys, not 5 * NB).
+// Work split (attn_decode_chunk): CTA = (kv head, y). y < T: row y's tail chunks (those holding position
+// len and after: the row's own tree keys). y >= T: a slot of the chunks wholly below len, which every row
+// sees alike: the CTA reads each K/V row once and serves all T rows' query heads from it (tree verify reads
+// its prefix once, not T times). A slot CTA walks chunks z, z + slots, ..., so a captured graph replays for
+// any len and the grid need not be sized by the cache capacity; CTAs past a short cache only exit.
+//
+// Tensor cores (mma.sync m16n8k16 bf16, fp32 accumulate). A warp's SUB = 16 keys are one P.V k-step; query
+// rows (head h*G + r%G of row r/G for query row r) go through in m16 tiles:
+//   scores  S[row][key] = Q K^T: A = Q (16 query rows), B = K^T (n8 = 8 keys, two tiles), k = head dims,
+//           permuted (a dot product may take its terms in any fixed order): k-step s = 2u + e, mma k
+//           {2t, 2t+1} / {2t+8, 2t+9} of lane (g, t) are dims 32u + 8t + 4e + {0, 1} / {2, 3}. So lane
+//           (g, t) reads 16 contiguous bytes (dims 32u + 8t ..) of key g per two k-steps, the four lanes of a
+//           quad read 64 contiguous bytes per load, and Q uses the same map.
+//   softmax per query row over the 16 keys in registers: lane (g, t) holds rows g and g + 8's scores of
+//           keys 2t, 2t+1, 8+2t, 9+2t; max and sum over the quad by shuffles in a fixed order.
+//   output  O^T[dim][row] = V^T P^T: A = V^T (16 dims per m16 tile), B = P^T (k = the 16 keys, n8 = 8
+//           query rows). The score accumulators of lane (g, t) are exactly its P^T fragments (keys 2t,
+//           2t+1 and 8+2t, 9+2t of rows g and g + 8), so P never leaves registers (rounded to bf16: the P.V
+//           operand). m16 tile i = 4w + e, row g / g + 8 is dim 64w + 8g + 2e / + 1: lane (g, t) reads 16
+//           contiguous bytes (dims 64w + 8g ..) of keys 2t, 2t+1, 8+2t, 9+2t, eight lanes read a 128-byte
+//           line per load, and one byte permute per register pairs two keys' values of a dim.
+// A warp loads its keys' K and V rows once per chunk (after an L2 prefetch of them) and keeps them in
+// registers for every query tile; the query tiles are staged in shared memory by cp.async, the next one
+// during this one; the CTA's next chunk is prefetched into L2 while this one computes.
 //
 // lumo:test-defines D=256 G=6
 // lumo:test-defines D=64 G=2
-// lumo:test-defines D=128 G=4
+// lumo:test-defines D=128 G=12
 
 #include <cuda_bf16.h>
 
@@ -36,72 +53,50 @@
 #define G 6  // query heads per kv head (nh / nkv)
 #endif
 #define CHUNK 128  // positions per split-K partial (part of the arithmetic: fixed)
-#define SUB 16     // positions per warp inside a chunk (part of the arithmetic: fixed)
+#define SUB 16     // positions per warp inside a chunk: one P.V k-step (part of the arithmetic: fixed)
 #define NSUB (CHUNK / SUB)
-#define NB 8  // keys loaded together (SUB % NB == 0)
-#define DPL (D / 32)
 #define THREADS (32 * NSUB)
+#define KU (D / 32)       // 16-byte K loads per key and lane (two Q.K k-steps each)
+#define VW (D / 64)       // 16-byte V loads per key and lane (four P.V m16 tiles each)
+#define MERGE_GROUPS 8    // attn_decode_merge: chunk residues folded in parallel, then in order
 
-static_assert(SUB % NB == 0 && NB == 8, "the transposing reduction below is written for NB = 8");
+static_assert(D % 64 == 0 && G >= 1 && G <= 16, "attention.cu: d in {64, 128, 256}, 1 <= G <= 16");
 
 typedef __nv_bfloat16 bf16;
+typedef unsigned int u32;
 typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 
-// DPL contiguous bf16 of one lane in one vector load (16 B for d = 256, 8 B for 128, 4 B for d = 64).
-#if DPL == 8
-typedef uint4 Raw;
-#elif DPL == 4
-typedef uint2 Raw;
-#elif DPL == 2
-typedef unsigned int Raw;
-#endif
-
-union Vec {
-  Raw raw;
-  __nv_bfloat162 h[DPL / 2];
-};
-
-__device__ __forceinline__ void to_f32(const Vec& v, float* f) {
-#pragma unroll
-  for (int j = 0; j < DPL / 2; ++j) {
-    const float2 x = __bfloat1622float2(v.h[j]);
-    f[2 * j] = x.x;
-    f[2 * j + 1] = x.y;
-  }
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ u32 bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<u32*>(&v);
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Index of the k-th (from 0) set bit of m, which must have more than k: a binary search on popcounts.
 __device__ __forceinline__ int kth_set_bit(u64 m, int k) {
-  for (int i = 0; i < k; ++i) m &= m - 1;
-  return __ffsll((long long)m) - 1;
-}
-
-// Full sums over the warp of NB = 8 per-lane values v[0..7] (key i's partial dot product in v[i]).
-// Exchanges at lane distance 16, 8, 4 each hand half of the remaining keys to the partner; distances 2
-// and 1 finish the last one. Lane L ends with key ((L >> 2) & 7)'s sum (all four lanes of that quad hold
-// the same bits). The order of every addition is fixed by the lane and key indices alone.
-// One exchange of reduce8: lanes with bit 4 * HALF set keep the upper HALF of the values they hold, the
-// others the lower HALF; each sends its partner the half it drops and adds what it receives (keep + recv).
-template <int HALF>
-__device__ __forceinline__ void halve(float (&v)[8], int lane) {
-  const bool hi = lane & (4 * HALF);
+  int pos = 0;
 #pragma unroll
-  for (int i = 0; i < HALF; ++i) {
-    const float send = hi ? v[i] : v[i + HALF];
-    const float keep = hi ? v[i + HALF] : v[i];
-    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, 4 * HALF);
+  for (int w = 32; w >= 1; w >>= 1) {
+    const int c = __popcll(m & ((1ull << w) - 1));
+    if (k >= c) {
+      k -= c;
+      m >>= w;
+      pos += w;
+    }
   }
-}
-
-__device__ __forceinline__ float reduce8(float (&v)[8], int lane) {
-  halve<4>(v, lane);  // distance 16: 4 keys left per lane
-  halve<2>(v, lane);  // distance 8: 2
-  halve<1>(v, lane);  // distance 4: 1, key (lane >> 2) & 7
-  float s = v[0];
-  const float o2 = __shfl_xor_sync(0xffffffffu, s, 2);
-  s = (lane & 2) ? o2 + s : s + o2;  // both lanes of a pair add in the same order: identical bits
-  const float o1 = __shfl_xor_sync(0xffffffffu, s, 1);
-  return (lane & 1) ? o1 + s : s + o1;
+  return pos;
 }
 
 // Cache slot of logical position p of a row (p < n): the prefix, else its (p - len)-th tree slot.
@@ -109,26 +104,233 @@ __device__ __forceinline__ int slot_of(int p, int len, u64 mk) {
   return p < len ? p : len + kth_set_bit(mk, p - len);
 }
 
-// This lane's DPL dims of the K or V rows of NB keys at logical positions p .. p + NB - 1, all loads in
-// flight together. Keys past the warp's `left` read as zero rows (no load; their scores are never used);
-// so does an out-of-range slot (a caller error): no fault, but that key does take weight.
-__device__ __forceinline__ void load_rows(Vec (&r)[NB], const bf16* base, size_t kv_row, int p, int left,
-                                          int len, u64 mk, int max_len) {
-#pragma unroll
-  for (int i = 0; i < NB; ++i) {
-    const int slot = i < left ? slot_of(p + i, len, mk) : max_len;
-    if (slot < max_len) {
-      r[i].raw = __ldg(reinterpret_cast<const Raw*>(base + (size_t)slot * kv_row));
-    } else {
-      r[i].raw = Raw{};
-    }
-  }
+// Cache slot of the key at warp position `key`: max_len (no load, a zero row) for keys past the warp's
+// `cnt`, which are masked out of the softmax. An out-of-range slot (a caller error) is not loaded either:
+// no fault, but that key does take weight.
+__device__ __forceinline__ int key_slot(int p0, int key, int cnt, int len, u64 mk, int max_len) {
+  const int slot = key < cnt ? slot_of(p0 + key, len, mk) : max_len;
+  return slot < max_len ? slot : max_len;
 }
 
-// Shared memory: per warp the scores / weights [SUB][G]; the NSUB sub-partials acc [NSUB][G][D] and
-// (m, l) [NSUB][G][2].
-#define SMEM_FLOATS (NSUB * SUB * G + NSUB * G * (D + 2))
+// 16 bytes of the K or V row in cache slot `slot` (zero for slot max_len), not kept in L1: a CTA reads each
+// row once.
+__device__ __forceinline__ uint4 load16(const bf16* base, size_t kv_row, int slot, int off, int max_len) {
+  uint4 v{};
+  if (slot < max_len)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(base + (size_t)slot * kv_row + off));
+  return v;
+}
 
+// Prefetch the K or V row of logical position p into L2 (when `ok`).
+__device__ __forceinline__ void prefetch_row(const bf16* base, size_t kv_row, int p, bool ok, int len, u64 mk,
+                                             int max_len) {
+  if (!ok) return;
+  const int slot = slot_of(p, len, mk);
+  if (slot >= max_len) return;
+  const char* r = reinterpret_cast<const char*>(base + (size_t)slot * kv_row);
+#pragma unroll
+  for (int b = 0; b < 2 * D; b += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(r + b));
+}
+
+#define QROWS 8   // query rows per cross-warp combine: one n8 tile of P.V
+#define QSTRIDE (D + 8)  // bf16 per staged query row (16 bytes of padding: 4-way, not 8-way, bank sharing)
+// Shared memory: the NSUB sub-partials of QROWS query rows, acc [NSUB][QROWS][D] and (m, l)
+// [NSUB][QROWS][2] (floats), then two query tiles [2][16][QSTRIDE] (bf16).
+#define SMEM_FLOATS (NSUB * QROWS * (D + 2))
+#define SMEM_BYTES (4 * SMEM_FLOATS + 2 * 16 * QSTRIDE * 2)
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
+  const u32 d = (u32)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// Query rows qt .. qt + 15 (zero past qhi) into a shared tile, 16 bytes per thread and step; query row r is
+// head h * G + r % G of row r / G (the group's G heads of each row in turn).
+__device__ __forceinline__ void stage_q_tile(bf16* tile, const bf16* __restrict__ q, int qt, int qhi, int h,
+                                             int nh) {
+  for (int i = threadIdx.x; i < 16 * (D / 8); i += THREADS) {
+    const int r = i / (D / 8), col = 8 * (i % (D / 8));
+    const bool ok = qt + r < qhi;
+    const int qr = ok ? qt + r : 0;
+    cp_async16(tile + r * QSTRIDE + col, q + ((size_t)(qr / G) * nh + h * G + qr % G) * D + col, ok);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// The partials (acc, m, l) of query rows [qlo, qhi) of kv head h over chunks c0, c0 + cstep, ... < cend,
+// whose keys are the logical positions < n mapped to cache slots by (len, mk): mk = 0 and n = len for the
+// chunks below len (every row sees the same keys there), a row's own mask for its tail chunks. A warp reads
+// its 16 keys' K and V rows once per chunk into registers; the query rows go through in m16 tiles staged in
+// shared memory (double-buffered: the next tile, of this chunk or the next, loads during this one; a single
+// tile stays), and the warps' sub-partials are combined per QROWS rows in shared memory. Called by every
+// thread of the CTA.
+__device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int qlo, int qhi, int n, int len,
+                                               u64 mk, const bf16* __restrict__ q, const bf16* kbase,
+                                               const bf16* vbase, size_t kv_row, int max_len, int h, int nh,
+                                               int nch, float* __restrict__ part_acc,
+                                               float* __restrict__ part_ml, float* smem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  float* pacc = smem;                    // [NSUB][QROWS][D]
+  float* pml = pacc + NSUB * QROWS * D;  // [NSUB][QROWS][2]
+  bf16* qtiles = reinterpret_cast<bf16*>(smem + SMEM_FLOATS);  // [2][16][QSTRIDE]
+  const float scale = 1.0f / sqrtf((float)D);
+  const bool one_tile = qhi - qlo <= 16;
+  if (c0 >= cend) return;
+  stage_q_tile(qtiles, q, qlo, qhi, h, nh);
+  int it = 0;  // query tiles done: the current one is in buffer it & 1 (0 if there is only one)
+
+  for (int c = c0; c < cend; c += cstep) {
+    const int p0 = c * CHUNK + warp * SUB;
+    const int cnt = max(0, min(SUB, n - p0));  // keys of this warp (warp-uniform)
+    // K and V rows of the warp's keys: K of key 8j + g (the Q.K B operand), V of keys 2t, 2t + 1, 8 + 2t,
+    // 9 + 2t (the P.V A operand). ptxas interleaves some of these loads with the first mmas (13.5 does,
+    // for sm_90 and sm_121a), so the rows are first prefetched into L2 (lane: one key's K or V row); the
+    // CTA's next chunk below len follows once this chunk's loads are issued.
+    prefetch_row(lane < 16 ? kbase : vbase, kv_row, p0 + (lane & 15), (lane & 15) < cnt, len, mk, max_len);
+    int ks[2], vs[4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) ks[j] = key_slot(p0, 8 * j + g, cnt, len, mk, max_len);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) vs[r] = key_slot(p0, 2 * t + (r & 1) + 8 * (r >> 1), cnt, len, mk, max_len);
+    uint4 kr[2][KU], vr[4][VW];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int u = 0; u < KU; ++u) kr[j][u] = load16(kbase, kv_row, ks[j], 32 * u + 8 * t, max_len);
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int w = 0; w < VW; ++w) vr[r][w] = load16(vbase, kv_row, vs[r], 64 * w + 8 * g, max_len);
+    const int pn = (c + cstep) * CHUNK + warp * SUB + (lane & 15);
+    prefetch_row(lane < 16 ? kbase : vbase, kv_row, pn, c + cstep < cend && pn < len, len, 0, max_len);
+
+    for (int qt = qlo; qt < qhi; qt += 16, ++it) {
+      if (!one_tile) {  // the next tile: this chunk's next, else the next chunk's first
+        const int nq = qt + 16 < qhi ? qt + 16 : qlo;
+        if (qt + 16 < qhi || c + cstep < cend) stage_q_tile(qtiles + ((it + 1) & 1) * 16 * QSTRIDE, q, nq, qhi, h, nh);
+      }
+      asm volatile("cp.async.commit_group;\n" ::);  // (empty when nothing was staged: uniform group count)
+      asm volatile("cp.async.wait_group 1;\n" ::);
+      __syncthreads();
+      const bf16* qtile = qtiles + (one_tile ? 0 : (it & 1) * 16 * QSTRIDE) + 8 * t;
+
+      // Scores of query rows qt + g (s[j][0, 1]) and qt + g + 8 (s[j][2, 3]) x keys 8j + 2t, 8j + 2t + 1.
+      float s[2][4] = {};
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const uint4 qa = *reinterpret_cast<const uint4*>(qtile + g * QSTRIDE + 32 * u);
+        const uint4 qb = *reinterpret_cast<const uint4*>(qtile + (g + 8) * QSTRIDE + 32 * u);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            mma_bf16(s[j], word(qa, 2 * e), word(qb, 2 * e), word(qa, 2 * e + 1), word(qb, 2 * e + 1),
+                     word(kr[j][u], 2 * e), word(kr[j][u], 2 * e + 1));
+      }
+
+      // Softmax over the warp's keys per query row (the quad of lanes g holds all 16 scores of its rows).
+      float m[2], l[2];
+      u32 pb[2][2];  // P^T fragments: rows qt + 8hh + g, keys {2t, 2t+1} / {8+2t, 9+2t}
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int key = 8 * (i >> 1) + 2 * t + (i & 1);
+          v[i] = key < cnt ? s[i >> 1][2 * hh + (i & 1)] * scale : -INFINITY;
+        }
+        float mx = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = mx == -INFINITY ? 0.0f : expf(v[i] - mx);
+        float sum = (v[0] + v[1]) + (v[2] + v[3]);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // x + y == y + x: both lanes get the same bits
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        m[hh] = mx;
+        l[hh] = sum;
+        pb[hh][0] = bf16x2(v[0], v[1]);
+        pb[hh][1] = bf16x2(v[2], v[3]);
+      }
+
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int rb = qt + 8 * hh;  // this pass: query rows rb .. rb + 7 (uniform)
+        if (rb >= qhi) break;
+        // P.V: o[i] = O^T of dims (row g: 64w + 8g + 2e, row g + 8: + 1) x query rows rb + 2t, rb + 2t + 1.
+        float o[4 * VW][4] = {};
+#pragma unroll
+        for (int w = 0; w < VW; ++w)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const u32 k0 = word(vr[0][w], e), k1 = word(vr[1][w], e);
+            const u32 k8 = word(vr[2][w], e), k9 = word(vr[3][w], e);
+            mma_bf16(o[4 * w + e], __byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632),
+                     __byte_perm(k8, k9, 0x5410), __byte_perm(k8, k9, 0x7632), pb[hh][0], pb[hh][1]);
+          }
+        // The warp's sub-partial to shared memory: query row rb + 2t + b, dims 64w + 8g .. + 7.
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          if (rb + 2 * t + b >= qhi) continue;
+          float* dst = pacc + (warp * QROWS + 2 * t + b) * D + 8 * g;
+#pragma unroll
+          for (int w = 0; w < VW; ++w) {
+            const float(*ow)[4] = o + 4 * w;
+            *reinterpret_cast<float4*>(dst + 64 * w) =
+                make_float4(ow[0][b], ow[0][b + 2], ow[1][b], ow[1][b + 2]);
+            *reinterpret_cast<float4*>(dst + 64 * w + 4) =
+                make_float4(ow[2][b], ow[2][b + 2], ow[3][b], ow[3][b + 2]);
+          }
+        }
+        if (t == 0 && rb + g < qhi) {
+          pml[(warp * QROWS + g) * 2] = m[hh];
+          pml[(warp * QROWS + g) * 2 + 1] = l[hh];
+        }
+        __syncthreads();
+        // Combine the NSUB sub-partials in sub order (empty sub-chunks have m = -inf and contribute
+        // nothing): warp j sums query row rb + j.
+        const int j = warp, r = rb + j;
+        if (r < qhi) {
+          float M = -INFINITY;
+#pragma unroll
+          for (int sb = 0; sb < NSUB; ++sb) M = fmaxf(M, pml[(sb * QROWS + j) * 2]);
+          float f[NSUB], L = 0.0f;
+#pragma unroll
+          for (int sb = 0; sb < NSUB; ++sb) {
+            const float ms = pml[(sb * QROWS + j) * 2];
+            f[sb] = ms == -INFINITY ? 0.0f : expf(ms - M);
+            L = fmaf(pml[(sb * QROWS + j) * 2 + 1], f[sb], L);
+          }
+          const size_t prow = ((size_t)(r / G) * nh + h * G + r % G) * nch + c;
+#pragma unroll
+          for (int k = 4 * lane; k < D; k += 128) {  // four dims per lane: 16-byte shared and global accesses
+            float4 A = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (int sb = 0; sb < NSUB; ++sb) {
+              const float4 a = *reinterpret_cast<const float4*>(pacc + (sb * QROWS + j) * D + k);
+              A = make_float4(fmaf(a.x, f[sb], A.x), fmaf(a.y, f[sb], A.y), fmaf(a.z, f[sb], A.z),
+                              fmaf(a.w, f[sb], A.w));
+            }
+            *reinterpret_cast<float4*>(part_acc + prow * D + k) = A;
+          }
+          if (lane == 0) {
+            part_ml[prow * 2] = M;
+            part_ml[prow * 2 + 1] = L;
+          }
+        }
+        __syncthreads();  // the shared partials are rewritten by the next pass
+      }
+    }
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::);  // nothing in flight into shared memory at exit
+}
+
+// Grid (nkv, T + slots). CTA (h, y < T): row y's tail chunks, from the one holding position len to its
+// last key (at most two: a row has <= 64 tree keys), with the row's own keys. CTA (h, T + z): the chunks
+// wholly below len, z, z + slots, ..., for all T rows at once: their K/V rows are read once per CTA, not
+// once per row (a 32-row tree verify would otherwise read its prefix 32 times).
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_decode_chunk(const bf16* __restrict__ q,          // [T, nkv*G, D]
                       const bf16* __restrict__ kc,         // [max_len, nkv, D]
@@ -137,135 +339,29 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       const long long* __restrict__ mask,  // [T] tree-slot bitmask per row
                       float* __restrict__ part_acc,        // [T, nkv*G, nch, D]
                       float* __restrict__ part_ml,         // [T, nkv*G, nch, 2]
-                      int nkv, int max_len, int nch) {
-  extern __shared__ float smem[];  // SMEM_FLOATS (52.6 KB at d = 256, G = 6: dynamic)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int h = blockIdx.x, t = blockIdx.y, nh = nkv * G;
-  const int len = *length;
-  const u64 mk = (u64)mask[t];
-  const int n = min(len + __popcll(mk), nch * CHUNK);  // keys of row t
-  const int n_chunks = (n + CHUNK - 1) / CHUNK;
-  if ((int)blockIdx.z >= n_chunks) return;  // uniform per CTA
-
-  float* sc = smem + warp * (SUB * G);  // [SUB][G]
-  float* pacc = smem + NSUB * SUB * G;  // [NSUB][G][D]
-  float* pml = pacc + NSUB * G * D;     // [NSUB][G][2]
-  const float scale = 1.0f / sqrtf((float)D);
+                      int nkv, int max_len, int nch, int T) {
+  extern __shared__ float smem[];  // SMEM_BYTES (82 KB at d = 256: dynamic)
+  const int h = blockIdx.x, y = blockIdx.y, nh = nkv * G;
+  const int len = min(*length, nch * CHUNK);
   const size_t kv_row = (size_t)nkv * D;
-  const bf16* kbase = kc + h * D + lane * DPL;
-  const bf16* vbase = vc + h * D + lane * DPL;
-
-  float qv[G][DPL];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    Vec v;
-    v.raw = __ldg(reinterpret_cast<const Raw*>(q + ((size_t)t * nh + h * G + g) * D + lane * DPL));
-    to_f32(v, qv[g]);
-  }
-
-  for (int c = blockIdx.z; c < n_chunks; c += gridDim.z) {
-    const int p_begin = c * CHUNK + warp * SUB;
-    const int cnt = max(0, min(SUB, n - p_begin));  // keys of this warp (warp-uniform)
-
-    // Pass A: scores of the warp's keys, NB keys per round (loads first, then the dot products).
-    for (int b = 0; b < cnt; b += NB) {
-      Vec kv[NB];
-      load_rows(kv, kbase, kv_row, p_begin + b, cnt - b, len, mk, max_len);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float dots[NB];
-#pragma unroll
-        for (int i = 0; i < NB; ++i) {
-          float kf[DPL];
-          to_f32(kv[i], kf);
-          float s = 0.0f;
-#pragma unroll
-          for (int j = 0; j < DPL; ++j) s = fmaf(qv[g][j], kf[j], s);
-          dots[i] = s;
-        }
-        const float s = reduce8(dots, lane) * scale;
-        const int i = (lane >> 2) & 7;
-        if ((lane & 3) == 0 && b + i < cnt) sc[(b + i) * G + g] = s;
-      }
-    }
-    __syncwarp();
-    // Max per head (exact whatever the order), then weights e^(s - m) in place and their sum in key order.
-    float m[G], l[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      m[g] = -INFINITY;
-      for (int i = 0; i < cnt; ++i) m[g] = fmaxf(m[g], sc[i * G + g]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-      for (int i = lane; i < cnt; i += 32) sc[i * G + g] = expf(sc[i * G + g] - m[g]);
-    __syncwarp();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      l[g] = 0.0f;
-      for (int i = 0; i < cnt; ++i) l[g] += sc[i * G + g];
-    }
-    // Pass B: P.V in key order, NB value rows loaded per round.
-    float acc[G][DPL];
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) acc[g][j] = 0.0f;
-    for (int b = 0; b < cnt; b += NB) {
-      Vec vv[NB];
-      load_rows(vv, vbase, kv_row, p_begin + b, cnt - b, len, mk, max_len);
-#pragma unroll
-      for (int i = 0; i < NB; ++i) {
-        if (b + i >= cnt) break;
-        float vf[DPL];
-        to_f32(vv[i], vf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float w = sc[(b + i) * G + g];
-#pragma unroll
-          for (int j = 0; j < DPL; ++j) acc[g][j] = fmaf(w, vf[j], acc[g][j]);
-        }
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int j = 0; j < DPL; ++j) pacc[(warp * G + g) * D + lane * DPL + j] = acc[g][j];
-      if (lane == 0) {
-        pml[(warp * G + g) * 2] = m[g];
-        pml[(warp * G + g) * 2 + 1] = l[g];
-      }
-    }
-    __syncthreads();
-    // Combine the NSUB sub-partials in sub order (empty sub-chunks have m = -inf and contribute nothing).
-    for (int i = threadIdx.x; i < G * D; i += THREADS) {
-      const int g = i / D, k = i % D;
-      float M = -INFINITY;
-#pragma unroll
-      for (int s = 0; s < NSUB; ++s) M = fmaxf(M, pml[(s * G + g) * 2]);
-      float L = 0.0f, A = 0.0f;
-#pragma unroll
-      for (int s = 0; s < NSUB; ++s) {
-        const float ms = pml[(s * G + g) * 2];
-        const float f = ms == -INFINITY ? 0.0f : expf(ms - M);
-        L = fmaf(pml[(s * G + g) * 2 + 1], f, L);
-        A = fmaf(pacc[(s * G + g) * D + k], f, A);
-      }
-      const size_t row = ((size_t)t * nh + h * G + g) * nch + c;
-      part_acc[row * D + k] = A;
-      if (k == 0) {
-        part_ml[row * 2] = M;
-        part_ml[row * 2 + 1] = L;
-      }
-    }
-    __syncthreads();  // the shared partials are rewritten by the next chunk
+  const bf16* kbase = kc + h * D;
+  const bf16* vbase = vc + h * D;
+  if (y < T) {
+    const u64 mk = (u64)mask[y];
+    const int n = min(len + __popcll(mk), nch * CHUNK);  // keys of row y
+    chunk_partials(len / CHUNK, 1, (n + CHUNK - 1) / CHUNK, y * G, y * G + G, n, len, mk, q, kbase, vbase,
+                   kv_row, max_len, h, nh, nch, part_acc, part_ml, smem);
+  } else {
+    chunk_partials(y - T, gridDim.y - T, len / CHUNK, 0, T * G, len, len, 0, q, kbase, vbase, kv_row, max_len,
+                   h, nh, nch, part_acc, part_ml, smem);
   }
 }
 
-// out[t, hq] = (sum_c acc_c e^(m_c - M)) / (sum_c l_c e^(m_c - M)) over row t's chunks in chunk order,
-// times sigmoid(gate[t, hq]) when use_gate. One CTA per (row, query head), one thread per dim.
-extern "C" __global__ void __launch_bounds__(D)
+// out[t, hq] = (sum_c acc_c e^(m_c - M)) / (sum_c l_c e^(m_c - M)) over row t's chunks, times
+// sigmoid(gate[t, hq]) when use_gate. CTA = (row x query head, 32 dims); its MERGE_GROUPS warps fold the
+// chunks c = group (mod MERGE_GROUPS) in chunk order, then warp 0 folds the groups in group order: a fixed
+// order for a given key count (long caches: MERGE_GROUPS x 32 independent load streams per CTA).
+extern "C" __global__ void __launch_bounds__(32 * MERGE_GROUPS)
     attn_decode_merge(const float* __restrict__ part_acc,  // [T, nh, nch, D]
                       const float* __restrict__ part_ml,   // [T, nh, nch, 2]
                       const int* __restrict__ length, const long long* __restrict__ mask,
@@ -273,23 +369,43 @@ extern "C" __global__ void __launch_bounds__(D)
                       long long gate_rs, int gate_hs, bf16* __restrict__ out,  // out [T, nh, D]
                       int nh, int nch, int use_gate) {
   pdl_trigger();  // the o projection (a PDL-launched GEMV) may start its weight prefetch
-  const int t = blockIdx.x / nh, k = threadIdx.x;
+  __shared__ float gm[MERGE_GROUPS][2], ga[MERGE_GROUPS][32];
+  const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = blockIdx.y * 32 + lane;
+  const int t = blockIdx.x / nh;
   const int n = *length + __popcll((u64)mask[t]);
   const int nc = min((n + CHUNK - 1) / CHUNK, nch);
   const size_t base = (size_t)blockIdx.x * nch;
   float M = -INFINITY;
-  for (int c = 0; c < nc; ++c) M = fmaxf(M, part_ml[(base + c) * 2]);
+  for (int c = grp; c < nc; c += MERGE_GROUPS) M = fmaxf(M, part_ml[(base + c) * 2]);
   float L = 0.0f, A = 0.0f;
-#pragma unroll 8
-  for (int c = 0; c < nc; ++c) {
+#pragma unroll 4
+  for (int c = grp; c < nc; c += MERGE_GROUPS) {
     const float f = expf(part_ml[(base + c) * 2] - M);
     L = fmaf(part_ml[(base + c) * 2 + 1], f, L);
     A = fmaf(part_acc[(base + c) * D + k], f, A);
   }
+  if (lane == 0) {
+    gm[grp][0] = M;
+    gm[grp][1] = L;
+  }
+  ga[grp][lane] = A;
+  __syncthreads();
+  if (grp) return;
+  M = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < MERGE_GROUPS; ++i) M = fmaxf(M, gm[i][0]);
+  L = 0.0f;
+  A = 0.0f;
+#pragma unroll
+  for (int i = 0; i < MERGE_GROUPS; ++i) {
+    const float f = gm[i][0] == -INFINITY ? 0.0f : expf(gm[i][0] - M);  // groups without chunks: none
+    L = fmaf(gm[i][1], f, L);
+    A = fmaf(ga[i][lane], f, A);
+  }
   float o = A / L;
   if (use_gate) {
-    const float g = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
-    o = o / (1.0f + expf(-g));
+    const float gv = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
+    o = o / (1.0f + expf(-gv));
   }
   out[(size_t)blockIdx.x * D + k] = __float2bfloat16_rn(o);
 }

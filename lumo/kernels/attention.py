@@ -21,6 +21,19 @@ CHUNK = 128  # positions per split-K partial (must match attention.cu)
 _SUB = 16  # positions per warp (attention.cu)
 _NSUB = CHUNK // _SUB
 THREADS = 32 * _NSUB
+_QROWS = 8  # query rows per cross-warp combine (attention.cu QROWS)
+_MERGE_THREADS = 256  # attn_decode_merge: 8 chunk groups x 32 dims (attention.cu MERGE_GROUPS)
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 16  # query heads per kv head: two n8 tiles of heads in the decode kernel's P.V
+
+
+def check_heads(nh: int, nkv: int, d: int) -> None:
+    """Raise ValueError unless the decode kernel supports these attention heads (checked at model load)."""
+    if nkv < 1 or nh % nkv or not 1 <= nh // nkv <= MAX_GROUP or d not in HEAD_DIMS:
+        raise ValueError(
+            f"GPU attention supports head_dim in {HEAD_DIMS} and 1..{MAX_GROUP} query heads per KV head; "
+            f"the model has head_dim {d}, {nh} query heads, {nkv} KV heads"
+        )
 
 
 @functools.cache
@@ -32,8 +45,9 @@ def _kernels(d: int, g: int) -> tuple[Kernel, Kernel]:
     )
 
 
-def _shmem(d: int, g: int) -> int:
-    return 4 * (_NSUB * _SUB * g + _NSUB * g * (d + 2))
+def _shmem(d: int) -> int:
+    """attention.cu SMEM_BYTES: the sub-partials of QROWS query rows, then two staged query tiles."""
+    return 4 * _NSUB * _QROWS * (d + 2) + 2 * 16 * (d + 8) * 2
 
 
 @functools.cache
@@ -41,11 +55,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def chunk_slots(t: int, nkv: int, nch: int, sms: int) -> int:
-    """CTAs per (kv head, row) along the chunks (launch choice only: a CTA walks chunks z, z + slots, ...).
-    About two CTAs per SM in all (the chunk kernel is register-bound at one resident CTA per SM for
-    d = 256): long caches stream on every SM, short ones leave few CTAs that only exit."""
-    return max(1, min(nch, -(-2 * sms // (nkv * t))))
+def chunk_slots(nkv: int, nch: int, sms: int) -> int:
+    """CTAs per kv head along the chunks below the committed length, each serving every row (launch choice
+    only: a CTA walks chunks z, z + slots, ...). About two CTAs per SM in all (the chunk kernel is
+    register-bound at one resident CTA per SM for d = 256): long caches stream on every SM, short ones
+    leave few CTAs that only exit."""
+    return max(1, min(nch, -(-2 * sms // nkv)))
 
 
 def attn_decode_workspace(
@@ -80,8 +95,9 @@ def attn_decode(
     max_len, nkv, dk = k_cache.shape
     if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
         raise TypeError("attn_decode: q, k_cache, v_cache must be bf16")
-    if dk != d or v_cache.shape != k_cache.shape or nh % nkv or d not in (64, 128, 256):
+    if dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"attn_decode: q {tuple(q.shape)} vs cache {tuple(k_cache.shape)}")
+    check_heads(nh, nkv, d)
     if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("attn_decode: q and the caches must be contiguous")
     if length.dtype != torch.int32 or length.numel() != 1:
@@ -101,17 +117,17 @@ def attn_decode(
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
     chunk_k, merge_k = _kernels(d, nh // nkv)
-    slots = chunk_slots(T, nkv, nch, _sm_count(q.device))
+    slots = chunk_slots(nkv, nch, _sm_count(q.device))
     chunk_k.launch(
-        (nkv, T, slots),
+        (nkv, T + slots),
         THREADS,
-        (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch),
-        shmem=_shmem(d, nh // nkv),
+        (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch, T),
+        shmem=_shmem(d),
     )
     g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
     merge_k.launch(
-        T * nh,
-        d,
+        (T * nh, d // 32),
+        _MERGE_THREADS,
         (acc, ml, length, mask, q if gate is None else gate, ctypes.c_longlong(g_rs), g_hs, out, nh, nch)
         + (int(gate is not None),),
     )

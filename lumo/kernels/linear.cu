@@ -38,6 +38,7 @@
 // lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8 PF=2
 // lumo:test-defines NT=2 STAGES=3 RGW=4 MTW=2 KSW=4 PF=3 LUMO_PROBE=1
 // lumo:test-defines NT=1 STAGES=5 RGW=2 MTW=1 KSW=2 PF=2 LUMO_PROBE=2
+// lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=2 KSW=4 PF=2 LUMO_PROBE=3
 
 #include <cuda_bf16.h>
 
@@ -65,7 +66,8 @@
 // Measurement probes (bench/probe_linear.py only; the library never sets it): LUMO_PROBE 1 skips the
 // dequant + mma (the memory pipeline alone; nvfp4_gemv_rd then drops its activation loads too), 2 reads
 // every chunk's weights from the first two chunks of its row group (nvfp4_gemv) or split-K slice
-// (nvfp4_gemv_rd): L2-resident, the arithmetic and the pipeline without DRAM traffic.
+// (nvfp4_gemv_rd): L2-resident, the arithmetic and the pipeline without DRAM traffic. 3 computes the
+// dequant's shifts as integer products (same bits, another pipe: see dequant8).
 #ifndef LUMO_PROBE
 #define LUMO_PROBE 0
 #endif
@@ -114,9 +116,18 @@ __device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
 __device__ __forceinline__ void dequant8(u32 w, u32& A, u32& B, u32& C, u32& D) {
   const u32 mask = 0x81C081C0u;  // sign 15 / 31, e1 e0 m at 8..6 / 24..22
   A = w & mask;
+#if LUMO_PROBE == 3
+  // The same bits with the shifts as integer products (IMAD on the FMA pipe instead of SHF on the ALU
+  // pipe): the masked bits of rotl(w, 4) and rotl(w, 6) never wrap, rotl(w, 10) and rotl(w, 30) are the
+  // low | high words of a product.
+  B = (w * 16u) & mask;
+  C = ((w * 1024u) | __umulhi(w, 1024u)) & mask;
+  D = ((w * 64u) & 0x00400040u) | (((w * 0x40000000u) | __umulhi(w, 0x40000000u)) & 0x81808180u);
+#else
   B = __funnelshift_l(w, w, 4) & mask;
   C = __funnelshift_l(w, w, 10) & mask;
   D = (__funnelshift_l(w, w, 6) & 0x00400040u) | (__funnelshift_l(w, w, 30) & 0x81808180u);
+#endif
 }
 
 // e5m3 scale byte (selected by `sel`) broadcast to both halves as bf16x2 of scale * 2^119 (exponent field

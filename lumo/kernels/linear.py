@@ -300,7 +300,8 @@ def nvfp4_linear(
     `rgw` (ring depth, row groups per CTA) of the cross-CTA kernel, `cluster` True / False forces / forbids
     the cluster-reduced split-K (sm_90+).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
-    LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights); its output is meaningless.
+    LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
+    dequant's shifts as integer products: the same bits).
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)

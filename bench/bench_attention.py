@@ -1,0 +1,69 @@
+"""Decode / tree-verify attention (attn_decode: split-K chunk kernel + merge) on the 27B's attention shape.
+
+    python -m bench.bench_attention [--contexts 1024 8192 ...] [--rows 1 32]
+
+One table: microseconds per call (median of graph replays, rotating over 16 layer caches of the model's
+131264-slot capacity, as in the decode step), the K/V bytes a call must read (the committed prefix once,
+whatever the row count), GB/s and % of the device copy bandwidth measured in the same run. Rows 32 is a
+32-node tree verify (a chain of masks: row i sees tree slots 0..i).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from bench.bench_linear import copy_bandwidth, time_graph
+from lumo.kernels.attention import attn_decode, attn_decode_workspace
+
+NH, NKV, D = 24, 4, 256  # the 27B's gated attention
+MAX_LEN = 131264  # bench_decode's cache capacity (128k context + tree slots)
+LAYERS = 16  # the 27B's attention layers: the caches a decode step walks through
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_attention.json"))
+    args = ap.parse_args()
+    if max(args.contexts) + max(args.rows) > MAX_LEN or max(args.rows) > 63:
+        raise SystemExit(f"bench_attention: context + rows must fit {MAX_LEN} slots, rows <= 63")
+    dev = torch.device("cuda")
+    bw = max(copy_bandwidth().values())
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches = [
+        tuple(torch.randn(MAX_LEN, NKV, D, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+        for _ in range(LAYERS)
+    ]
+    name = torch.cuda.get_device_name()
+    rows_out = []
+    print(f"\n## bench_attention: {name}, nh {NH}, nkv {NKV}, d {D}; copy bandwidth {bw:.0f} GB/s")
+    print("| context | rows | us/call | K/V MB | GB/s | % of copy bw |")
+    print("|---|---|---|---|---|---|")
+    for T in args.rows:
+        q = torch.randn(T, NH, D, device=dev, generator=gen, dtype=torch.bfloat16)
+        gate = torch.randn(T, NH, D, device=dev, generator=gen, dtype=torch.bfloat16)
+        mask = torch.tensor([(1 << (i + 1)) - 1 for i in range(T)], dtype=torch.int64, device=dev)
+        out = torch.empty_like(q)
+        ws = attn_decode_workspace(T, NH, D, MAX_LEN, dev)
+        for ctx in args.contexts:
+            length = torch.tensor([ctx], dtype=torch.int32, device=dev)
+            call = partial(attn_decode, gate=gate, out=out, workspace=ws)
+            fns = [partial(call, q, k, v, length, mask) for k, v in caches]
+            us = time_graph(fns, reps=4 * LAYERS, trials=9)
+            kv_bytes = 2 * (ctx + T) * NKV * D * 2
+            gbs = kv_bytes / (us * 1e-6) / 1e9
+            rows_out.append({"context": ctx, "rows": T, "us": us, "kv_mb": kv_bytes / 1e6, "gbs": gbs})
+            print(f"| {ctx} | {T} | {us:.1f} | {kv_bytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / bw:.1f} |")
+    Path(args.json).write_text(json.dumps({"device": name, "copy_gbs": bw, "rows": rows_out}, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
