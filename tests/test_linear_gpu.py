@@ -14,7 +14,7 @@ from lumo.kernels import (
     pack_nvfp4,
     split_fused,
 )
-from lumo.kernels.linear import smem_limit
+from lumo.kernels.linear import _bf16_splits, smem_limit
 from lumo.quant import nvfp4_dequantize
 
 pytestmark = pytest.mark.gpu
@@ -150,6 +150,28 @@ def test_bf16_batch_invariant():
     n, k = 150, 16 * 41
     w = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
     _check_batch_invariant(lambda x: bf16_linear(x, w), k, gen)
+
+
+BF16_SPLIT_SHAPES = [(96, 5120), (150, 16 * 41), (48, 16 * 37)]  # the 27B's GDN b/a, two odd ones
+
+
+@pytest.mark.parametrize("n,k", BF16_SPLIT_SHAPES, ids=["gdn-ba", "150x656", "48x592"])
+def test_bf16_cluster_split_k_gives_the_partials_bits(n, k):
+    """bf16_gemv_cl (the split-K slices summed in a thread-block cluster, sm_90+) gives the bits of
+    bf16_gemv + splitk_reduce, and never touches the partials workspace."""
+    gen = torch.Generator(DEV).manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
+    splits = _bf16_splits(n, k)
+    assert splits > 1
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    for m in (1, 5, 8, 9, 16, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        ref = bf16_linear(x, w, cluster=False)
+        ws = torch.full((splits, 32, n), float("nan"), device=DEV)
+        y = bf16_linear(x, w, out=poisoned(m, n), workspace=ws, cluster=True)
+        assert torch.equal(y, ref), m
+        if clusters:
+            assert torch.isnan(ws).all(), "the cluster path writes no partials"
 
 
 def test_fused_shards_keep_their_scales():

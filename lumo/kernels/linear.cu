@@ -247,29 +247,34 @@ __device__ __forceinline__ float4 ld_cluster4(const float* local, u32 rank) {
   return v;
 }
 
-// Epilogue of nvfp4_gemv_cl: CTA s of the cluster (slice s) puts its partials p_s = acc * 2^7 in its shared
-// memory as red[warp][i][j][e][lane]; after a cluster barrier CTA s sums the s-th share of the entries over
+// Epilogue of the cluster-reduced split-K kernels (nvfp4_gemv_cl, bf16_gemv_cl): CTA s of the cluster
+// (slice s) puts the partials p_s = acc * unscale of its warps w < W (row group rg0 + w) in its shared
+// memory as red[w][i][j][e][lane]; after a cluster barrier CTA s sums the s-th share of the entries over
 // the slices in slice order (a = p_0, a += p_1, ...: splitk_reduce's operations) and stores
-// bf16(a * gs[n]); a second barrier keeps every CTA's shared memory alive until all reads are done.
-// 4 consecutive lanes share g (lane = 4g + t), so one 16-byte read covers t = 0..3 of one (w, i, j, e).
+// bf16(a * gs[n]) (gs null: 1); a second barrier keeps every CTA's shared memory alive until all reads are
+// done. 4 consecutive lanes share g (lane = 4g + t), so one 16-byte read covers t = 0..3 of one (w, i, j, e).
+// Called by every thread of the CTA.
+template <int W>
 __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
-                                                     bf16* __restrict__ out, int M, int N, int lane, int warp) {
+                                                     float unscale, int rg0, bf16* __restrict__ out, int M,
+                                                     int N, int lane, int warp) {
   extern __shared__ uint4 smem[];
-  float* red = reinterpret_cast<float*>(smem);  // RGW * MT * NT * 512 bytes (the ring is done)
+  float* red = reinterpret_cast<float*>(smem);  // W * MT * NT * 512 bytes (the ring is done)
   const int S = gridDim.y;                      // the cluster: the S slices of this row-group tile
   u32 rank = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
 #endif
   __syncthreads();  // every warp is done with the ring
+  if (warp < W)
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) red[(((warp * MT + i) * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e] * DQ_UNSCALE;
+        for (int e = 0; e < 4; ++e) red[(((warp * MT + i) * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e] * unscale;
   cluster_sync();
-  constexpr int Q = RGW * MT * NT * 4 * 8;  // 16-byte groups (w, i, j, e, g)
+  constexpr int Q = W * MT * NT * 4 * 8;  // 16-byte groups (w, i, j, e, g)
   const int per = (Q + S - 1) / S;
   const int q1 = min(Q, (int)(rank + 1) * per);
   for (int q = rank * per + threadIdx.x; q < q1; q += blockDim.x) {
@@ -282,9 +287,9 @@ __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const 
       a.w += b.w;
     }
     const int g = q & 7, e = (q >> 3) & 3, j = (q >> 5) % NT, i = (q >> 5) / NT % MT, w = (q >> 5) / NT / MT;
-    const int n = (blockIdx.x * RGW + w) * MT * 16 + 16 * i + g + 8 * (e >> 1);
+    const int n = (rg0 + w) * MT * 16 + 16 * i + g + 8 * (e >> 1);
     if (n >= N) continue;
-    const float scale = gs[n];
+    const float scale = gs ? gs[n] : 1.0f;
     const float v[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
@@ -384,7 +389,7 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
   cp_async_wait<0>();
   pdl_trigger();  // the next kernel's prologue may overlap this one's stores and split-K finish
   if (kCluster) {
-    cluster_reduce_store(acc, gs, out, M, N, lane, warp);
+    cluster_reduce_store<RGW>(acc, gs, DQ_UNSCALE, blockIdx.x * RGW, out, M, N, lane, warp);
   } else if (active) {
     store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
   }
@@ -558,10 +563,15 @@ extern "C" __global__ void __launch_bounds__(KSW * 32)
 }
 
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
-// g+8 are 32 contiguous bytes each, so no repacking is needed.
-extern "C" __global__ void __launch_bounds__(KW * 32)
-    bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
-              float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+// g+8 are 32 contiguous bytes each, so no repacking is needed. grid (RG, S), block 32 * KW: CTA (rg, s)
+// covers row group rg and split-K slice s, its KW warps take the slice's chunks round-robin and are summed
+// in warp order; S > 1 writes fp32 partials [S, M, N] for splitk_reduce (bf16_gemv), or (bf16_gemv_cl,
+// sm_90+, launched as clusters of the S slices) sums them in distributed shared memory: the same bits
+// without the partials' round trip and the reduce launch.
+template <bool kCluster>
+__device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
+                                               bf16* __restrict__ out, float* __restrict__ partial, int M,
+                                               int N, int K, int C, int cps) {
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -643,7 +653,27 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
   cp_async_wait<0>();
   pdl_trigger();
   reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
-  if (warp == 0) store_tile(acc, nullptr, out, partial, M, N, row0, lane);
+  if (kCluster) {
+    cluster_reduce_store<1>(acc, nullptr, 1.0f, blockIdx.x, out, M, N, lane, warp);  // warp 0 holds the sum
+  } else if (warp == 0) {
+    store_tile(acc, nullptr, out, partial, M, N, row0, lane);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KW * 32)
+    bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
+              float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+  bf16_gemv_body<false>(w, x, out, partial, M, N, K, C, cps);
+}
+
+extern "C" __global__ void __launch_bounds__(KW * 32)
+    bf16_gemv_cl(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out, int M, int N,
+                 int K, int RG, int C, int cps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  bf16_gemv_body<true>(w, x, out, nullptr, M, N, K, C, cps);
+#else
+  __trap();  // clusters need sm_90; linear.py never launches this below
+#endif
 }
 
 // out[m, n] = bf16(gs[n] * sum_s partial[s, m, n]), slices summed in slice order (batch invariant).

@@ -236,7 +236,12 @@ def _reduce(partial: torch.Tensor, gs: object, out: torch.Tensor, m: int, n: int
 
 
 def _launch_bf16(
-    w: torch.Tensor, x: torch.Tensor, out: torch.Tensor, partial: torch.Tensor | None, splits: int
+    w: torch.Tensor,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    partial: torch.Tensor | None,
+    splits: int,
+    cluster: bool | None = None,
 ) -> None:
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
@@ -244,6 +249,14 @@ def _launch_bf16(
     stages = fit_stages(STAGES if nt == 1 else STAGES - 1, KW * _stage_bytes(nt, True), x.device)
     cps = -(-chunks // splits)
     shmem = KW * stages * _stage_bytes(nt, True)
+    if splits > 1 and (_clusters(x.device) if cluster is None else cluster):
+        # The slices sum in distributed shared memory (same bits, no partials, no reduce launch), where
+        # the driver can schedule clusters of `splits` CTAs; else the partials and splitk_reduce below.
+        kern = _kernel("bf16_gemv_cl", nt, stages, KW)
+        if kern.max_cluster_size((rg, splits, 1), 32 * KW, shmem) >= splits:
+            args = [w, x, out, m, n, k, rg, chunks, cps]
+            kern.launch((rg, splits, 1), 32 * KW, args, shmem, pdl=True, cluster=(1, splits, 1))
+            return
     part = partial if splits > 1 else out
     _kernel("bf16_gemv", nt, stages, KW).launch(
         (rg, splits), 32 * KW, [w, x, out, part, m, n, k, rg, chunks, cps], shmem, pdl=True
@@ -372,9 +385,18 @@ def _prefill(x: torch.Tensor, packed: PackedNVFP4, out: torch.Tensor) -> torch.T
 
 
 def bf16_linear(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, workspace: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    cluster: bool | None = None,
 ) -> torch.Tensor:
-    """y = x @ w^T with the same batch-invariant small-M kernel (bf16 w [N, K], K % 16 == 0)."""
+    """y = x @ w^T with the same batch-invariant small-M kernel (bf16 w [N, K], K % 16 == 0).
+
+    `workspace`: [>= splits, 32, N] f32 split-K partials (made here if needed and not given; unused where
+    the slices are summed in thread-block clusters). `cluster` (a test / benchmark knob; the bits never
+    change) forces or forbids that cluster-reduced split-K (sm_90+; default: wherever it can run).
+    """
     n, k = w.shape
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
         raise ValueError(
@@ -396,7 +418,7 @@ def bf16_linear(
         or workspace.numel() < splits * m * n
     ):
         raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
-    _launch_bf16(w, x, out, workspace, splits)
+    _launch_bf16(w, x, out, workspace, splits, cluster)
     return out
 
 
