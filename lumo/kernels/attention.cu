@@ -185,9 +185,10 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
     const int p0 = c * CHUNK + warp * SUB;
     const int cnt = max(0, min(SUB, n - p0));  // keys of this warp (warp-uniform)
     // K and V rows of the warp's keys: K of key 8j + g (the Q.K B operand), V of keys 2t, 2t + 1, 8 + 2t,
-    // 9 + 2t (the P.V A operand). ptxas interleaves some of these loads with the first mmas (13.5 does,
-    // for sm_90 and sm_121a), so the rows are first prefetched into L2 (lane: one key's K or V row); the
-    // CTA's next chunk below len follows once this chunk's loads are issued.
+    // 9 + 2t (the P.V A operand). ptxas may interleave some of these loads with the first mmas (13.5 does
+    // in one of this function's two inlined copies for sm_121a), so the rows are first prefetched into L2
+    // (lane: one key's K or V row); the CTA's next chunk below len follows once this chunk's loads are
+    // issued.
     prefetch_row(lane < 16 ? kbase : vbase, kv_row, p0 + (lane & 15), (lane & 15) < cnt, len, mk, max_len);
     int ks[2], vs[4];
 #pragma unroll
