@@ -21,6 +21,7 @@ from lumo.engine.gpu_weights import (
 )
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import linear_weight_bytes, memory_plan, splitk_partial_bytes
+from lumo.kernels.attention import attn_decode_workspace
 from lumo.kernels.linear import unpack_nvfp4
 from lumo.quant import fp8_quantize, nvfp4_quantize
 from lumo.weights import DenseLinear, FP8Linear, NVFP4Linear, load_model
@@ -146,6 +147,8 @@ def test_memory_plan_matches_the_reference_cache():
     assert plan["kv_cache"] == nbytes(cache.kv_k + cache.kv_v)
     assert plan["gdn_state"] == nbytes(cache.gdn_state)
     assert plan["conv_state"] == nbytes(cache.conv_state)
+    attn_ws = attn_decode_workspace(1, cfg.num_attention_heads, cfg.head_dim, L, "cpu")
+    assert plan["decode_buffers"] > nbytes(attn_ws)  # the attention partials are counted whole
     # the 128k plan on the 27B model fits a GB10 (128 GB shared with the OS) with a wide margin
     big = memory_plan(config_27b(), 131072)
     assert sum(big.values()) < 40e9

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..config import FULL, ModelConfig
+from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_gather, conv_pred_chain, conv_prefill, conv_state_commit
 from ..kernels.gdn import gdn_decode, gdn_prefill
@@ -430,12 +431,13 @@ def memory_plan(
     mlp = 2 * T * (3 * H + 2 * I + I)
     gdn = 2 * T * (3 * H + (C + nv * dv) + 2 * nv + C + 2 * nv * dv)
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
+    attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
         "splitk_partials": splitk_partial_bytes(cfg, partial_min_splits) if nvfp4 else 0,
         "kv_cache": n_full * max_len * nkv * d * 2 * 2,  # K and V, bf16
         "gdn_state": n_gdn * nv * dk * dv * 4,
         "conv_state": n_gdn * C * (K - 1) * 2,
-        "decode_buffers": 4 * nh * (-(-max_len // 256)) * (d + 2) + 6 * V + 4 * 2 * (2 * I + C + nv * dv),
+        "decode_buffers": attn_partials + 6 * V + 4 * 2 * (2 * I + C + nv * dv),  # + logits, activations
         "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
     }
