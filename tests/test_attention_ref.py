@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lumo.kernels.attention import attn_decode_ref, attn_prefill, attn_prefill_ref, check_heads
+from lumo.kernels.attention import (
+    HEAD_DIMS,
+    _shmem,
+    attn_decode_ref,
+    attn_prefill,
+    attn_prefill_ref,
+    check_heads,
+)
 from lumo.model import attention
 
 
@@ -78,3 +85,9 @@ def test_check_heads_accepts_what_the_decode_kernel_serves(nh, nkv, d):
 def test_check_heads_names_unsupported_heads(nh, nkv, d):
     with pytest.raises(ValueError, match="GPU attention supports"):
         check_heads(nh, nkv, d)
+
+
+def test_decode_kernel_shared_memory_fits_a_gb10():
+    """sm_120-family parts (the GB10) let a CTA opt into 99 KB of shared memory: the chunk kernel's
+    sub-partials and staged query tiles must fit that for every head size it serves."""
+    assert all(_shmem(d) <= 99 * 1024 for d in HEAD_DIMS)
