@@ -24,7 +24,7 @@ THREADS = 32 * _NSUB
 _QROWS = 8  # query rows per cross-warp combine (attention.cu QROWS)
 _MERGE_THREADS = 256  # attn_decode_merge: 8 chunk groups x 32 dims (attention.cu MERGE_GROUPS)
 HEAD_DIMS = (64, 128, 256)
-MAX_GROUP = 16  # query heads per kv head: two n8 tiles of heads in the decode kernel's P.V
+MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built and tested for
 
 
 def check_heads(nh: int, nkv: int, d: int) -> None:
