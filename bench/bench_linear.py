@@ -88,20 +88,26 @@ def random_packed(n: int, k: int, copies: int):
 def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
-    RGW, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF."""
+    RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
+    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF."""
     if cfg == "dflt":
         return {}
     if cfg == "cross":
         return dict(rd=False, cluster=False)
     if cfg == "cl":
         return dict(rd=False, cluster=True)
+    if cfg[0] == "c":  # "clTxR" / "cTxR": cluster-reduced / cross-CTA with T m16 tiles per warp, R row groups
+        tpw, rgw = (int(v) for v in cfg[2 if cfg.startswith("cl") else 1 :].split("x"))
+        return dict(rd=False, cluster=cfg.startswith("cl"), tpw=tpw, rgw=rgw)
     if cfg.startswith("r"):
         return dict(rd=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))
     return dict(stages=st, rgw=rgw, cluster=False)
 
 
-def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, configs: list[str]) -> list[dict]:
+def bench_shape(
+    name: str, k: int, n: int, ms: list[int], bw: float, configs: list[str], splits: list[int] = ()
+) -> list[dict]:
     wbytes = n * k // 2 + n * k // 16 + n * 4
     reps = max(20, min(1000, int(2e9 / wbytes)))
     copies = min(reps, max(2, -(-L2_ROTATE_BYTES // wbytes)))
@@ -114,8 +120,11 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, configs: li
         out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(MAX_SPLITS, 32, n, device="cuda")  # any bf16 split count
         res = {}
-        for cfg in ["dflt", *configs]:
-            kw = config_kwargs(cfg)
+        # "cfg/sS": that launch choice with S split-K slices instead of the weight's (other result bits)
+        variants = [(c, {}) for c in ["dflt", *configs]]
+        variants += [(f"{c}/s{s}", dict(splits=s)) for s in splits for c in ["dflt", *configs]]
+        for cfg, extra in variants:
+            kw = {**config_kwargs(cfg.split("/")[0]), **extra}
             try:
                 res[cfg] = time_graph(
                     [lambda p=p, x=x, o=out, kw=kw: nvfp4_linear(x, p, out=o, **kw) for p in packs], reps
@@ -123,7 +132,8 @@ def bench_shape(name: str, k: int, n: int, ms: list[int], bw: float, configs: li
             except (RuntimeError, ValueError) as e:  # a variant that does not launch is reported, not fatal
                 print(f"{name} M={m} config {cfg}: {e}", flush=True)
                 torch.cuda.synchronize()
-        # Launch knobs never change the result bits; the table reports the library default and the best.
+        # Launch knobs never change the result bits; the table reports the library default and the best
+        # (a --splits variant changes them: it asks what another choose_splits would give).
         us = res["dflt"]
         best = min(res, key=res.get)
         t_torch = time_graph([lambda w=w, x=x, o=out: torch.matmul(x, w.t(), out=o) for w in wbs], reps)
@@ -163,6 +173,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 16, 32])
     ap.add_argument("--configs", nargs="*", default=[], help="launch variants timed besides the default")
     ap.add_argument("--only", nargs="*", default=[], help="shapes whose name contains one of these")
+    ap.add_argument("--splits", type=int, nargs="*", default=[], help="also time each config with S slices")
     args = ap.parse_args()
     torch.manual_seed(0)
     bws = copy_bandwidth()
@@ -172,7 +183,7 @@ def main() -> None:
     for name, k, n in SHAPES:
         if args.only and not any(o in name for o in args.only):
             continue
-        rows += bench_shape(name, k, n, args.m, bw, args.configs)
+        rows += bench_shape(name, k, n, args.m, bw, args.configs, args.splits)
         print(f"done {name}", flush=True)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +193,14 @@ def main() -> None:
     (out_dir / "bench_linear.json").write_text(
         json.dumps(dict(device=dev, copy_gbs=bw, copy=bws, copy_end=bw_end, rows=rows), indent=1)
     )
+    if args.configs or args.splits:
+        print("\nsweep: us per launch (median, graph replay) and % of copy bandwidth by launch variant")
+        for r in rows:
+            cells = [
+                f"{c} {us:.1f} ({100 * r['bytes'] / (us * 1e-6) / 1e9 / bw:.0f}%)"
+                for c, us in r["config_sweep"].items()
+            ]
+            print(f"{r['shape']:22} {r['m']:3d}  " + "  ".join(cells))
     print(f"\n{dev}: device copy {bw:.0f} GB/s (read+write); NVFP4 W4A16, times in us (median, graph replay)")
     hdr = f"{'shape':22} {'M':>3} {'S':>2} {'us':>8} {'MB':>8} {'GB/s':>6} {'%bw':>5} "
     hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'best':>5} {'cfg':>7}"

@@ -121,3 +121,35 @@ def test_no_clusters_below_sm90():
 
     k = Kernel("nvfp4_gemv_cl", object(), [48 * 1024], sm_major=8)
     assert k.max_cluster_size((10, 8, 1), 128, 60000) == 0
+
+
+def test_split_counts_of_the_27b_shapes():
+    """choose_splits on the 27B's NVFP4 shapes: only the fused gate+up (544 row groups) takes the
+    at-least-MIN_SPLITS rule; the lm_head (3880 row groups) stays whole."""
+    from lumo.kernels.linear import choose_splits
+
+    want = {(10240, 5120): 8, (16384, 5120): 4, (14336, 5120): 8, (5120, 6144): 8, (34816, 5120): 4}
+    want |= {(5120, 17408): 16, (248320, 5120): 1, (48, 5120): 8}
+    assert {nk: choose_splits(*nk) for nk in want} == want
+
+
+def test_wave_fill():
+    from lumo.kernels.linear import wave_fill
+
+    assert wave_fill(264, 2, 132) == 1.0
+    assert wave_fill(320, 2, 132) == pytest.approx(320 / 528)  # 1.21 waves: the second mostly empty
+    assert wave_fill(544, 2, 132) == pytest.approx(544 / 792)
+    assert wave_fill(1088, 3, 132) == pytest.approx(1088 / 1188)
+    assert wave_fill(5, 0, 132) == 0.0  # no CTA fits: never divides by zero
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_121a"])
+def test_bench_probe_kernel_compiles(arch):
+    """bench/probe_mma.cu (the tensor-core throughput probe) builds like the library's kernels."""
+    from pathlib import Path
+
+    from lumo.kernels.compile import compile_test_defines, compile_to_cubin, define_options
+
+    path = Path(__file__).parents[1] / "bench" / "probe_mma.cu"
+    for defines in compile_test_defines(path):
+        assert compile_to_cubin(path.read_text(), arch, define_options(defines), path.name)

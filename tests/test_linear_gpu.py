@@ -116,13 +116,37 @@ def test_launch_knobs_do_not_change_bits():
         for stages in (2, 3, 5):
             for rgw in (1, 2, 4, 8):
                 assert torch.equal(nvfp4_linear(x, packed, stages=stages, rgw=rgw), base), (m, stages, rgw)
+        for tpw in (1, 2):  # warps of 1 or 2 m16 tiles instead of a whole row group
+            for rgw in (1, 3):
+                y = nvfp4_linear(x, packed, out=poisoned(m, n), rgw=rgw, tpw=tpw, cluster=False)
+                assert torch.equal(y, base), (m, tpw, rgw)
+
+
+def test_wave_fitted_tile_width_keeps_the_bits():
+    """At the 27B's gate+up shape (4 slices) the library may narrow the register-direct tile where that
+    fills whole waves (linear._rd_fit_waves): a launch choice, so the default launch gives the bits of
+    the cross-CTA kernel + splitk_reduce at every M."""
+    from lumo.kernels import linear
+
+    gen = torch.Generator(DEV).manual_seed(29)
+    n, k = 34816, 5120
+    w, s, s2 = rand_nvfp4(n, k, gen)
+    packed = pack_nvfp4(w, s, s2)
+    assert packed.splits == 4
+    for m in (1, 8, 16, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        cross = nvfp4_linear(x, packed, rd=False, cluster=False)
+        assert torch.equal(nvfp4_linear(x, packed, out=poisoned(m, n)), cross), m
+        rd = linear.choose_rd(4, m)
+        fitted = linear._rd_fit_waves(rd, packed.row_groups * linear.MT, -(-m // 8), 4, x.device)
+        assert torch.equal(nvfp4_linear(x, packed, out=poisoned(m, n), rd=fitted), cross), (m, fitted)
 
 
 @pytest.mark.parametrize("splits", [2, 5, 16])
 def test_split_k_variants_equal_cross_cta(splits):
     """The register-direct in-CTA split-K kernel (a warp per slice, slices summed in shared memory) and the
     cluster-reduced one (sm_90+: the S CTAs of a tile sum in distributed shared memory) give the bits of
-    nvfp4_gemv + splitk_reduce for every tile width, ring depth and row-group count."""
+    nvfp4_gemv + splitk_reduce for every tile width, ring depth, row-group count and tiles per warp."""
     gen = torch.Generator(DEV).manual_seed(23 + splits)
     n, k = 64 * 7 + 19, 16 * 16 * splits + 16 * 3  # a short last slice
     w, s, s2 = rand_nvfp4(n, k, gen)
@@ -134,9 +158,9 @@ def test_split_k_variants_equal_cross_cta(splits):
         assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
         assert torch.equal(nvfp4_linear(x, packed), cross), m  # the default launch
         if clusters:
-            for st, rgw in ((None, None), (2, 1), (3, 8)):
-                y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, cluster=True)
-                assert torch.equal(y, cross), (m, st, rgw)
+            for st, rgw, tpw in ((None, None, None), (2, 1, None), (3, 8, None), (3, 2, 1), (None, 4, 2)):
+                y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, tpw=tpw, cluster=True)
+                assert torch.equal(y, cross), (m, st, rgw, tpw)
         rds = ((1, 1), (1, 4), (2, 3), (4, 2), (2, 6)) if m <= 8 else ((1, 2), (4, 2))
         for rd in rds:  # register-direct: any tile width and prefetch depth that fits shared memory
             if (splits - 1) * rd[0] * -(-m // 8) * 512 > smem_limit(x.device):

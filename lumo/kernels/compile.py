@@ -150,6 +150,7 @@ class Kernel:
     sm_major: int = 0  # the cubin's architecture (PDL only for 9 and newer: pdl.cuh is a no-op below)
     _non_portable: list[bool] = field(default_factory=lambda: [False])  # cluster sizes > 8 allowed
     _cluster_sizes: dict = field(default_factory=dict)  # max_cluster_size's answers
+    _occupancy: dict = field(default_factory=dict)  # blocks_per_sm's answers
 
     def launch(
         self,
@@ -238,6 +239,18 @@ class Kernel:
                 size = n if err == cu.CUresult.CUDA_SUCCESS else 0
             self._cluster_sizes[key] = size
         return self._cluster_sizes[key]
+
+    def blocks_per_sm(self, block: int, shmem: int) -> int:
+        """CTAs of this launch shape one SM holds at once (the driver's occupancy query: registers, shared
+        memory, warps); 0 on error. Cached per (block, shmem)."""
+        from cuda.bindings import driver as cu
+
+        key = (block, shmem)
+        if key not in self._occupancy:
+            self._allow_shmem(shmem)
+            err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, block, shmem)
+            self._occupancy[key] = n if err == cu.CUresult.CUDA_SUCCESS else 0
+        return self._occupancy[key]
 
 
 @functools.cache

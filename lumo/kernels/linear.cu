@@ -11,12 +11,12 @@
 // k-step s taking 16t + 4s + {0,1} as mma k {2t, 2t+1} and 16t + 4s + {2,3} as mma k {2t+8, 2t+9}. So a
 // lane's activations are 32 contiguous bytes, and its weights of a chunk lie in one NVFP4 scale block.
 //
-// NVFP4 work split (nvfp4_gemv): a CTA owns RGW row groups (one warp each) and one split-K slice; every
-// warp walks the slice's chunks in order. The activation tile of a chunk is loaded once per CTA into
-// shared memory and read by all RGW warps (x traffic from L2 is 1/RGW of one-row-group-per-CTA). RGW is
-// a launch choice only: it never changes a row's K order.
+// NVFP4 work split (nvfp4_gemv): a CTA owns RGW row groups (MT / TPW warps each, TPW m16 tiles per
+// warp) and one split-K slice; every warp walks the slice's chunks in order. The activation tile of a
+// chunk is loaded once per CTA into shared memory and read by all the CTA's warps (x traffic from L2 is
+// 1/RGW of one-row-group-per-CTA). RGW and TPW are launch choices only: they never change a row's K order.
 //
-// Packed NVFP4 (lumo/kernels/linear.py:pack_nvfp4), MT m16 tiles per warp ("row group", 16*MT rows):
+// Packed NVFP4 (lumo/kernels/linear.py:pack_nvfp4), MT m16 tiles per row group (16*MT rows):
 //   qw [RG][C][MT][32 lanes][16 B]: lane (g, t) word s (4 B) holds rows g, g+8, columns 16t + 4s + {0..3}
 //       as the mma A registers (A, B, C, D) = (row g k-lo, row g+8 k-lo, row g k-hi, row g+8 k-hi), each a
 //       bf16 pair. Code bits sit where `dequant8` finds them: register A = w & MASK, B = rotl(w, 4) & MASK,
@@ -39,6 +39,8 @@
 // lumo:test-defines NT=2 STAGES=3 RGW=4 MTW=2 KSW=4 PF=3 LUMO_PROBE=1
 // lumo:test-defines NT=1 STAGES=5 RGW=2 MTW=1 KSW=2 PF=2 LUMO_PROBE=2
 // lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=2 KSW=4 PF=2 LUMO_PROBE=3
+// lumo:test-defines NT=4 STAGES=3 RGW=4 TPW=1 MTW=1 KSW=4 PF=2
+// lumo:test-defines NT=2 STAGES=4 RGW=2 TPW=2 MTW=1 KSW=4 PF=2
 
 #include <cuda_bf16.h>
 
@@ -58,8 +60,12 @@
 #define KW 4  // bf16_gemv: warps per CTA, splitting the CTA's chunks round-robin
 #endif
 #ifndef RGW
-#define RGW 4  // nvfp4_gemv: warps (row groups) per CTA sharing one activation tile
+#define RGW 4  // nvfp4_gemv: row groups per CTA sharing one activation tile
 #endif
+#ifndef TPW
+#define TPW MT  // nvfp4_gemv: m16 tiles per warp (a divisor of MT): MT / TPW warps per row group
+#endif
+#define GEMV_WARPS (RGW * (MT / TPW))
 #ifndef MTW
 #define MTW 2  // nvfp4_gemv_rd: m16 tiles per warp (a divisor of MT)
 #endif
@@ -81,7 +87,7 @@ typedef __nv_bfloat16 bf16;
 #define Q_BYTES (MT * 512)
 #define S_BYTES (MT * 64)
 #define X_BYTES (NT * 1024)
-#define FP4_STAGE (X_BYTES + RGW * (Q_BYTES + S_BYTES))  // per CTA: x tile, then each warp's weights
+#define FP4_STAGE (X_BYTES + RGW * (Q_BYTES + S_BYTES))  // per CTA: x tile, then each row group's weights
 #define BF16_W_BYTES (MT * 2048)
 #define BF16_STAGE (BF16_W_BYTES + X_BYTES)
 
@@ -166,6 +172,7 @@ __device__ __forceinline__ void load_x(char* xs, const bf16* __restrict__ x, int
   }
 }
 
+template <int TILES>
 __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __restrict__ gs,
                                            bf16* __restrict__ out, float* __restrict__ partial, int M,
                                            int N, int row0, int lane, float unscale = 1.0f) {
@@ -173,7 +180,7 @@ __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __r
   const bool split = gridDim.y > 1;
   float* part = partial + (size_t)blockIdx.y * M * N;
 #pragma unroll
-  for (int i = 0; i < MT; ++i) {
+  for (int i = 0; i < TILES; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = row0 + 16 * i + g + 8 * h;
@@ -241,13 +248,13 @@ __device__ __forceinline__ float4 ld_cluster4(const float* local, u32 rank) {
 }
 
 // Epilogue of the cluster-reduced split-K kernels (nvfp4_gemv_cl, bf16_gemv_cl): CTA s of the cluster
-// (slice s) puts the partials p_s = acc * unscale of its warps w < W (row group rg0 + w) in its shared
-// memory as red[w][i][j][e][lane]; after a cluster barrier CTA s sums the s-th share of the entries over
+// (slice s) puts the partials p_s = acc * unscale of its W row groups (rg0 + w) in its shared memory as
+// red[w][i][j][e][lane]: warp v < W * MT / TILES holds the TILES m16 tiles from v * TILES on; after a cluster barrier CTA s sums the s-th share of the entries over
 // the slices in slice order (a = p_0, a += p_1, ...: splitk_reduce's operations) and stores
 // bf16(a * gs[n]) (gs null: 1); a second barrier keeps every CTA's shared memory alive until all reads are
 // done. 4 consecutive lanes share g (lane = 4g + t), so one 16-byte read covers t = 0..3 of one (w, i, j, e).
 // Called by every thread of the CTA.
-template <int W>
+template <int W, int TILES>
 __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
                                                      float unscale, int rg0, bf16* __restrict__ out, int M,
                                                      int N, int lane, int warp) {
@@ -259,13 +266,14 @@ __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const 
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
 #endif
   __syncthreads();  // every warp is done with the ring
-  if (warp < W)
+  if (warp < W * MT / TILES)
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < TILES; ++i)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red[(((warp * MT + i) * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e] * unscale;
+        for (int e = 0; e < 4; ++e)
+          red[(((warp * TILES + i) * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e] * unscale;
   cluster_sync();
   constexpr int Q = W * MT * NT * 4 * 8;  // 16-byte groups (w, i, j, e, g)
   const int per = (Q + S - 1) / S;
@@ -293,7 +301,7 @@ __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const 
   cluster_sync();  // no CTA leaves (and frees its shared memory) while another still reads it
 }
 
-// grid (ceil(RG / RGW), S), block 32 * RGW, dynamic smem STAGES * FP4_STAGE.
+// grid (ceil(RG / RGW), S), block 32 * GEMV_WARPS, dynamic smem STAGES * FP4_STAGE.
 // Split s covers chunks [s * cps, min(C, (s + 1) * cps)); with S > 1 it writes fp32 partials [S, M, N]
 // that splitk_reduce sums. (A fused finish, where the last CTA of a row tile to arrive sums the slices,
 // measured slower on the H200: 7.3 ms of GEMV per 27B decode step against 5.9 + 0.66 ms for GEMV +
@@ -308,35 +316,37 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
   extern __shared__ uint4 smem[];
   char* ring = reinterpret_cast<char*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rg = blockIdx.x * RGW + warp;
+  const int rgl = warp / (MT / TPW), p0 = warp % (MT / TPW) * TPW;  // row group in the CTA, first tile
+  const int rg = blockIdx.x * RGW + rgl;
   const bool active = rg < RG;  // the last CTA may have idle warps (they still load x and sync)
-  const char* wsrc = reinterpret_cast<const char*>(qw) + (size_t)rg * C * Q_BYTES;
-  const char* ssrc = reinterpret_cast<const char*>(qs) + (size_t)rg * C * S_BYTES;
+  // This warp's tiles p0 .. p0 + TPW - 1 of row group rg: global chunk c at + c * Q_BYTES (S_BYTES).
+  const char* wsrc = reinterpret_cast<const char*>(qw) + (size_t)rg * C * Q_BYTES + p0 * 512;
+  const char* ssrc = reinterpret_cast<const char*>(qs) + (size_t)rg * C * S_BYTES + p0 * 64;
   const int c0 = blockIdx.y * cps;
   const int nc = max(0, min(C, c0 + cps) - c0);
-  const int wofs = X_BYTES + warp * (Q_BYTES + S_BYTES);
+  const int wofs = X_BYTES + rgl * (Q_BYTES + S_BYTES);  // the row group's weights, then its scales
 
   auto issue_w = [&](int i) {  // this warp's weights + scales of chunk c0 + i: no earlier kernel writes them
     char* st = ring + (i % STAGES) * FP4_STAGE;
     const int c = PROBE_CHUNK(c0 + i);
     if (active) {
 #pragma unroll
-      for (int p = 0; p < MT; ++p)
-        cp_async16(st + wofs + (p * 32 + lane) * 16, wsrc + (size_t)c * Q_BYTES + (p * 32 + lane) * 16, 16,
-                   false);
-      if (lane < MT * 4)
-        cp_async16(st + wofs + Q_BYTES + lane * 16, ssrc + (size_t)c * S_BYTES + lane * 16, 16, false);
+      for (int p = 0; p < TPW; ++p)
+        cp_async16(st + wofs + ((p0 + p) * 32 + lane) * 16, wsrc + (size_t)c * Q_BYTES + (p * 32 + lane) * 16,
+                   16, false);
+      if (lane < TPW * 4)
+        cp_async16(st + wofs + Q_BYTES + p0 * 64 + lane * 16, ssrc + (size_t)c * S_BYTES + lane * 16, 16, false);
     }
   };
   auto issue_x = [&](int i) {  // the activation tile of chunk c0 + i (all threads)
     char* st = ring + (i % STAGES) * FP4_STAGE;
     const int c = c0 + i;
     // x tile: NT * 64 pieces of 16 B; piece (j, h, lane') = row 8j + g', columns 64c + 16t' + 8h.
-    constexpr int XITER = (NT * 64 + RGW * 32 - 1) / (RGW * 32);
+    constexpr int XITER = (NT * 64 + GEMV_WARPS * 32 - 1) / (GEMV_WARPS * 32);
 #pragma unroll
     for (int r = 0; r < XITER; ++r) {
-      const int q = threadIdx.x + r * RGW * 32;
-      if ((NT * 64) % (RGW * 32) != 0 && q >= NT * 64) break;
+      const int q = threadIdx.x + r * GEMV_WARPS * 32;
+      if ((NT * 64) % (GEMV_WARPS * 32) != 0 && q >= NT * 64) break;
       const int l = q & 31, j = q >> 6, h = (q >> 5) & 1;
       const int row = 8 * j + (l >> 2), col = c * 64 + 16 * (l & 3) + 8 * h;
       const bool ok = row < M && col < K;
@@ -344,7 +354,7 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
     }
   };
 
-  float acc[MT][NT][4] = {};
+  float acc[TPW][NT][4] = {};
 
   // Prologue: the first stages' weights go out before the wait for the previous kernel (PDL), their
   // activations after it. Group 0 holds all prologue weights and x of stage 0, group i x of stage i.
@@ -373,22 +383,22 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
 #pragma unroll
       for (int h = 0; h < 2; ++h) xv[j][h] = *reinterpret_cast<const uint4*>(st + ((j * 2 + h) * 32 + lane) * 16);
 #pragma unroll
-    for (int p = 0; p < MT; ++p) {
-      const uint4 wv = *reinterpret_cast<const uint4*>(st + wofs + (p * 32 + lane) * 16);
-      const u32 sv = *reinterpret_cast<const unsigned short*>(st + wofs + Q_BYTES + (p * 32 + lane) * 2);
+    for (int p = 0; p < TPW; ++p) {
+      const uint4 wv = *reinterpret_cast<const uint4*>(st + wofs + ((p0 + p) * 32 + lane) * 16);
+      const u32 sv = *reinterpret_cast<const unsigned short*>(st + wofs + Q_BYTES + ((p0 + p) * 32 + lane) * 2);
       fp4_tile_mma(acc[p], wv, sv, xv);
     }
   }
   cp_async_wait<0>();
   pdl_trigger();  // the next kernel's prologue may overlap this one's stores and split-K finish
   if (kCluster) {
-    cluster_reduce_store<RGW>(acc, gs, DQ_UNSCALE, blockIdx.x * RGW, out, M, N, lane, warp);
+    cluster_reduce_store<RGW, TPW>(acc, gs, DQ_UNSCALE, blockIdx.x * RGW, out, M, N, lane, warp);
   } else if (active) {
-    store_tile(acc, gs, out, partial, M, N, rg * MT * 16, lane, DQ_UNSCALE);
+    store_tile<TPW>(acc, gs, out, partial, M, N, (rg * MT + p0) * 16, lane, DQ_UNSCALE);
   }
 }
 
-extern "C" __global__ void __launch_bounds__(RGW * 32)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
                float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
@@ -398,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(RGW * 32)
 // The same GEMV launched as clusters of the S split-K CTAs of a row-group tile (cluster dims (1, S, 1),
 // sm_90+): the slices' partials stay in shared memory and the cluster sums them through distributed
 // shared memory, so there is no partial buffer and no second launch. Bitwise nvfp4_gemv + splitk_reduce.
-extern "C" __global__ void __launch_bounds__(RGW * 32)
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     nvfp4_gemv_cl(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
                   int N, int K, int RG, int C, int cps) {
@@ -647,9 +657,9 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const
   pdl_trigger();
   reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
   if (kCluster) {
-    cluster_reduce_store<1>(acc, nullptr, 1.0f, blockIdx.x, out, M, N, lane, warp);  // warp 0 holds the sum
+    cluster_reduce_store<1, MT>(acc, nullptr, 1.0f, blockIdx.x, out, M, N, lane, warp);  // warp 0: the sum
   } else if (warp == 0) {
-    store_tile(acc, nullptr, out, partial, M, N, row0, lane);
+    store_tile<MT>(acc, nullptr, out, partial, M, N, row0, lane);
   }
 }
 

@@ -21,6 +21,7 @@ CHUNK = 64  # K columns per pipeline stage
 KW = 4  # bf16_gemv: warps per CTA sharing a row group's chunks (part of its K order: fixed)
 SMALL_M = 32  # largest M served by the GEMV kernel
 TARGET_WARPS = 1024  # nvfp4: ~8 row-group warps per H200 SM before split-K is worth its partial traffic
+MIN_SPLITS = 4  # nvfp4: ... but at least this many slices below 2 * TARGET_WARPS row-group warps
 MIN_SLICE_CHUNKS = 8
 MAX_SPLITS = 16
 TARGET_CTAS = 264  # bf16_gemv: ~2 CTAs per H200 SM
@@ -72,10 +73,18 @@ class PackedNVFP4:
 
 
 def choose_splits(n: int, k: int) -> int:
-    """Split-K slices of an NVFP4 weight: part of the K order, so a function of (N, K) only."""
+    """Split-K slices of an NVFP4 weight: part of the K order, so a function of (N, K) only.
+
+    Doubling while the row-group warps are fewer than TARGET_WARPS, and up to MIN_SPLITS below twice that
+    (session 6, H200, bench_linear.py --splits: the 27B's fused gate+up, 544 row groups, ran 32.5 -> 30.8 us
+    at M = 1 and 57.5 -> 54.6 at M = 32 with 4 slices instead of 2), while slices keep MIN_SLICE_CHUNKS."""
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     s = 1
-    while rg * s < TARGET_WARPS and chunks // (2 * s) >= MIN_SLICE_CHUNKS and s < MAX_SPLITS:
+    while (
+        (rg * s < TARGET_WARPS or s < MIN_SPLITS and rg * s < 2 * TARGET_WARPS)
+        and chunks // (2 * s) >= MIN_SLICE_CHUNKS
+        and s < MAX_SPLITS
+    ):
         s *= 2
     return s
 
@@ -174,8 +183,10 @@ def _compile(name: str, defines: dict[str, int], probe: int) -> Kernel:
 
 
 @functools.cache
-def _kernel(name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4, probe: int = 0) -> Kernel:
-    return _compile(name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw}, probe)
+def _kernel(
+    name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4, probe: int = 0, tpw: int = MT
+) -> Kernel:
+    return _compile(name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw, "TPW": tpw}, probe)
 
 
 def _stage_bytes(nt: int, bf16_weights: bool) -> int:
@@ -290,6 +301,41 @@ def choose_rd(splits: int, m: int) -> tuple[int, int] | None:
     return next(table for top, table in RD_CHOICE if m <= top).get(splits)
 
 
+WAVE_MARGIN = 0.1  # a narrower tile must fill the last wave by this much more to replace the table's
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def wave_fill(ctas: int, per_sm: int, sms: int) -> float:
+    """Share of the CTA slots of the waves a grid of `ctas` occupies that hold a CTA (1.0: whole waves;
+    0.0 where no CTA fits an SM)."""
+    slots = per_sm * sms
+    return ctas / (-(-ctas // slots) * slots) if slots > 0 else 0.0
+
+
+def _rd_fit_waves(
+    rd: tuple[int, int], tiles: int, nt: int, splits: int, device: torch.device
+) -> tuple[int, int]:
+    """The table's (MTW, PF), or half its tile width (same PF) where that fills the device's CTA slots
+    better by WAVE_MARGIN: twice the CTAs of fewer registers can fill whole waves where the wide tile leaves
+    a last wave mostly empty (session 6, H200, M = 32, 4 slices: gate+up's 544 four-tile CTAs at 2 per SM
+    ran 68.6 us, its 1088 two-tile CTAs at 3 per SM 54.6; GDN q/k/v/z, 256 four-tile CTAs, stays: 27.4 us
+    against 32.8). A launch choice only (same bits)."""
+    mtw, pf = rd
+    if mtw == 1:
+        return rd
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+    def fill(w: int) -> float:
+        per_sm = _rd_kernel(nt, w, pf, splits).blocks_per_sm(32 * splits, (splits - 1) * w * nt * 512)
+        return wave_fill(tiles // w, per_sm, sms)
+
+    return (mtw // 2, pf) if fill(mtw // 2) > fill(mtw) + WAVE_MARGIN else rd
+
+
 @functools.cache
 def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
     return _compile("nvfp4_gemv_rd", {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}, probe)
@@ -304,17 +350,21 @@ def nvfp4_linear(
     cluster: bool | None = None,
     rd: tuple[int, int] | bool | None = None,
     probe: int = 0,
+    splits: int | None = None,
+    tpw: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw` or
     `cluster` also turns off the automatic choice of `rd` and picks among the ring kernels: `stages` /
-    `rgw` (ring depth, row groups per CTA) of the cross-CTA kernel, `cluster` True / False forces / forbids
-    the cluster-reduced split-K (sm_90+).
+    `rgw` (ring depth, row groups per CTA) and `tpw` (m16 tiles per warp: 1, 2 or 4) of the cross-CTA
+    kernel, `cluster` True / False forces / forbids the cluster-reduced split-K (sm_90+).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
+    `splits` (bench/bench_linear.py --splits) launches with that many split-K slices instead of the weight's
+    own `choose_splits`: another K order, so other result bits; never set by the library.
     """
     _check_x(x, packed.k)
     out = _out(x, packed.n, out)
@@ -323,11 +373,17 @@ def nvfp4_linear(
         return _prefill(x, packed, out)
     if m == 0:
         return out
-    rg, chunks, splits = packed.row_groups, packed.chunks, packed.splits
+    rg, chunks = packed.row_groups, packed.chunks
+    if splits is None:
+        splits = packed.splits
+    elif not 1 <= splits <= min(MAX_SPLITS, chunks):
+        raise ValueError(f"splits must be in 1..{min(MAX_SPLITS, chunks)}, got {splits}")
     nt = -(-m // 8)
     cps = -(-chunks // splits)
-    if rd is None and stages is None and rgw is None and cluster is None:
+    if rd is None and stages is None and rgw is None and cluster is None and tpw is None:
         rd = choose_rd(splits, m)
+        if rd:
+            rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device)
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
@@ -338,27 +394,40 @@ def nvfp4_linear(
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
         _rd_kernel(nt, mtw, pf, splits, probe).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
-    rgw = rgw or choose_rgw(rg, splits, nt)
-    stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
     if cluster is None:  # H200: M = 32 4-18 % faster per shape, verify 15.36 -> 14.66 ms; M <= 8 +-4 %
         cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
+    auto_tiles = tpw is None and rgw is None
+    rgw = rgw or choose_rgw(rg, splits, nt)
+    if auto_tiles and cluster and rgw == 2 and splits <= 8 and nt > 2:
+        # Few row groups: two m16 tiles per warp, twice the warps (session 6, H200, M = 32, 8 slices:
+        # 6144 -> 5120 18.9 -> 16.9 us, 5120 -> 6144 17.7 -> 16.1; with 4 row groups per CTA it was a wash,
+        # attention q/k/v 29.3 -> 27.8 but 5120 -> 10240 19.6 -> 21.9, and at 16 slices slower).
+        tpw = 2
+    tpw = tpw or MT
+    if tpw not in (1, 2, 4):
+        raise ValueError(f"tpw must be 1, 2 or 4, got {tpw!r}")
+    block = 32 * rgw * (MT // tpw)
+    stages = stages or fit_stages(FP4_STAGES[nt], _fp4_stage_bytes(nt, rgw), x.device)
     if cluster and splits > 1:
         shmem = max(stages * _fp4_stage_bytes(nt, rgw), rgw * MT * nt * 512)
-        kern = _kernel("nvfp4_gemv_cl", nt, stages, KW, rgw, probe)
+        kern = _kernel("nvfp4_gemv_cl", nt, stages, KW, rgw, probe, tpw)
         grid = (-(-rg // rgw), splits, 1)
-        if kern.max_cluster_size(grid, 32 * rgw, shmem) >= splits:  # else the cross-CTA kernel below
+        if kern.max_cluster_size(grid, block, shmem) >= splits:  # else the cross-CTA kernel below
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
-            kern.launch(grid, 32 * rgw, args, shmem, pdl=True, cluster=(1, splits, 1))
+            kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
-    if splits > 1 and packed.partial is None:
-        # Only here does a weight need its split-K partials: a slice count the other kernels do not serve
-        # by default (clusters unavailable or forced off, or a knob). Allocated once, for 32 rows (a
-        # capture allocates it from its pool). runner.memory_plan counts it where it can happen.
-        packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
-    part = packed.partial if splits > 1 else out
+    if splits != packed.splits:  # the benchmark knob: a partial buffer of its own
+        part = torch.empty(splits, SMALL_M, packed.n, device=x.device) if splits > 1 else out
+    else:
+        if splits > 1 and packed.partial is None:
+            # Only here does a weight need its split-K partials: a slice count the other kernels do not
+            # serve by default (clusters unavailable or forced off, or a knob). Allocated once, for 32 rows
+            # (a capture allocates it from its pool). runner.memory_plan counts it where it can happen.
+            packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
+        part = packed.partial if splits > 1 else out
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
-    kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe)
-    kern.launch((-(-rg // rgw), splits), 32 * rgw, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
+    kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe, tpw)
+    kern.launch((-(-rg // rgw), splits), block, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)
     return out
