@@ -204,27 +204,29 @@ __device__ __forceinline__ void store_tile(float (*acc)[NT][4], const float* __r
   }
 }
 
-// Sum the KW warps' accumulators in warp order into warp 0's registers (smem reused after the pipeline).
+// Sum the W warps' accumulators (TILES m16 tiles each) in warp order into warp 0's registers (a = acc_0,
+// a += acc_w), through (W - 1) * TILES * NT * 512 bytes of shared memory (reused after the pipeline).
+template <int W, int TILES>
 __device__ __forceinline__ void reduce_warps(float (*acc)[NT][4], char* smem, int warp, int lane) {
   float* red = reinterpret_cast<float*>(smem);
   __syncthreads();  // every warp is done with its ring
   if (warp > 0) {
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < TILES; ++i)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red[(((warp - 1) * MT + i) * NT + j) * 4 * 32 + e * 32 + lane] = acc[i][j][e];
+        for (int e = 0; e < 4; ++e) red[(((warp - 1) * TILES + i) * NT + j) * 4 * 32 + e * 32 + lane] = acc[i][j][e];
   }
   __syncthreads();
   if (warp == 0) {
-    for (int w = 1; w < KW; ++w)
+    for (int w = 1; w < W; ++w)
 #pragma unroll
-      for (int i = 0; i < MT; ++i)
+      for (int i = 0; i < TILES; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][j][e] += red[(((w - 1) * MT + i) * NT + j) * 4 * 32 + e * 32 + lane];
+          for (int e = 0; e < 4; ++e) acc[i][j][e] += red[(((w - 1) * TILES + i) * NT + j) * 4 * 32 + e * 32 + lane];
   }
 }
 
@@ -431,27 +433,15 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
                                                 bf16* __restrict__ out, int M, int N, int tile0, int warp,
                                                 int lane) {
   extern __shared__ uint4 smem[];
-  float* red = reinterpret_cast<float*>(smem);
   const int g = lane >> 2, t = lane & 3;
-  __syncthreads();  // every warp is done with its ring
 #pragma unroll
   for (int i = 0; i < MTW; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[i][j][e] = __fmul_rn(acc[i][j][e], DQ_UNSCALE);  // never fused into the sum below
-        if (warp > 0) red[(((warp - 1) * MTW + i) * NT + j) * 4 * 32 + e * 32 + lane] = acc[i][j][e];
-      }
-  __syncthreads();
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = __fmul_rn(acc[i][j][e], DQ_UNSCALE);  // never fused below
+  reduce_warps<KSW, MTW>(acc, reinterpret_cast<char*>(smem), warp, lane);
   if (warp > 0) return;
-  for (int w = 1; w < KSW; ++w)
-#pragma unroll
-    for (int i = 0; i < MTW; ++i)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][j][e] += red[(((w - 1) * MTW + i) * NT + j) * 4 * 32 + e * 32 + lane];
 #pragma unroll
   for (int i = 0; i < MTW; ++i)
 #pragma unroll
@@ -655,7 +645,7 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const
   }
   cp_async_wait<0>();
   pdl_trigger();
-  reduce_warps(acc, reinterpret_cast<char*>(smem), warp, lane);
+  reduce_warps<KW, MT>(acc, reinterpret_cast<char*>(smem), warp, lane);
   if (kCluster) {
     cluster_reduce_store<1, MT>(acc, nullptr, 1.0f, blockIdx.x, out, M, N, lane, warp);  // warp 0: the sum
   } else if (warp == 0) {

@@ -316,6 +316,7 @@ def wave_fill(ctas: int, per_sm: int, sms: int) -> float:
     return ctas / (-(-ctas // slots) * slots) if slots > 0 else 0.0
 
 
+@functools.cache  # on every launch's path: one answer per shape
 def _rd_fit_waves(
     rd: tuple[int, int], tiles: int, nt: int, splits: int, device: torch.device
 ) -> tuple[int, int]:
@@ -356,7 +357,7 @@ def nvfp4_linear(
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
-    in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw` or
+    in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
     `cluster` also turns off the automatic choice of `rd` and picks among the ring kernels: `stages` /
     `rgw` (ring depth, row groups per CTA) and `tpw` (m16 tiles per warp: 1, 2 or 4) of the cross-CTA
     kernel, `cluster` True / False forces / forbids the cluster-reduced split-K (sm_90+).
@@ -416,15 +417,17 @@ def nvfp4_linear(
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
-    if splits != packed.splits:  # the benchmark knob: a partial buffer of its own
-        part = torch.empty(splits, SMALL_M, packed.n, device=x.device) if splits > 1 else out
+    if splits == 1:
+        part = out
+    elif splits != packed.splits:  # the benchmark knob: a partial buffer of its own
+        part = torch.empty(splits, SMALL_M, packed.n, device=x.device)
     else:
-        if splits > 1 and packed.partial is None:
+        if packed.partial is None:
             # Only here does a weight need its split-K partials: a slice count the other kernels do not
             # serve by default (clusters unavailable or forced off, or a knob). Allocated once, for 32 rows
             # (a capture allocates it from its pool). runner.memory_plan counts it where it can happen.
             packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
-        part = packed.partial if splits > 1 else out
+        part = packed.partial
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe, tpw)
     kern.launch((-(-rg // rgw), splits), block, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
