@@ -159,7 +159,7 @@ class ModelConfig:
             rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             num_attention_heads=nh,
             num_key_value_heads=_int(d, "num_key_value_heads", nh),
-            head_dim=_int(d, "head_dim", None) if d.get("head_dim") is not None else hidden // nh,
+            head_dim=_int(d, "head_dim") if d.get("head_dim") is not None else hidden // nh,
             rope_theta=rope_theta,
             partial_rotary_factor=prf,
             linear_num_key_heads=_int(d, "linear_num_key_heads"),

@@ -229,11 +229,10 @@ def quantize_checkpoint(
         if dst_dir.exists():
             dst_dir.rmdir()  # empty, checked above
         os.replace(stage, dst_dir)
-    except SafetensorError as e:
+    except BaseException as e:
         shutil.rmtree(stage, ignore_errors=True)
-        raise WeightError(f"cannot read the safetensors files in {src_dir}: {e}") from None
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        if isinstance(e, SafetensorError):
+            raise WeightError(f"cannot read the safetensors files in {src_dir}: {e}") from None
         raise
     if fmt == "nvfp4":
         print(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .compile import Kernel, compile_kernel
+from .compile import Kernel, compile_kernel, sm_count
 
 CHUNK = 128  # positions per split-K partial (must match attention.cu)
 _SUB = 16  # positions per warp (attention.cu)
@@ -48,11 +48,6 @@ def _kernels(d: int, g: int) -> tuple[Kernel, Kernel]:
 def _shmem(d: int) -> int:
     """attention.cu SMEM_BYTES: the sub-partials of QROWS query rows, then two staged query tiles."""
     return 4 * _NSUB * _QROWS * (d + 2) + 2 * 16 * (d + 8) * 2
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def chunk_slots(nkv: int, nch: int, sms: int) -> int:
@@ -117,7 +112,7 @@ def attn_decode(
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
     chunk_k, merge_k = _kernels(d, nh // nkv)
-    slots = chunk_slots(nkv, nch, _sm_count(q.device))
+    slots = chunk_slots(nkv, nch, sm_count(q.device))
     chunk_k.launch(
         (nkv, T + slots),
         THREADS,

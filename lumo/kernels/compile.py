@@ -133,6 +133,12 @@ def kernel_sources() -> list[Path]:
     return sorted(KERNEL_DIR.glob("**/*.cu"))
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for any other device): launch-shape choices."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def arch_of(device: torch.device | int | None = None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     # Arch-specific ("a") targets only where the family needs them for its fast instructions.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..quant import nvfp4_dequantize
-from .compile import Kernel, compile_kernel
+from .compile import Kernel, compile_kernel, sm_count
 
 MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
 ROWS = 16 * MT
@@ -304,11 +304,6 @@ def choose_rd(splits: int, m: int) -> tuple[int, int] | None:
 WAVE_MARGIN = 0.1  # a narrower tile must fill the last wave by this much more to replace the table's
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def wave_fill(ctas: int, per_sm: int, sms: int) -> float:
     """Share of the CTA slots of the waves a grid of `ctas` occupies that hold a CTA (1.0: whole waves;
     0.0 where no CTA fits an SM)."""
@@ -328,7 +323,7 @@ def _rd_fit_waves(
     mtw, pf = rd
     if mtw == 1:
         return rd
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = sm_count(device)
 
     def fill(w: int) -> float:
         per_sm = _rd_kernel(nt, w, pf, splits).blocks_per_sm(32 * splits, (splits - 1) * w * nt * 512)
