@@ -555,6 +555,203 @@ extern "C" __global__ void __launch_bounds__(KSW * 32)
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane);
 }
 
+// Warpgroup MMA (Hopper, sm_90a only: nvfp4_gemv_wg, nvfp4_gemv_wg_cl). The same work split as
+// nvfp4_gemv with one m16 tile per warp, so a row group's four warps are one warpgroup, and the same
+// per-element arithmetic: each lane dequantises its A fragments exactly as fp4_tile_mma does (the
+// register-A form of wgmma takes mma.sync's m16n8k16 A fragment layout per warp), but one
+// wgmma.mma_async m64n(8 NT)k16 per k-step replaces the NT mma.sync of each of the four warps, and its B
+// operand (the activations) is read by the tensor cores from shared memory: no per-warp B fragment loads,
+// and the mma pipe's issue rate stops bounding M = 32. Weights and scales go straight to registers (as in
+// nvfp4_gemv_rd, PF chunks ahead), activations in shared-memory windows of chunks. The bits equal
+// nvfp4_gemv's wherever the tensor core's k16 step computes what mma.sync's does (the GPU tests assert it
+// bitwise against the other kernels, for every M).
+//
+// Shared activation tile of a chunk, wgmma's K-major layout without swizzle: 8 x 8 core matrices (8 rows
+// of 16 contiguous bytes) at ((s * 2 + hk) * NT + j) * 128 for k-step s, k half hk, n8 tile j. mma
+// k-step s of lane t covers columns 16t + 4s + {0, 1} (k 2t, 2t + 1) and 16t + 4s + {2, 3} (k 2t + 8, 2t
+// + 9), so the 4-byte pair of columns 2q, 2q + 1 (q = 8t + 2s + hk) of row 8j + r goes to core matrix
+// (s, hk, j), row r, bytes 4t .. 4t + 3: the tile is gathered with 4-byte cp.async.
+#define WG_X_BYTES (NT * 1024)
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ unsigned long long wg_desc(u32 smem_addr) {
+  // Matrix descriptor: start >> 4 in bits 0..13, leading (K-direction core-matrix stride) >> 4 in
+  // 16..29, stride (N-direction) >> 4 in 32..45, no swizzle (bits 62..63 = 0).
+  const unsigned long long lead = NT * 128, stride = 128;
+  return (unsigned long long)((smem_addr & 0x3FFFF) >> 4) | ((lead >> 4) << 16) | ((stride >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// acc[j][e] += A (this warp's m16 x k16 fragment) x B (k16 x 8 NT from shared memory), as NT mma.sync.
+__device__ __forceinline__ void wgmma_k16(float (*acc)[4], const u32* a, unsigned long long desc) {
+#if NT == 1
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+      : "memory");
+#elif NT == 2
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, "
+      "p, 1, 1, 0;\n}\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]),
+        "+f"(acc[1][2]), "+f"(acc[1][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+      : "memory");
+#elif NT == 3
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11}, "
+      "{%12,%13,%14,%15}, %16, p, 1, 1, 0;\n}\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]),
+        "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+      : "memory");
+#else
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,"
+      "%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]), "+f"(acc[1][0]), "+f"(acc[1][1]),
+        "+f"(acc[1][2]), "+f"(acc[1][3]), "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc)
+      : "memory");
+#endif
+}
+
+// fp4_tile_mma's dequantisation of one m16 tile's chunk: 4 k-steps x the 4 A registers.
+__device__ __forceinline__ void fp4_tile_dequant(u32 (*a)[4], const uint4& wv, u32 sv) {
+  const u32 sg = scale2(sv, 0x4040), sg8 = scale2(sv, 0x4141);
+  const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    u32 A, B, Cr, D;
+    dequant8(words[s], A, B, Cr, D);
+    a[s][0] = bmul2(A, sg);
+    a[s][1] = bmul2(B, sg8);
+    a[s][2] = bmul2(Cr, sg);
+    a[s][3] = bmul2(D, sg8);
+  }
+}
+#endif
+
+// grid (ceil(RG / RGW), S), block 128 * RGW (warpgroup r = row group blockIdx.x * RGW + r, its warp p =
+// m16 tile p), dynamic smem max(xw * WG_X_BYTES, the cluster epilogue's). The activation tiles of a
+// window of xw chunks (the whole slice where it fits; xw a multiple of PF) are gathered into shared memory
+// at once; then every warp runs through the window's chunks without a barrier: weights PF chunks ahead in
+// registers, each chunk's dequant overlapping the previous chunk's wgmma (two A register sets alternating
+// by chunk parity, so PF is even). One async-proxy fence and barrier per window: fence.proxy.async
+// compiles to a MEMBAR that waits for every load in flight, and once per chunk (the first version, a
+// cp.async ring) it drained the weight prefetch.
+template <bool kCluster>
+__device__ __forceinline__ void nvfp4_gemv_wg_body(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                                                   const float* __restrict__ gs, const bf16* __restrict__ x,
+                                                   bf16* __restrict__ out, float* __restrict__ partial, int M,
+                                                   int N, int K, int RG, int C, int cps, int xw) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint4 smem[];
+  char* xs = reinterpret_cast<char*>(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int p = warp & 3;  // m16 tile of the warpgroup's row group
+  const int rg = blockIdx.x * RGW + (warp >> 2);
+  // The last CTA's idle warpgroups (rg >= RG) run on row group 0's weights and store nothing: no branch
+  // around the wgmma, which ptxas would otherwise serialize (a divergent path to it).
+  const bool active = rg < RG;
+  const int c0 = blockIdx.y * cps;
+  const int nc = max(0, min(C, c0 + cps) - c0);
+  const size_t unit = ((size_t)(active ? rg : 0) * C + c0) * MT + p;
+  const uint4* wp = qw + unit * 32 + lane;
+  const unsigned short* sp = qs + unit * 32 + lane;
+
+  uint4 wr[PF];
+  u32 sr[PF];
+  auto load_w = [&](int slot, int i) {  // weights + scales of chunk c0 + i: no earlier kernel writes them
+    wr[slot] = ld_stream16(wp + (size_t)PROBE_CHUNK(i) * MT * 32);
+    sr[slot] = ld_stream2(sp + (size_t)PROBE_CHUNK(i) * MT * 32);
+  };
+  auto load_window = [&](int w0, int n) {  // activation tiles of chunks c0 + w0 .. + n - 1, 4 bytes a copy
+    for (int q = threadIdx.x; q < n * NT * 256; q += RGW * 128) {
+      const int ci = q / (NT * 256), row = (q >> 5) % (NT * 8), pc = q & 31;  // pc = 8t + 2s + hk
+      const int col = (c0 + w0 + ci) * 64 + 2 * pc;
+      const bool ok = row < M && col < K;
+      const u32 dst = (u32)__cvta_generic_to_shared(xs + ci * WG_X_BYTES +
+                                                    ((((pc >> 1) & 3) * 2 + (pc & 1)) * NT + (row >> 3)) * 128 +
+                                                    (row & 7) * 16 + (pc >> 3) * 4);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
+                   "l"(ok ? x + (size_t)row * K + col : x), "r"(ok ? 4 : 0));
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the tensor cores
+    __syncthreads();
+  };
+
+  float acc[1][NT][4] = {};
+  u32 a[2][4][4];
+  auto step = [&](int u, int i) {  // chunk i: register slot u = i % PF, A set u & 1
+    if (i + PF - 1 < nc) load_w((u + PF - 1) % PF, i + PF - 1);
+    wg_wait<1>();  // chunk i - 2's wgmma, the last reader of this A set, is done
+    fp4_tile_dequant(a[u & 1], wr[u], sr[u]);
+    const u32 base = (u32)__cvta_generic_to_shared(xs + (i % xw) * WG_X_BYTES);
+    wg_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma_k16(acc[0], a[u & 1][s], wg_desc(base + s * 2 * NT * 128));
+    wg_commit();
+  };
+
+#pragma unroll
+  for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (i < nc) load_w(i, i);
+  pdl_wait();
+  for (int i0 = 0; i0 < nc; i0 += PF) {
+    if (i0 % xw == 0) {
+      if (i0 > 0) {
+        wg_wait<0>();     // every wgmma of the window is done ...
+        __syncthreads();  // ... in every warp, before the next window overwrites it
+      }
+      load_window(i0, min(xw, nc - i0));
+    }
+#pragma unroll
+    for (int u = 0; u < PF; ++u)
+      if (i0 + u < nc) step(u, i0 + u);
+  }
+  wg_wait<0>();
+  pdl_trigger();
+  if (kCluster) {
+    cluster_reduce_store<RGW, 1>(acc, gs, DQ_UNSCALE, blockIdx.x * RGW, out, M, N, lane, warp);
+  } else if (active) {
+    store_tile<1>(acc, gs, out, partial, M, N, (rg * MT + p) * 16, lane, DQ_UNSCALE);
+  }
+#else
+  __trap();  // wgmma needs sm_90a; linear.py launches these only from an sm_90a cubin
+#endif
+}
+
+#ifndef WG_MINB
+#define WG_MINB 1  // nvfp4_gemv_wg: CTAs per SM the register allocation must allow
+#endif
+extern "C" __global__ void __launch_bounds__(RGW * 128, WG_MINB)
+    nvfp4_gemv_wg(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
+                  float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps, int xw) {
+  nvfp4_gemv_wg_body<false>(qw, qs, gs, x, out, partial, M, N, K, RG, C, cps, xw);
+}
+
+extern "C" __global__ void __launch_bounds__(RGW * 128, WG_MINB)
+    nvfp4_gemv_wg_cl(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                     const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
+                     int N, int K, int RG, int C, int cps, int xw) {
+  nvfp4_gemv_wg_body<true>(qw, qs, gs, x, out, nullptr, M, N, K, RG, C, cps, xw);
+}
+
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
 // g+8 are 32 contiguous bytes each, so no repacking is needed. grid (RG, S), block 32 * KW: CTA (rg, s)
 // covers row group rg and split-K slice s, its KW warps take the slice's chunks round-robin and are summed
