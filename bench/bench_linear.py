@@ -99,9 +99,6 @@ def config_kwargs(cfg: str) -> dict:
     if cfg[0] == "c":  # "clTxR" / "cTxR": cluster-reduced / cross-CTA with T m16 tiles per warp, R row groups
         tpw, rgw = (int(v) for v in cfg[2 if cfg.startswith("cl") else 1 :].split("x"))
         return dict(rd=False, cluster=cfg.startswith("cl"), tpw=tpw, rgw=rgw)
-    if cfg.startswith("w"):  # "wRxWxP" / "wcRxWxP": warpgroup MMA (sm_90a), RGW x window x PF; c: no clusters
-        wg = tuple(int(v) for v in cfg[2 if cfg.startswith("wc") else 1 :].split("x"))
-        return dict(wg=wg, **({"cluster": False} if cfg.startswith("wc") else {}))
     if cfg.startswith("r"):
         return dict(rd=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))

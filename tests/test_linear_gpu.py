@@ -169,29 +169,6 @@ def test_split_k_variants_equal_cross_cta(splits):
             assert torch.equal(y, cross), (m, rd)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="wgmma: sm_90 only"
-)
-@pytest.mark.parametrize("splits", [1, 2, 5, 16])
-def test_warpgroup_mma_gives_the_same_bits(splits):
-    """nvfp4_gemv_wg(_cl) (Hopper wgmma, the activations read by the tensor cores from shared memory) gives
-    the bits of the mma.sync kernels for every M, warpgroups per CTA (idle ones in the last CTA), ring
-    window (several windows per slice included) and prefetch depth, with and without the cluster
-    reduction."""
-    gen = torch.Generator(DEV).manual_seed(31 + splits)
-    n, k = 64 * 9 + 19, 16 * 16 * splits + 16 * 3  # 10 row groups; a short last slice
-    w, s, s2 = rand_nvfp4(n, k, gen)
-    packed = pack_nvfp4(w, s, s2, splits=splits)
-    for m in (1, 2, 7, 8, 9, 16, 17, 24, 31, 32):
-        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        cross = nvfp4_linear(x, packed, rd=False, cluster=False)
-        assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
-        for cfg in ((1, 0, 2), (2, 2, 2), (4, 4, 4), (2, 6, 2)):
-            for cluster in (None, False):
-                y = nvfp4_linear(x, packed, out=poisoned(m, n), wg=cfg, cluster=cluster)
-                assert torch.equal(y, cross), (m, cfg, cluster)
-
-
 def test_bf16_batch_invariant():
     gen = torch.Generator(DEV).manual_seed(5)
     n, k = 150, 16 * 41

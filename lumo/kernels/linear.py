@@ -333,11 +333,8 @@ def _rd_fit_waves(
 
 
 @functools.cache
-def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0, minb: int = 1) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits} | (
-        {"RD_MINB": minb} if minb > 1 else {}
-    )
-    return _compile("nvfp4_gemv_rd", defines, probe)
+def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
+    return _compile("nvfp4_gemv_rd", {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}, probe)
 
 
 def nvfp4_linear(
@@ -351,7 +348,6 @@ def nvfp4_linear(
     probe: int = 0,
     splits: int | None = None,
     tpw: int | None = None,
-    wg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
@@ -363,7 +359,6 @@ def nvfp4_linear(
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
-    `wg`: (RGW, XW, PF) forces the warpgroup-MMA kernel (Hopper, sm_90a: nvfp4_gemv_wg(_cl)).
     `splits` (bench/bench_linear.py --splits) launches with that many split-K slices instead of the weight's
     own `choose_splits`: another K order, so other result bits; never set by the library.
     """
@@ -385,20 +380,15 @@ def nvfp4_linear(
         rd = choose_rd(splits, m)
         if rd:
             rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device)
-    if wg is not None:
-        _launch_wg(x, packed, out, splits, wg, cluster, probe)
-        return out
     if rd:
-        if not isinstance(rd, tuple) or len(rd) not in (2, 3) or rd[0] not in (1, 2, 4) or min(rd[1:]) < 1:
-            raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1[; MINB >= 1]), got {rd!r}")
-        mtw, pf, minb = (*rd, 1)[:3]
+        if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
+            raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
+        mtw, pf = rd
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
         shmem = (splits - 1) * mtw * nt * 512
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
-        _rd_kernel(nt, mtw, pf, splits, probe, minb).launch(
-            rg * MT // mtw, 32 * splits, args, shmem, pdl=True
-        )
+        _rd_kernel(nt, mtw, pf, splits, probe).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
     if cluster is None:  # H200: M = 32 4-18 % faster per shape, verify 15.36 -> 14.66 ms; M <= 8 +-4 %
         cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
@@ -439,67 +429,6 @@ def nvfp4_linear(
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)
     return out
-
-
-@functools.cache
-def _wg_kernel(name: str, nt: int, rgw: int, pf: int, minb: int, probe: int = 0) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "RGW": rgw, "PF": pf, "WG_MINB": minb}
-    return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}), arch="sm_90a")
-
-
-def wg_available(device: torch.device) -> bool:
-    """wgmma (the warpgroup MMA of nvfp4_gemv_wg) exists on sm_90 (Hopper) only, through sm_90a cubins."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-
-
-WG_WINDOW_BYTES = 96 << 10  # nvfp4_gemv_wg: activation window per CTA (two CTAs per H200 SM)
-
-
-def _launch_wg(
-    x: torch.Tensor,
-    packed: PackedNVFP4,
-    out: torch.Tensor,
-    splits: int,
-    cfg: tuple[int, ...],
-    cluster: bool | None,
-    probe: int = 0,
-) -> None:
-    """nvfp4_gemv_wg(_cl): RGW row groups (warpgroups) per CTA, windows of XW chunks' activations in shared
-    memory (0: as many as WG_WINDOW_BYTES holds), PF chunks of weights in flight per warp (even). Launch
-    choices only: the same bits as the other kernels (tested)."""
-    rgw, xw, pf, minb = (*cfg, 1)[:4]
-    if not wg_available(x.device):
-        raise RuntimeError("the warpgroup-MMA GEMV needs an sm_90 (Hopper) GPU")
-    if rgw not in (1, 2, 4) or xw < 0 or pf < 2 or pf % 2:
-        raise ValueError(f"wg must be (RGW in 1, 2, 4; XW >= 0; PF even), got {cfg!r}")
-    m, rg, chunks = x.shape[0], packed.row_groups, packed.chunks
-    nt, cps = -(-m // 8), -(-chunks // splits)
-    tile = nt * 1024
-    budget = WG_WINDOW_BYTES if minb == 1 else 228 * 1024 // minb - 2048
-    xw = xw or max(pf, budget // tile)
-    xw = max(pf, min(xw, -(-cps // pf) * pf) // pf * pf)  # a multiple of PF, no longer than the slice needs
-    grid = (-(-rg // rgw), splits, 1)
-    args = [packed.qw, packed.qs, packed.gs, x, out]
-    tail = [m, packed.n, packed.k, rg, chunks, cps, xw]
-    if xw * tile > smem_limit(x.device):
-        raise ValueError(f"wg window of {xw} chunks needs {xw * tile} bytes of shared memory")
-    if splits > 1 and cluster is not False:
-        shmem = max(xw * tile, rgw * MT * nt * 512)
-        kern = _wg_kernel("nvfp4_gemv_wg_cl", nt, rgw, pf, minb, probe)
-        if kern.max_cluster_size(grid, 128 * rgw, shmem) >= splits:
-            kern.launch(grid, 128 * rgw, args + tail, shmem, pdl=True, cluster=(1, splits, 1))
-            return
-    part = out
-    if splits > 1:
-        part = packed.partial if splits == packed.splits else None
-        if part is None:
-            part = torch.empty(splits, SMALL_M, packed.n, device=x.device)
-            if splits == packed.splits:
-                packed.partial = part
-    kern = _wg_kernel("nvfp4_gemv_wg", nt, rgw, pf, minb, probe)
-    kern.launch(grid, 128 * rgw, args + [part] + tail, xw * tile, pdl=True)
-    if splits > 1:
-        _reduce(part, packed.gs, out, m, packed.n, splits)
 
 
 def _prefill(x: torch.Tensor, packed: PackedNVFP4, out: torch.Tensor) -> torch.Tensor:
