@@ -67,10 +67,12 @@ HEADS = [
 
 
 @pytest.mark.parametrize("nh,nkv,d", HEADS, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in HEADS])
-@pytest.mark.parametrize("length", [0, 1, 255, 256, 300, 1111])
+@pytest.mark.parametrize("length", [0, 1, 255, 256, 300, 1111, -1111])
 @pytest.mark.parametrize("T", [1, 7, 32])
 def test_decode_matches_reference(nh, nkv, d, length, T):
-    kc, vc, q, gate, mask = setup(length + 40, T, nh, nkv, d, seed=length * 100 + T + nh)
+    max_len = length + 40 if length >= 0 else 16384  # -n: length n in a long cache (split query rows)
+    length = abs(length)
+    kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length * 100 + T + nh)
     use_gate = (length + T) % 2 == 0
     out = torch.full_like(q, float("nan"))
     got = attn_decode(q, kc, vc, length_t(length), mask, gate=gate if use_gate else None, out=out)
@@ -79,10 +81,17 @@ def test_decode_matches_reference(nh, nkv, d, length, T):
 
 
 @pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (24, 4, 256)], ids=["nh4-nkv2-d64", "nh24-nkv4-d256"])
-@pytest.mark.parametrize("length", [5, 250, 513])
-def test_tree_rows_equal_plain_decode_bitwise(nh, nkv, d, length):
+@pytest.mark.parametrize(
+    "length,max_len",
+    [(5, 69), (250, 314), (513, 577), (300, 16384), (1100, 16384), (9000, 16384)],
+    ids=["5", "250", "513", "300-of-16k", "1100-of-16k", "9000-of-16k"],
+)
+def test_tree_rows_equal_plain_decode_bitwise(nh, nkv, d, length, max_len):
+    """Also where a long cache holds a short prefix (the runner's case): fewer chunks below the length
+    than chunk slots, so the slot CTAs split a tree's query rows among them (attention.cu), while plain
+    decode (one row) keeps whole chunks per CTA; 9000 of 16k has more chunks than slots."""
     T = 32
-    kc, vc, q, gate, mask = setup(length + 64, T, nh, nkv, d, seed=length + d)
+    kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + d)
     tree = attn_decode(q, kc, vc, length_t(length), mask, gate=gate)
     masks = mask.tolist()
     for i in range(T):

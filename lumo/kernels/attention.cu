@@ -13,11 +13,13 @@
 // its ancestors were committed. (An mma's output row i depends on A row i and its column j on B column j
 // only: a query row's bits do not depend on where in a tile it sits.)
 //
-// Work split (attn_decode_chunk): CTA = (kv head, y). y < T: row y's tail chunks (those holding position
-// len and after: the row's own tree keys). y >= T: a slot of the chunks wholly below len, which every row
-// sees alike: the CTA reads each K/V row once and serves all T rows' query heads from it (tree verify reads
-// its prefix once, not T times). A slot CTA walks chunks z, z + slots, ..., so a captured graph replays for
-// any len and the grid need not be sized by the cache capacity; CTAs past a short cache only exit.
+// Work split (attn_decode_chunk): CTA = (kv head, y). y < slots: a slot of the chunks wholly below len,
+// which every row sees alike: the CTA reads each K/V row once and serves many rows' query heads from it
+// (tree verify reads its prefix once per chunk, not T times). A slot CTA walks chunks z, z + slots, ...
+// for all rows, or, where fewer chunks than slots lie below len, takes one (chunk, group of query tiles)
+// item, so a short prefix still spreads over the slots. y >= slots: row y - slots's tail chunks (those
+// holding position len and after: the row's own tree keys). A captured graph replays for any len, the
+// grid need not be sized by the cache capacity, and CTAs without work only exit.
 //
 // Tensor cores (mma.sync m16n8k16 bf16, fp32 accumulate). A warp's SUB = 16 keys are one P.V k-step; query
 // rows (head h*G + r%G of row r/G for query row r) go through in m16 tiles:
@@ -321,10 +323,15 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
   asm volatile("cp.async.wait_group 0;\n" ::);  // nothing in flight into shared memory at exit
 }
 
-// Grid (nkv, T + slots). CTA (h, y < T): row y's tail chunks, from the one holding position len to its
-// last key (at most two: a row has <= 64 tree keys), with the row's own keys. CTA (h, T + z): the chunks
-// wholly below len, z, z + slots, ..., for all T rows at once: their K/V rows are read once per CTA, not
-// once per row (a 32-row tree verify would otherwise read its prefix 32 times).
+// Grid (nkv, slots + T). CTA (h, z < slots): a slot of the chunks wholly below len, which every row sees
+// alike: its K/V rows are read once per CTA and serve many rows (a 32-row tree verify would otherwise
+// read its prefix 32 times). With at least `slots` such chunks, CTA z walks chunks z, z + slots, ... for
+// all T rows. With fewer (short caches, where a 32-row verify had ~8 busy CTAs per head running 24
+// query passes each), the slots split the rows too: item i = (chunk i % nb, tile group i / nb) of
+// groups of whole m16 query tiles, one item per CTA; a (row, chunk) partial is still computed once, by
+// the same per-row arithmetic. CTA (h, slots + y): row y's tail chunks, from the one holding position
+// len to its last key (at most two: a row has <= 64 tree keys), with the row's own keys. The heavy slot
+// CTAs come first in launch order; CTAs without work only exit, so a captured graph replays for any len.
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_decode_chunk(const bf16* __restrict__ q,          // [T, nkv*G, D]
                       const bf16* __restrict__ kc,         // [max_len, nkv, D]
@@ -335,20 +342,42 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       float* __restrict__ part_ml,         // [T, nkv*G, nch, 2]
                       int nkv, int max_len, int nch, int T) {
   extern __shared__ float smem[];  // SMEM_BYTES (82 KB at d = 256: dynamic)
-  const int h = blockIdx.x, y = blockIdx.y, nh = nkv * G;
+  const int h = blockIdx.x, slots = gridDim.y - T, nh = nkv * G;
   const int len = min(*length, nch * CHUNK);
   const size_t kv_row = (size_t)nkv * D;
   const bf16* kbase = kc + h * D;
   const bf16* vbase = vc + h * D;
-  if (y < T) {
-    const u64 mk = (u64)mask[y];
-    const int n = min(len + __popcll(mk), nch * CHUNK);  // keys of row y
-    chunk_partials(len / CHUNK, 1, (n + CHUNK - 1) / CHUNK, y * G, y * G + G, n, len, mk, q, kbase, vbase,
-                   kv_row, max_len, h, nh, nch, part_acc, part_ml, smem);
+  // This CTA's chunks c0, c0 + cstep, ... < cend for query rows [qlo, qhi), keys < n in slots (len, mk).
+  int c0, cstep = 1, cend, qlo, qhi, n = len;
+  u64 mk = 0;
+  if (blockIdx.y >= slots) {  // tail CTA of row y
+    const int y = blockIdx.y - slots;
+    mk = (u64)mask[y];
+    n = min(len + __popcll(mk), nch * CHUNK);  // keys of row y
+    c0 = len / CHUNK;
+    cend = (n + CHUNK - 1) / CHUNK;
+    qlo = y * G;
+    qhi = qlo + G;
   } else {
-    chunk_partials(y - T, gridDim.y - T, len / CHUNK, 0, T * G, len, len, 0, q, kbase, vbase, kv_row, max_len,
-                   h, nh, nch, part_acc, part_ml, smem);
+    const int z = blockIdx.y, nb = len / CHUNK, rows = T * G, tiles = (rows + 15) / 16;
+    const int groups_max = nb > 0 ? min(tiles, max(1, slots / nb)) : 1;
+    if (groups_max == 1) {  // every row, chunks z, z + slots, ...
+      c0 = z;
+      cstep = slots;
+      cend = nb;
+      qlo = 0;
+      qhi = rows;
+    } else {  // item z: chunk z % nb, the z / nb-th group of `per` m16 query tiles
+      const int per = (tiles + groups_max - 1) / groups_max;
+      if (z >= nb * ((tiles + per - 1) / per)) return;
+      c0 = z % nb;
+      cend = c0 + 1;
+      qlo = z / nb * per * 16;
+      qhi = min(rows, qlo + per * 16);
+    }
   }
+  chunk_partials(c0, cstep, cend, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
+                 part_ml, smem);
 }
 
 // out[t, hq] = (sum_c acc_c e^(m_c - M)) / (sum_c l_c e^(m_c - M)) over row t's chunks, times

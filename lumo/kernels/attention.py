@@ -51,10 +51,10 @@ def _shmem(d: int) -> int:
 
 
 def chunk_slots(nkv: int, nch: int, sms: int) -> int:
-    """CTAs per kv head along the chunks below the committed length, each serving every row (launch choice
-    only: a CTA walks chunks z, z + slots, ...). About two CTAs per SM in all (the chunk kernel is
-    register-bound at one resident CTA per SM for d = 256): long caches stream on every SM, short ones
-    leave few CTAs that only exit."""
+    """CTAs per kv head along the chunks below the committed length (launch choice only: a CTA walks
+    chunks z, z + slots, ..., or where there are fewer chunks than slots takes one (chunk, query tiles)
+    item). About two CTAs per SM in all (the chunk kernel is register-bound at one resident CTA per SM
+    for d = 256): long caches stream on every SM, short ones split the rows of a tree verify."""
     return max(1, min(nch, -(-2 * sms // nkv)))
 
 
@@ -114,7 +114,7 @@ def attn_decode(
     chunk_k, merge_k = _kernels(d, nh // nkv)
     slots = chunk_slots(nkv, nch, sm_count(q.device))
     chunk_k.launch(
-        (nkv, T + slots),
+        (nkv, slots + T),
         THREADS,
         (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch, T),
         shmem=_shmem(d),
