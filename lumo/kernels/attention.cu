@@ -381,54 +381,76 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 // out[t, hq] = (sum_c acc_c e^(m_c - M)) / (sum_c l_c e^(m_c - M)) over row t's chunks, times
-// sigmoid(gate[t, hq]) when use_gate. CTA = (row x query head, 32 dims); its MERGE_GROUPS warps fold the
-// chunks c = group (mod MERGE_GROUPS) in chunk order, then warp 0 folds the groups in group order: a fixed
-// order for a given key count (long caches: MERGE_GROUPS x 32 independent load streams per CTA).
-extern "C" __global__ void __launch_bounds__(32 * MERGE_GROUPS)
-    attn_decode_merge(const float* __restrict__ part_acc,  // [T, nh, nch, D]
-                      const float* __restrict__ part_ml,   // [T, nh, nch, 2]
-                      const int* __restrict__ length, const long long* __restrict__ mask,
-                      const bf16* __restrict__ gate,  // [T, nh, D], strides (gate_rs, gate_hs, 1)
-                      long long gate_rs, int gate_hs, bf16* __restrict__ out,  // out [T, nh, D]
-                      int nh, int nch, int use_gate) {
+// sigmoid(gate[t, hq]) when use_gate. A CTA covers PER blocks of 32 dims of one (row, query head): its
+// MERGE_GROUPS warps fold the chunks c = group (mod MERGE_GROUPS) in chunk order, then the groups are
+// folded in group order: a fixed order for a given key count, whatever PER is. attn_decode_merge (plain
+// decode, grid (T * nh, D / 32)): PER = 1, many CTAs stream a long cache's partials. attn_decode_merge_head
+// (tree rows, grid (T * nh)): PER = D / 32, a whole head per CTA, so M and L are folded once per head
+// instead of once per 32 dims and the T * nh CTAs are few enough for one wave (session 7: 14.3 -> 6.0 us
+// per 32-row verify call at 1k).
+template <int PER>
+__device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                           const int* __restrict__ length, const long long* __restrict__ mask,
+                                           const bf16* __restrict__ gate, long long gate_rs, int gate_hs,
+                                           bf16* __restrict__ out, int nh, int nch, int use_gate) {
   pdl_trigger();  // the o projection (a PDL-launched GEMV) may start its weight prefetch
-  __shared__ float gm[MERGE_GROUPS][2], ga[MERGE_GROUPS][32];
-  const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31, k = blockIdx.y * 32 + lane;
+  __shared__ float gm[MERGE_GROUPS][2], ga[MERGE_GROUPS][32 * PER];
+  const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31, k0 = blockIdx.y * 32 * PER;
   const int t = blockIdx.x / nh;
   const int n = *length + __popcll((u64)mask[t]);
   const int nc = min((n + CHUNK - 1) / CHUNK, nch);
   const size_t base = (size_t)blockIdx.x * nch;
   float M = -INFINITY;
   for (int c = grp; c < nc; c += MERGE_GROUPS) M = fmaxf(M, part_ml[(base + c) * 2]);
-  float L = 0.0f, A = 0.0f;
-#pragma unroll 4
+  float L = 0.0f, A[PER] = {};
+#pragma unroll(PER == 1 ? 4 : 2)
   for (int c = grp; c < nc; c += MERGE_GROUPS) {
     const float f = expf(part_ml[(base + c) * 2] - M);
     L = fmaf(part_ml[(base + c) * 2 + 1], f, L);
-    A = fmaf(part_acc[(base + c) * D + k], f, A);
+#pragma unroll
+    for (int kb = 0; kb < PER; ++kb) A[kb] = fmaf(part_acc[(base + c) * D + k0 + 32 * kb + lane], f, A[kb]);
   }
   if (lane == 0) {
     gm[grp][0] = M;
     gm[grp][1] = L;
   }
-  ga[grp][lane] = A;
+#pragma unroll
+  for (int kb = 0; kb < PER; ++kb) ga[grp][32 * kb + lane] = A[kb];
   __syncthreads();
-  if (grp) return;
+  if (threadIdx.x >= 32 * PER) return;  // the final fold: one thread per dim of the CTA
   M = -INFINITY;
 #pragma unroll
   for (int i = 0; i < MERGE_GROUPS; ++i) M = fmaxf(M, gm[i][0]);
+  float f[MERGE_GROUPS];
   L = 0.0f;
-  A = 0.0f;
 #pragma unroll
   for (int i = 0; i < MERGE_GROUPS; ++i) {
-    const float f = gm[i][0] == -INFINITY ? 0.0f : expf(gm[i][0] - M);  // groups without chunks: none
-    L = fmaf(gm[i][1], f, L);
-    A = fmaf(ga[i][lane], f, A);
+    f[i] = gm[i][0] == -INFINITY ? 0.0f : expf(gm[i][0] - M);  // groups without chunks: none
+    L = fmaf(gm[i][1], f[i], L);
   }
-  float o = A / L;
-  if (use_gate) {
-    const float gv = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
-    o = o / (1.0f + expf(-gv));
+  for (int j = threadIdx.x; j < 32 * PER; j += 32 * MERGE_GROUPS) {  // (more dims than threads: D > 256)
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MERGE_GROUPS; ++i) a = fmaf(ga[i][j], f[i], a);
+    float o = a / L;
+    const int k = k0 + j;
+    if (use_gate) {
+      const float gv = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
+      o = o / (1.0f + expf(-gv));
+    }
+    out[(size_t)blockIdx.x * D + k] = __float2bfloat16_rn(o);
   }
-  out[(size_t)blockIdx.x * D + k] = __float2bfloat16_rn(o);
+}
+
+#define MERGE_ARGS                                                                                          \
+  const float *__restrict__ part_acc, const float *__restrict__ part_ml, const int *__restrict__ length,    \
+      const long long *__restrict__ mask, const bf16 *__restrict__ gate, long long gate_rs, int gate_hs,    \
+      bf16 *__restrict__ out, int nh, int nch, int use_gate
+// part_acc [T, nh, nch, D], part_ml [T, nh, nch, 2], gate [T, nh, D] with strides (gate_rs, gate_hs, 1),
+// out [T, nh, D].
+extern "C" __global__ void __launch_bounds__(32 * MERGE_GROUPS) attn_decode_merge(MERGE_ARGS) {
+  merge_body<1>(part_acc, part_ml, length, mask, gate, gate_rs, gate_hs, out, nh, nch, use_gate);
+}
+extern "C" __global__ void __launch_bounds__(32 * MERGE_GROUPS) attn_decode_merge_head(MERGE_ARGS) {
+  merge_body<D / 32>(part_acc, part_ml, length, mask, gate, gate_rs, gate_hs, out, nh, nch, use_gate);
 }

@@ -37,11 +37,12 @@ def check_heads(nh: int, nkv: int, d: int) -> None:
 
 
 @functools.cache
-def _kernels(d: int, g: int) -> tuple[Kernel, Kernel]:
+def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel]:
     defines = {"D": d, "G": g}
     return (
         compile_kernel("attention.cu", "attn_decode_chunk", defines),
         compile_kernel("attention.cu", "attn_decode_merge", defines),
+        compile_kernel("attention.cu", "attn_decode_merge_head", defines),
     )
 
 
@@ -111,7 +112,7 @@ def attn_decode(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
-    chunk_k, merge_k = _kernels(d, nh // nkv)
+    chunk_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
     slots = chunk_slots(nkv, nch, sm_count(q.device))
     chunk_k.launch(
         (nkv, slots + T),
@@ -120,8 +121,9 @@ def attn_decode(
         shmem=_shmem(d),
     )
     g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
-    merge_k.launch(
-        (T * nh, d // 32),
+    # Plain decode: a CTA per 32 dims; tree rows: a whole head per CTA (attention.cu). The same bits.
+    (merge_k if T == 1 else merge_head_k).launch(
+        (T * nh, d // 32 if T == 1 else 1),
         _MERGE_THREADS,
         (acc, ml, length, mask, q if gate is None else gate, ctypes.c_longlong(g_rs), g_hs, out, nh, nch)
         + (int(gate is not None),),
