@@ -89,7 +89,8 @@ def test_decode_matches_reference(nh, nkv, d, length, T):
 def test_tree_rows_equal_plain_decode_bitwise(nh, nkv, d, length, max_len):
     """Also where a long cache holds a short prefix (the runner's case): fewer chunks below the length
     than chunk slots, so the slot CTAs split a tree's query rows among them (attention.cu), while plain
-    decode (one row) keeps whole chunks per CTA; 9000 of 16k has more chunks than slots."""
+    decode (one row) keeps whole chunks per CTA; 9000 of 16k keeps whole chunks for the tree rows too
+    (more than half as many chunks as slots)."""
     T = 32
     kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + d)
     tree = attn_decode(q, kc, vc, length_t(length), mask, gate=gate)

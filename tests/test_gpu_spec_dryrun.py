@@ -25,6 +25,8 @@ from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import accept, build_tree
 from lumo.weights import load_model
 
+ATTENTION_KERNELS = ("attn_decode_chunk", "attn_decode_merge", "attn_decode_merge_head")  # attention._kernels
+
 # The modules themselves (lumo.kernels re-exports functions under some module names, e.g. gdn_tree).
 attention, conv, gdn, gdn_tree, linear, norms, rope_kv, sampling, tree_ops = (
     importlib.import_module(f"lumo.kernels.{m}")
@@ -70,8 +72,8 @@ def stubbed(monkeypatch):
         kern.tree = holder.get("tree")
         return kern
 
-    def attn_pair(*a, **k):
-        return StubKernel("attn_decode_chunk", log, gen, 0), StubKernel("attn_decode_merge", log, gen, 0)
+    def attn_kernels(*a, **k):  # attention._kernels: chunk, merge (plain decode), merge (tree rows)
+        return tuple(StubKernel(n, log, gen, 0) for n in ATTENTION_KERNELS)
 
     def named(name):
         return lambda *a, **k: factory(name)
@@ -83,7 +85,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(gdn, "_kernel", named("gdn_recurrent"))
     monkeypatch.setattr(gdn_tree, "_kernel", named("gdn_tree"))
     monkeypatch.setattr(tree_ops, "_kernel", lambda *a, **k: factory(a[0]))
-    monkeypatch.setattr(attention, "_kernels", attn_pair)
+    monkeypatch.setattr(attention, "_kernels", attn_kernels)
     monkeypatch.setattr(sampling, "_kernel", lambda *a, **k: factory(a[0]))
     return log, holder
 

@@ -7,7 +7,7 @@
 // Split-K over FIXED chunks of logical positions: chunk c = positions [c*CHUNK, (c+1)*CHUNK), whatever len
 // and T are. Inside a chunk, warp `sub` owns positions [c*CHUNK + sub*SUB, +SUB): it computes their scores,
 // max, exps, sum and P.V; the NSUB sub-partials are combined in sub order, the chunks by attn_decode_merge
-// in a fixed order of chunk indices. Everything a query row computes is a function of (its q, its n_t keys
+// (or attn_decode_merge_head: the same fold) in a fixed order of chunk indices. Everything a query row computes is a function of (its q, its n_t keys
 // in position order) only: T, the row's index, the other rows and which CTA, warp or lane serves it never
 // enter its arithmetic (batch invariant), and a tree row equals the plain decode of the same token after
 // its ancestors were committed. (An mma's output row i depends on A row i and its column j on B column j
@@ -16,8 +16,8 @@
 // Work split (attn_decode_chunk): CTA = (kv head, y). y < slots: a slot of the chunks wholly below len,
 // which every row sees alike: the CTA reads each K/V row once and serves many rows' query heads from it
 // (tree verify reads its prefix once per chunk, not T times). A slot CTA walks chunks z, z + slots, ...
-// for all rows, or, where fewer chunks than slots lie below len, takes one (chunk, group of query tiles)
-// item, so a short prefix still spreads over the slots. y >= slots: row y - slots's tail chunks (those
+// for all rows, or, where at most half as many chunks as slots lie below len, takes one (chunk, group of
+// query tiles) item, so a short prefix still spreads over the slots. y >= slots: row y - slots's tail chunks (those
 // holding position len and after: the row's own tree keys). A captured graph replays for any len, the
 // grid need not be sized by the cache capacity, and CTAs without work only exit.
 //
@@ -61,9 +61,10 @@
 #define THREADS (32 * NSUB)
 #define KU (D / 32)       // 16-byte K loads per key and lane (two Q.K k-steps each)
 #define VW (D / 64)       // 16-byte V loads per key and lane (four P.V m16 tiles each)
-#define MERGE_GROUPS 8    // attn_decode_merge: chunk residues folded in parallel, then in order
+#define MERGE_GROUPS 8    // the merge kernels: chunk residues folded in parallel, then in order
 
-static_assert(D % 64 == 0 && G >= 1 && G <= 16, "attention.cu: d in {64, 128, 256}, 1 <= G <= 16");
+static_assert((D == 64 || D == 128 || D == 256) && G >= 1 && G <= 16,
+              "attention.cu: d in {64, 128, 256}, 1 <= G <= 16");
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
@@ -326,8 +327,8 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
 // Grid (nkv, slots + T). CTA (h, z < slots): a slot of the chunks wholly below len, which every row sees
 // alike: its K/V rows are read once per CTA and serve many rows (a 32-row tree verify would otherwise
 // read its prefix 32 times). With at least `slots` such chunks, CTA z walks chunks z, z + slots, ... for
-// all T rows. With fewer (short caches, where a 32-row verify had ~8 busy CTAs per head running 24
-// query passes each), the slots split the rows too: item i = (chunk i % nb, tile group i / nb) of
+// all T rows. With at most half as many (short prefixes, where a 32-row verify had ~8 busy CTAs per head
+// running 24 query passes each), the slots split the rows too: item i = (chunk i % nb, tile group i / nb) of
 // groups of whole m16 query tiles, one item per CTA; a (row, chunk) partial is still computed once, by
 // the same per-row arithmetic. CTA (h, slots + y): row y's tail chunks, from the one holding position
 // len to its last key (at most two: a row has <= 64 tree keys), with the row's own keys. The heavy slot
@@ -428,7 +429,7 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
     f[i] = gm[i][0] == -INFINITY ? 0.0f : expf(gm[i][0] - M);  // groups without chunks: none
     L = fmaf(gm[i][1], f[i], L);
   }
-  for (int j = threadIdx.x; j < 32 * PER; j += 32 * MERGE_GROUPS) {  // (more dims than threads: D > 256)
+  for (int j = threadIdx.x; j < 32 * PER; j += 32 * MERGE_GROUPS) {  // once: 32 * PER <= D <= 256 threads
     float a = 0.0f;
 #pragma unroll
     for (int i = 0; i < MERGE_GROUPS; ++i) a = fmaf(ga[i][j], f[i], a);

@@ -22,7 +22,7 @@ _SUB = 16  # positions per warp (attention.cu)
 _NSUB = CHUNK // _SUB
 THREADS = 32 * _NSUB
 _QROWS = 8  # query rows per cross-warp combine (attention.cu QROWS)
-_MERGE_THREADS = 256  # attn_decode_merge: 8 chunk groups x 32 dims (attention.cu MERGE_GROUPS)
+_MERGE_THREADS = 256  # the merge kernels: 8 chunk groups x 32 lanes (attention.cu MERGE_GROUPS)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built and tested for
 
@@ -53,9 +53,9 @@ def _shmem(d: int) -> int:
 
 def chunk_slots(nkv: int, nch: int, sms: int) -> int:
     """CTAs per kv head along the chunks below the committed length (launch choice only: a CTA walks
-    chunks z, z + slots, ..., or where there are fewer chunks than slots takes one (chunk, query tiles)
-    item). About two CTAs per SM in all (the chunk kernel is register-bound at one resident CTA per SM
-    for d = 256): long caches stream on every SM, short ones split the rows of a tree verify."""
+    chunks z, z + slots, ..., or where at most half as many chunks as slots lie below the length takes
+    one (chunk, query tiles) item). About two CTAs per SM in all (the chunk kernel is register-bound at one
+    resident CTA per SM for d = 256): long caches stream on every SM, short ones split a verify's rows."""
     return max(1, min(nch, -(-2 * sms // nkv)))
 
 
