@@ -7,19 +7,19 @@
 // Split-K over FIXED chunks of logical positions: chunk c = positions [c*CHUNK, (c+1)*CHUNK), whatever len
 // and T are. Inside a chunk, warp `sub` owns positions [c*CHUNK + sub*SUB, +SUB): it computes their scores,
 // max, exps, sum and P.V; the NSUB sub-partials are combined in sub order, the chunks by attn_decode_merge
-// (or attn_decode_merge_head: the same fold) in a fixed order of chunk indices. Everything a query row computes is a function of (its q, its n_t keys
-// in position order) only: T, the row's index, the other rows and which CTA, warp or lane serves it never
-// enter its arithmetic (batch invariant), and a tree row equals the plain decode of the same token after
-// its ancestors were committed. (An mma's output row i depends on A row i and its column j on B column j
-// only: a query row's bits do not depend on where in a tile it sits.)
+// (or attn_decode_merge_head: the same fold) in a fixed order of chunk indices. Everything a query row
+// computes is a function of (its q, its n_t keys in position order) only: T, the row's index, the other rows
+// and which CTA, warp or lane serves it never enter its arithmetic (batch invariant), and a tree row equals
+// the plain decode of the same token after its ancestors were committed. (An mma's output row i depends on A
+// row i and its column j on B column j only: a query row's bits do not depend on where in a tile it sits.)
 //
-// Work split (attn_decode_chunk): CTA = (kv head, y). y < slots: a slot of the chunks wholly below len,
-// which every row sees alike: the CTA reads each K/V row once and serves many rows' query heads from it
-// (tree verify reads its prefix once per chunk, not T times). A slot CTA walks chunks z, z + slots, ...
-// for all rows, or, where at most half as many chunks as slots lie below len, takes one (chunk, group of
-// query tiles) item, so a short prefix still spreads over the slots. y >= slots: row y - slots's tail chunks (those
-// holding position len and after: the row's own tree keys). A captured graph replays for any len, the
-// grid need not be sized by the cache capacity, and CTAs without work only exit.
+// Work split (attn_decode_chunk): CTA = (kv head, y). y < slots: a slot of the chunks wholly below len, which
+// every row sees alike: the CTA reads each K/V row once and serves many rows' query heads from it (tree
+// verify reads its prefix once per chunk, not T times). A slot CTA walks chunks z, z + slots, ... for all
+// rows, or, where at most half as many chunks as slots lie below len, takes one (chunk, group of query tiles)
+// item, so a short prefix still spreads over the slots. y >= slots: row y - slots's tail chunks (those
+// holding position len and after: the row's own tree keys). A captured graph replays for any len, the grid
+// need not be sized by the cache capacity, and CTAs without work only exit.
 //
 // Tensor cores (mma.sync m16n8k16 bf16, fp32 accumulate). A warp's SUB = 16 keys are one P.V k-step; query
 // rows (head h*G + r%G of row r/G for query row r) go through in m16 tiles:

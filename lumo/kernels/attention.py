@@ -122,8 +122,9 @@ def attn_decode(
     )
     g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
     # Plain decode: a CTA per 32 dims; tree rows: a whole head per CTA (attention.cu). The same bits.
-    (merge_k if T == 1 else merge_head_k).launch(
-        (T * nh, d // 32 if T == 1 else 1),
+    merge, dim_blocks = (merge_k, d // 32) if T == 1 else (merge_head_k, 1)
+    merge.launch(
+        (T * nh, dim_blocks),
         _MERGE_THREADS,
         (acc, ml, length, mask, q if gate is None else gate, ctypes.c_longlong(g_rs), g_hs, out, nh, nch)
         + (int(gate is not None),),

@@ -249,13 +249,13 @@ __device__ __forceinline__ float4 ld_cluster4(const float* local, u32 rank) {
   return v;
 }
 
-// Epilogue of the cluster-reduced split-K kernels (nvfp4_gemv_cl, bf16_gemv_cl): CTA s of the cluster
-// (slice s) puts the partials p_s = acc * unscale of its W row groups (rg0 + w) in its shared memory as
-// red[w][i][j][e][lane]: warp v < W * MT / TILES holds the TILES m16 tiles from v * TILES on; after a cluster barrier CTA s sums the s-th share of the entries over
-// the slices in slice order (a = p_0, a += p_1, ...: splitk_reduce's operations) and stores
-// bf16(a * gs[n]) (gs null: 1); a second barrier keeps every CTA's shared memory alive until all reads are
-// done. 4 consecutive lanes share g (lane = 4g + t), so one 16-byte read covers t = 0..3 of one (w, i, j, e).
-// Called by every thread of the CTA.
+// Epilogue of the cluster-reduced split-K kernels (nvfp4_gemv_cl, bf16_gemv_cl): CTA s of the cluster (slice
+// s) puts the partials p_s = acc * unscale of its W row groups (rg0 + w) in its shared memory as
+// red[w][i][j][e][lane]: warp v < W * MT / TILES holds the TILES m16 tiles from v * TILES on; after a cluster
+// barrier CTA s sums the s-th share of the entries over the slices in slice order (a = p_0, a += p_1, ...:
+// splitk_reduce's operations) and stores bf16(a * gs[n]) (gs null: 1); a second barrier keeps every CTA's
+// shared memory alive until all reads are done. 4 consecutive lanes share g (lane = 4g + t), so one 16-byte
+// read covers t = 0..3 of one (w, i, j, e). Called by every thread of the CTA.
 template <int W, int TILES>
 __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
                                                      float unscale, int rg0, bf16* __restrict__ out, int M,
