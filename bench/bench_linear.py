@@ -89,7 +89,8 @@ def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
-    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF."""
+    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF, "sWxMxP" the slice-activations
+    kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P."""
     if cfg == "dflt":
         return {}
     if cfg == "cross":
@@ -101,6 +102,8 @@ def config_kwargs(cfg: str) -> dict:
         return dict(rd=False, cluster=cfg.startswith("cl"), tpw=tpw, rgw=rgw)
     if cfg.startswith("r"):
         return dict(rd=tuple(int(v) for v in cfg[1:].split("x")))
+    if cfg.startswith("s"):  # "sWxMxP": activations in shared memory, W warps of M m16 tiles, PF P
+        return dict(sx=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))
     return dict(stages=st, rgw=rgw, cluster=False)
 

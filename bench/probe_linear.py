@@ -35,11 +35,16 @@ def main() -> None:
     ap.add_argument("--ncu", action="store_true", help="one launch per case between profiler start/stop")
     ap.add_argument("--m", type=int, nargs="*", default=[1, 32])
     ap.add_argument("--probes", nargs="*", default=list(PROBES), choices=list(PROBES))
+    ap.add_argument("--cases", nargs="*", default=["dflt", "cross", "cl"], help="launch variants to run")
+    ap.add_argument("--only", nargs="*", default=[], help="shapes whose name contains one of these")
+    ap.add_argument("--no-cublas", action="store_true", help="skip the cuBLAS peer")
     args = ap.parse_args()
     torch.manual_seed(0)
     bw = None if args.ncu else max(copy_bandwidth().values())
     rows = []
     for name, k, n in SHAPES:
+        if args.only and not any(o in name for o in args.only):
+            continue
         wbytes = n * k // 2 + n * k // 16
         reps = max(20, min(400, int(2e9 / wbytes)))
         packs = random_packed(n, k, 2 if args.ncu else max(2, -(-L2_ROTATE_BYTES // wbytes)))
@@ -51,6 +56,8 @@ def main() -> None:
             for pname in args.probes:
                 probe = PROBES[pname]
                 for cname, kw in cases(m):
+                    if cname not in args.cases:
+                        continue
                     runs.append((f"{pname}/{cname}", probe, kw))
             ref = linear.nvfp4_linear(x, packs[0])
             for label, probe, kw in runs:
@@ -70,6 +77,8 @@ def main() -> None:
                     linear.nvfp4_linear(x, packs[0], out=out, **kw)
                     assert torch.equal(out, ref), f"{name} M={m} {label}: result changed"
                 rows.append((name, m, label, us, 100 * wbytes / (us * 1e-6) / 1e9 / bw))
+            if args.no_cublas:
+                continue
             if args.ncu:
                 torch.matmul(x, wbs[0].t())
                 torch.cuda.synchronize()

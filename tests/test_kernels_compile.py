@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -35,6 +37,23 @@ def test_sources_found():
 def test_compiles(path, defines, arch):
     cubin = compile_to_cubin(path.read_text(), arch, define_options(defines), path.name)
     assert cubin[:4] == b"\x7fELF"
+
+
+LINEAR = next(p for p in kernel_sources() if p.name == "linear.cu")
+LINEAR_KERNELS = re.findall(
+    r'^extern "C" __global__ void(?: __launch_bounds__\([^)]*\))?\s+(\w+)\(', LINEAR.read_text(), re.M
+)
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_121a"])
+def test_linear_compiles_one_kernel_at_a_time(arch):
+    """linear.py builds one kernel per NVRTC call (LUMO_ONLY): each compiles alone and holds only itself."""
+    assert len(LINEAR_KERNELS) >= 9
+    for name in LINEAR_KERNELS:
+        defines = {"NT": 4, "MTW": 2, "PF": 3, "KSW": 4, "SXW": 8, "LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
+        cubin = compile_to_cubin(LINEAR.read_text(), arch, define_options(defines), LINEAR.name)
+        held = [k for k in LINEAR_KERNELS if b"\x00" + k.encode() + b"\x00" in cubin]
+        assert held == [name], (name, held)
 
 
 def test_error_carries_log():

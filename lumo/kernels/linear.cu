@@ -34,6 +34,9 @@
 // the same fp32 operations as splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce, so which of the two
 // runs is a launch choice; it saves the partial buffer's round trip and the second launch.
 //
+// Each extern "C" kernel sits in `#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_<name>)`: linear.py compiles
+// one kernel per NVRTC call (each launch configuration is its own compile), CI compiles them all.
+//
 // lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=1 KSW=16 PF=4
 // lumo:test-defines NT=4 STAGES=3 RGW=8 MTW=4 KSW=8 PF=2
 // lumo:test-defines NT=2 STAGES=3 RGW=4 MTW=2 KSW=4 PF=3 LUMO_PROBE=1
@@ -41,6 +44,8 @@
 // lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=2 KSW=4 PF=2 LUMO_PROBE=3
 // lumo:test-defines NT=4 STAGES=3 RGW=4 TPW=1 MTW=1 KSW=4 PF=2
 // lumo:test-defines NT=2 STAGES=4 RGW=2 TPW=2 MTW=1 KSW=4 PF=2
+// lumo:test-defines NT=1 MTW=1 KSW=8 PF=3 RD_MINB=4
+// lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
 
 #include <cuda_bf16.h>
 
@@ -400,16 +405,19 @@ __device__ __forceinline__ void nvfp4_gemv_body(const uint4* __restrict__ qw, co
   }
 }
 
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv)
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     nvfp4_gemv(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
                float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
   nvfp4_gemv_body<false>(qw, qs, gs, x, out, partial, M, N, K, RG, C, cps);
 }
+#endif
 
 // The same GEMV launched as clusters of the S split-K CTAs of a row-group tile (cluster dims (1, S, 1),
 // sm_90+): the slices' partials stay in shared memory and the cluster sums them through distributed
 // shared memory, so there is no partial buffer and no second launch. Bitwise nvfp4_gemv + splitk_reduce.
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_cl)
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
     nvfp4_gemv_cl(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
@@ -420,6 +428,7 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
   __trap();  // clusters need sm_90; linear.py never launches this below
 #endif
 }
+#endif
 
 #ifndef KSW
 #define KSW 8  // nvfp4_gemv_rd: warps per CTA = split-K slices of the weight
@@ -467,9 +476,16 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 // times). No cp.async, no shared memory and no barrier until the epilogue. It replaced a cp.async-ring
 // version of the same split (nvfp4_gemv_ks, session 3): the H200 profile showed these GEMVs issue-bound
 // (the same time with the weights served from L2), and ~230 of that kernel's ~290 instructions per chunk
-// and warp were ring bookkeeping; this loop has ~85 (MTW 1). Dynamic smem: (S - 1) * MTW * NT * 512 bytes.
+// and warp were ring bookkeeping; this loop has ~72 (MTW 1, PF 3, sm_90: 216 per three chunks, of which 52
+// per chunk are the dequant). Its steady state has no branch and no bounds check: the loads address the chunk
+// by a compile-time offset from pointers moved once per PF chunks (session 8: 84 -> 72 instructions per
+// chunk; the H200's gate+up GEMV 31.3 -> 28.3 us at M = 1 and 55.1 -> 48.2 at M = 32, down 21.5 -> 17.3 at
+// M = 1). Dynamic smem: (S - 1) * MTW * NT * 512 bytes.
 #ifndef PF
 #define PF 4  // nvfp4_gemv_rd: chunks in flight per warp
+#endif
+#ifndef RD_MINB
+#define RD_MINB 1
 #endif
 
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {  // read once: keep it out of L1
@@ -485,7 +501,8 @@ __device__ __forceinline__ u32 ld_stream2(const unsigned short* p) {
   return v;
 }
 
-extern "C" __global__ void __launch_bounds__(KSW * 32)
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_rd)
+extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     nvfp4_gemv_rd(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
                   int N, int K, int C, int cps) {
@@ -498,62 +515,237 @@ extern "C" __global__ void __launch_bounds__(KSW * 32)
   const size_t unit = ((size_t)(tile0 / MT) * C + c0) * MT + tile0 % MT;
   const uint4* wp = qw + unit * 32 + lane;
   const unsigned short* sp = qs + unit * 32 + lane;
-  // B fragments: row 8j + g of x, columns 64c + 16t + 8h (h = 0, 1); rows >= M and columns >= K are zero.
+  // B fragments: row 8j + g of x, columns 64c + 16t + 8h (h = 0, 1). Rows >= M read row 0 instead (an mma
+  // column never mixes with another, and those columns are never stored); columns >= K are zero.
   const bf16* xp[NT];
-  bool xok[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    xok[j] = 8 * j + g < M;
-    xp[j] = x + (size_t)(xok[j] ? 8 * j + g : 0) * K + (size_t)c0 * 64 + 16 * t;
+    const int row = 8 * j + g < M ? 8 * j + g : 0;
+    xp[j] = x + (size_t)row * K + (size_t)c0 * 64 + 16 * t;
   }
+  // Chunks of this slice whose 64 columns all lie below K (K % 16 == 0: only the weight's last chunk can
+  // straddle K): their activation loads need no bounds check.
+  const int nfull = (K % 64 != 0 && c0 + nc == C) ? nc - 1 : nc;
 
   uint4 wr[PF][MTW];
   u32 sr[PF][MTW];
   uint4 xr[PF][NT][2];
-  auto load_w = [&](int slot, int i) {  // weights + scales of chunk c0 + i: no earlier kernel writes them
+  // The loads address chunk i0 + r: the pointers move by PF chunks per loop trip and r is a compile-time
+  // offset after unrolling (no per-chunk address arithmetic).
+  auto load_w = [&](int slot, int r) {  // weights + scales: no earlier kernel writes them
 #pragma unroll
     for (int p = 0; p < MTW; ++p) {
-      wr[slot][p] = ld_stream16(wp + ((size_t)PROBE_CHUNK(i) * MT + p) * 32);
-      sr[slot][p] = ld_stream2(sp + ((size_t)PROBE_CHUNK(i) * MT + p) * 32);
+      wr[slot][p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
+      sr[slot][p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
     }
   };
-  auto load_x = [&](int slot, int i) {
-    const bool kin = (c0 + i) * 64 + 16 * t < K;
+  auto load_x = [&](int slot, int r, bool kin) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        xr[slot][j][h] = xok[j] && kin ? *reinterpret_cast<const uint4*>(xp[j] + (size_t)i * 64 + 8 * h)
-                                       : make_uint4(0u, 0u, 0u, 0u);
+        xr[slot][j][h] = kin ? *reinterpret_cast<const uint4*>(xp[j] + r * 64 + 8 * h)
+                             : make_uint4(0u, 0u, 0u, 0u);
+  };
+  auto advance = [&](int chunks) {
+    if (LUMO_PROBE != 2) {  // the L2-resident probe keeps reading its first two chunks
+      wp += (size_t)chunks * MT * 32;
+      sp += (size_t)chunks * MT * 32;
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) xp[j] += chunks * 64;
   };
 
   float acc[MTW][NT][4] = {};
 
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
-    if (i < nc) load_w(i, i);
+    if (i < nc) load_w(i, PROBE_CHUNK(i));
   pdl_wait();
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)
-    if (i < nc) load_x(i, i);
-  auto step = [&](int u, int i) {  // chunk i (slot u = i % PF); first refill the slot chunk i - 1 used
-    if (i + PF - 1 < nc) {
-      load_w((u + PF - 1) % PF, i + PF - 1);
-      load_x((u + PF - 1) % PF, i + PF - 1);
+    if (i < nc) load_x(i, i, (c0 + i) * 64 + 16 * t < K);
+  // Chunk i0 + u (slot u): first refill the slot chunk i0 + u - 1 used with chunk i0 + u + PF - 1, if any.
+  auto step = [&](int u, int i0, bool fast) {
+    const int r = u + PF - 1;
+    if (fast) {  // the refill exists and lies below nfull: no branch, no bounds check
+      load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
+      load_x(r % PF, r, true);
+    } else if (i0 + r < nc) {
+      load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
+      load_x(r % PF, r, (c0 + i0 + r) * 64 + 16 * t < K);
     }
 #pragma unroll
     for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[u][p], sr[u][p], xr[u]);
   };
   int i0 = 0;
-  for (; i0 + PF <= nc; i0 += PF)
+  for (; i0 + 2 * PF - 2 < nfull; i0 += PF, advance(PF))  // steady state: every refill is fast
 #pragma unroll
-    for (int u = 0; u < PF; ++u) step(u, i0 + u);
+    for (int u = 0; u < PF; ++u) step(u, i0, true);
+  for (; i0 + PF <= nc; i0 += PF, advance(PF))
+#pragma unroll
+    for (int u = 0; u < PF; ++u) step(u, i0, false);
 #pragma unroll
   for (int u = 0; u < PF - 1; ++u)
-    if (i0 + u < nc) step(u, i0 + u);
+    if (i0 + u < nc) step(u, i0, false);
   pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane);
 }
+#endif
+
+// Slice activations in shared memory (nvfp4_gemv_sx, M <= 8 * NT; the verify's M = 32 GEMVs). CTA (b, s)
+// = SXW warps of MTW m16 tiles each (SXW * MTW / MT row groups) and split-K slice s. The register-direct
+// kernel above reads each warp's B fragments from L1 / L2 (at NT = 4 four bytes of activations per weight
+// byte, and a 64-register activation ring); here the slice's activations (cps chunks x NT n8 tiles, 1 KB
+// each) are copied into shared memory once per CTA, in XWIN windows (cp.async, one barrier per window),
+// and every warp reads its fragments with LDS right before use, while it streams its weights straight into
+// registers PF chunks ahead as nvfp4_gemv_rd does. A warp's K order is the same (chunks in order, k-steps in
+// order), and the S slices of a tile are summed in slice order by cluster_reduce_store (clusters of the S
+// CTAs, sm_90+) or through the partials and splitk_reduce: bitwise nvfp4_gemv + splitk_reduce.
+// grid (ceil(RG * MT / (SXW * MTW)), S), block 32 * SXW; dynamic smem max(cps * NT * 1024, the
+// cluster epilogue's SXW * MTW * NT * 512) bytes.
+#ifndef SXW
+#define SXW 8  // nvfp4_gemv_sx: warps per CTA (SXW * MTW a multiple of MT)
+#endif
+#define XWIN 4  // nvfp4_gemv_sx: activation windows (cp.async groups) per slice
+
+__device__ __forceinline__ void cp_async_wait_upto(int n) {  // groups beyond the newest n have landed
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
+template <bool kCluster>
+__device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
+                                                   const unsigned short* __restrict__ qs,
+                                                   const float* __restrict__ gs, const bf16* __restrict__ x,
+                                                   bf16* __restrict__ out, float* __restrict__ partial, int M,
+                                                   int N, int K, int RG, int C, int cps) {
+  static_assert((SXW * MTW) % MT == 0 && MT % MTW == 0, "a CTA holds whole row groups");
+  extern __shared__ uint4 smem[];
+  const char* xs = reinterpret_cast<const char*>(smem);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tile0 = (blockIdx.x * SXW + warp) * MTW;
+  const bool active = tile0 < RG * MT;  // the last CTA may hold idle warps (they still copy and sync)
+  const int c0 = blockIdx.y * cps;
+  const int nc = max(0, min(C, c0 + cps) - c0);
+  const size_t unit = ((size_t)(tile0 / MT) * C + c0) * MT + tile0 % MT;
+  const uint4* wp = qw + unit * 32 + lane;
+  const unsigned short* sp = qs + unit * 32 + lane;
+
+  uint4 wr[PF][MTW];
+  u32 sr[PF][MTW];
+  auto load_w = [&](int slot, int r) {  // chunk i0 + r of this warp's tiles: no earlier kernel writes them
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) {
+      wr[slot][p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
+      sr[slot][p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
+    }
+  };
+
+#pragma unroll
+  for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (active && i < nc) load_w(i, PROBE_CHUNK(i));
+  pdl_wait();
+
+  // The slice's activations: piece (i, j, h, l) (16 bytes: row 8j + g, columns 64(c0 + i) + 16t + 8h of
+  // lane l = 4g + t) at byte ((i * NT + j) * 2 + h) * 512 + 16 l, zero for rows >= M and columns >= K.
+  // Thread q copies the pieces in global order (8 per row: 128 contiguous bytes), window by window.
+  const int wc = (nc + XWIN - 1) / XWIN;  // chunks per window
+#pragma unroll 1
+  for (int w = 0; w < XWIN; ++w) {
+    const int q1 = min(nc, (w + 1) * wc) * NT * 64;
+    for (int q = w * wc * NT * 64 + threadIdx.x; q < q1; q += SXW * 32) {
+      const int seg = q & 7, g = (q >> 3) & 7, j = (q >> 6) % NT, i = (q >> 6) / NT;
+      const int row = 8 * j + g, col = (c0 + i) * 64 + 8 * seg;
+      const bool ok = row < M && col < K;
+      char* dst = reinterpret_cast<char*>(smem) + ((i * NT + j) * 2 + (seg & 1)) * 512;
+      dst += (4 * g + (seg >> 1)) * 16;
+      cp_async16(dst, ok ? x + (size_t)row * K + col : x, ok ? 16 : 0, true);
+    }
+    cp_async_commit();
+  }
+  int ready = 0, win = 0;  // chunks [0, ready) are in shared memory for every warp
+  auto need = [&](int upto) {
+    while (ready < upto) {
+      cp_async_wait_upto(XWIN - 1 - win);
+      __syncthreads();
+      ++win;
+      ready = min(nc, win * wc);
+    }
+  };
+
+  float acc[MTW][NT][4] = {};
+  auto step = [&](int u, int i0, bool refill) {  // chunk i0 + u in slot u; first refill the previous slot
+    const int r = u + PF - 1;
+    if (refill) load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
+    const char* xc = xs + (size_t)(i0 + u) * NT * 1024 + lane * 16;
+    uint4 xv[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) xv[j][h] = *reinterpret_cast<const uint4*>(xc + (j * 2 + h) * 512);
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[u][p], sr[u][p], xv);
+  };
+  auto advance = [&]() {
+    if (LUMO_PROBE != 2) {
+      wp += (size_t)PF * MT * 32;
+      sp += (size_t)PF * MT * 32;
+    }
+  };
+  if (active) {
+    int i0 = 0;
+    for (; i0 + 2 * PF - 2 < nc; i0 += PF, advance()) {  // every refill of the trip exists
+      need(i0 + PF);
+#pragma unroll
+      for (int u = 0; u < PF; ++u) step(u, i0, true);
+    }
+    for (; i0 + PF <= nc; i0 += PF, advance()) {
+      need(i0 + PF);
+#pragma unroll
+      for (int u = 0; u < PF; ++u) step(u, i0, i0 + u + PF - 1 < nc);
+    }
+    need(nc);
+#pragma unroll
+    for (int u = 0; u < PF - 1; ++u)
+      if (i0 + u < nc) step(u, i0, false);
+  } else {
+    need(nc);  // the same barriers as the active warps
+  }
+  pdl_trigger();
+  if (kCluster) {
+    cluster_reduce_store<SXW * MTW / MT, MTW>(acc, gs, DQ_UNSCALE, blockIdx.x * (SXW * MTW / MT), out, M, N,
+                                             lane, warp);
+  } else if (active) {
+    store_tile<MTW>(acc, gs, out, partial, M, N, tile0 * 16, lane, DQ_UNSCALE);
+  }
+}
+
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_sx)
+extern "C" __global__ void __launch_bounds__(SXW * 32)
+    nvfp4_gemv_sx(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
+                  float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
+  nvfp4_gemv_sx_body<false>(qw, qs, gs, x, out, partial, M, N, K, RG, C, cps);
+}
+#endif
+
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_sx_cl)
+extern "C" __global__ void __launch_bounds__(SXW * 32)
+    nvfp4_gemv_sx_cl(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                     const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
+                     int N, int K, int RG, int C, int cps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  nvfp4_gemv_sx_body<true>(qw, qs, gs, x, out, nullptr, M, N, K, RG, C, cps);
+#else
+  __trap();  // clusters need sm_90; linear.py never launches this below
+#endif
+}
+#endif
 
 // Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
 // g+8 are 32 contiguous bytes each, so no repacking is needed. grid (RG, S), block 32 * KW: CTA (rg, s)
@@ -653,12 +845,15 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const
   }
 }
 
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_bf16_gemv)
 extern "C" __global__ void __launch_bounds__(KW * 32)
     bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
               float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
   bf16_gemv_body<false>(w, x, out, partial, M, N, K, C, cps);
 }
+#endif
 
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_bf16_gemv_cl)
 extern "C" __global__ void __launch_bounds__(KW * 32)
     bf16_gemv_cl(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out, int M, int N,
                  int K, int RG, int C, int cps) {
@@ -668,9 +863,11 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
   __trap();  // clusters need sm_90; linear.py never launches this below
 #endif
 }
+#endif
 
 // out[m, n] = bf16(gs[n] * sum_s partial[s, m, n]), slices summed in slice order (batch invariant).
 // PDL-launched after the GEMV: it waits for the partials, nothing else to prefetch.
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_splitk_reduce)
 extern "C" __global__ void splitk_reduce(const float* __restrict__ partial, const float* __restrict__ gs,
                                          bf16* __restrict__ out, int M, int N, int S) {
   pdl_wait();
@@ -681,9 +878,11 @@ extern "C" __global__ void splitk_reduce(const float* __restrict__ partial, cons
   for (int s = 1; s < S; ++s) a += partial[(size_t)s * M * N + idx];
   out[idx] = __float2bfloat16_rn(a * (gs ? gs[idx % N] : 1.0f));
 }
+#endif
 
 // Prefill: rows [rg0 * 16 * MT, ...) of the packed weight -> bf16 out [rows, K] (gs applied in fp32, one
 // rounding). One thread per (row group, chunk, m16 tile, lane): 16 packed bytes -> 2 rows x 16 columns.
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_dequant)
 extern "C" __global__ void nvfp4_dequant(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                                          const float* __restrict__ gs, bf16* __restrict__ out, int rg0,
                                          int nrg, int N, int K, int C) {
@@ -729,3 +928,4 @@ extern "C" __global__ void nvfp4_dequant(const uint4* __restrict__ qw, const uns
     dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
   }
 }
+#endif

@@ -178,7 +178,10 @@ FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 swee
 
 
 def _compile(name: str, defines: dict[str, int], probe: int) -> Kernel:
-    """A linear.cu kernel; `probe` != 0 builds a LUMO_PROBE measurement variant (bench/probe_linear.py)."""
+    """A linear.cu kernel, compiled alone (LUMO_ONLY: NVRTC builds just that kernel of the file; sm_90 on
+    2 CPU cores: 0.06-0.45 s against 2.7 s for the whole file); `probe` != 0 builds a LUMO_PROBE
+    measurement variant (bench/probe_linear.py)."""
+    defines = defines | {"LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
     return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
 
 
@@ -332,9 +335,18 @@ def _rd_fit_waves(
     return (mtw // 2, pf) if fill(mtw // 2) > fill(mtw) + WAVE_MARGIN else rd
 
 
+# Minimum resident CTAs per SM (`__launch_bounds__`) of nvfp4_gemv_rd configs whose natural register
+# count lands a few registers above an occupancy step: (NT, MTW, PF, slices) -> CTAs. The bound keeps the
+# step without a spill in the loop (sm_90 and sm_121a: (1, 1, 3, 8) 69 -> 64 registers, 4 CTAs of 8
+# warps instead of 3; one 8-byte spill outside the loop). A launch choice only (same bits).
+RD_MIN_BLOCKS = {(1, 1, 3, 8): 4, (2, 2, 2, 4): 5, (2, 2, 2, 2): 10, (2, 2, 2, 1): 20}
+
+
 @functools.cache
 def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
-    return _compile("nvfp4_gemv_rd", {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}, probe)
+    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}
+    minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
+    return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
 
 def nvfp4_linear(
@@ -348,6 +360,7 @@ def nvfp4_linear(
     probe: int = 0,
     splits: int | None = None,
     tpw: int | None = None,
+    sx: tuple[int, int, int] | bool | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
@@ -355,7 +368,9 @@ def nvfp4_linear(
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
     `cluster` also turns off the automatic choice of `rd` and picks among the ring kernels: `stages` /
     `rgw` (ring depth, row groups per CTA) and `tpw` (m16 tiles per warp: 1, 2 or 4) of the cross-CTA
-    kernel, `cluster` True / False forces / forbids the cluster-reduced split-K (sm_90+).
+    kernel, `cluster` True / False forces / forbids the cluster-reduced split-K (sm_90+). `sx`: (warps,
+    MTW, PF) forces nvfp4_gemv_sx (the slice's activations in shared memory; cluster-reduced unless
+    `cluster` is False), False keeps the default launch from choosing it.
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -380,6 +395,12 @@ def nvfp4_linear(
         rd = choose_rd(splits, m)
         if rd:
             rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device)
+        elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
+            sx = SX_DEFAULT
+    if sx:
+        if not isinstance(sx, tuple) or len(sx) != 3 or sx[1] not in (1, 2, 4) or (sx[0] * sx[1]) % MT:
+            raise ValueError(f"sx must be (warps, MTW in 1, 2, 4, PF) with warps * MTW a multiple of {MT}")
+        return _launch_sx(x, packed, out, sx, splits, cps, cluster, probe)
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
@@ -426,6 +447,70 @@ def nvfp4_linear(
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe, tpw)
     kern.launch((-(-rg // rgw), splits), block, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
+    if splits > 1:
+        _reduce(part, packed.gs, out, m, packed.n, splits)
+    return out
+
+
+# nvfp4_gemv_sx's (warps, MTW, PF) where it replaces the cluster-reduced ring kernel. Session 8, H200,
+# M = 32 (bench/results/bench_linear_session8_sx.log): 5120 -> 6144 16.4 -> 13.9 us, 6144 -> 5120 16.9 ->
+# 15.3, 5120 -> 14336 29.7 -> 28.1; slower where its grid runs 1.21 waves (5120 -> 10240 19.4 -> 22.4,
+# 17408 -> 5120 29.5 -> 30.1) and at M <= 16 on most shapes.
+SX_DEFAULT = (8, 2, 3)
+SX_MIN_FILL = 0.8  # a grid of more than one wave must fill its waves' CTA slots this well
+
+
+@functools.cache  # on every launch's path: one answer per shape
+def _sx_fits(row_groups: int, splits: int, cps: int, nt: int, device: torch.device) -> bool:
+    """Whether the default launch takes nvfp4_gemv_sx: M > 16, a weight without a register-direct config
+    (the cluster path), clusters available, the slice's activations in shared memory, and a grid of one
+    wave or of well-filled waves. A launch choice only (same bits)."""
+    if nt <= 2 or splits < 2 or not _clusters(device):
+        return False
+    sxw, mtw, pf = SX_DEFAULT
+    shmem = max(cps * nt * 1024, sxw * mtw * nt * 512)
+    if shmem > smem_limit(device):
+        return False
+    kern = _sx_kernel("nvfp4_gemv_sx_cl", nt, sxw, mtw, pf)
+    grid = (-(-row_groups * MT // (sxw * mtw)), splits, 1)
+    if kern.max_cluster_size(grid, 32 * sxw, shmem) < splits:
+        return False
+    per_sm, sms = kern.blocks_per_sm(32 * sxw, shmem), sm_count(device)
+    ctas = grid[0] * splits
+    return 0 < ctas <= per_sm * sms or wave_fill(ctas, per_sm, sms) >= SX_MIN_FILL
+
+
+@functools.cache
+def _sx_kernel(name: str, nt: int, sxw: int, mtw: int, pf: int, probe: int = 0) -> Kernel:
+    return _compile(name, {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "SXW": sxw}, probe)
+
+
+def _launch_sx(
+    x: torch.Tensor,
+    packed: PackedNVFP4,
+    out: torch.Tensor,
+    sx: tuple[int, int, int],
+    splits: int,
+    cps: int,
+    cluster: bool | None,
+    probe: int,
+) -> torch.Tensor:
+    """nvfp4_gemv_sx(_cl): the slice's activations in shared memory, weights register-direct."""
+    m, (sxw, mtw, pf) = x.shape[0], sx
+    nt, rg, chunks = -(-m // 8), packed.row_groups, packed.chunks
+    shmem = max(cps * nt * 1024, sxw * mtw * nt * 512)
+    if shmem > smem_limit(x.device):
+        raise ValueError(f"sx={sx!r}: a slice's activations need {shmem} bytes of shared memory per CTA")
+    grid = (-(-rg * MT // (sxw * mtw)), splits, 1)
+    if splits > 1 and (_clusters(x.device) if cluster is None else cluster):
+        kern = _sx_kernel("nvfp4_gemv_sx_cl", nt, sxw, mtw, pf, probe)
+        if kern.max_cluster_size(grid, 32 * sxw, shmem) >= splits:
+            args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
+            kern.launch(grid, 32 * sxw, args, shmem, pdl=True, cluster=(1, splits, 1))
+            return out
+    part = out if splits == 1 else torch.empty(splits, m, packed.n, device=x.device)
+    args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
+    _sx_kernel("nvfp4_gemv_sx", nt, sxw, mtw, pf, probe).launch(grid, 32 * sxw, args, shmem, pdl=True)
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)
     return out
