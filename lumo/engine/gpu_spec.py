@@ -35,7 +35,7 @@ from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer
-from .runner import GPURunner
+from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
 from .tree import TreeBuffers, build_tree, chain_config
 
@@ -413,9 +413,11 @@ class GPUSpecEngine:
             else:
                 g: GPUGDN = lw.mixer
                 proj, ba, mixed = self.gdn_proj[i_gdn], self.gdn_ba[i_gdn], self.gdn_mixed[i_gdn]
+                with beside(r.side):  # a parallel branch beside q/k/v/z and the conv (GPURunner)
+                    g.ba(v.x, out=ba)
                 g.qkvz(v.x, out=proj)
-                g.ba(v.x, out=ba)
                 conv_gather(proj[:, :C], g.conv1d, r.conv_state[i_gdn], self.pred, out=mixed)
+                join(r.side)
                 gdn_tree(
                     mixed,
                     ba[:, nv:],

@@ -15,7 +15,8 @@ token at absolute position n + 1 (exactly decode.PlainDecoder's positions) into 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -32,6 +33,24 @@ from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights
 from .sampling import SamplingParams
 
 PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
+
+
+@contextlib.contextmanager
+def beside(side: torch.cuda.Stream | None) -> Iterator[None]:
+    """Launch the block's kernels on `side`, after everything queued so far on the current stream (a fork;
+    captured, a parallel branch of the graph). `join(side)` makes the current stream wait for them. None
+    (a runner on the CPU, the kernel dry runs): in order on the current stream."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def join(side: torch.cuda.Stream | None) -> None:
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 class GPURunner:
@@ -101,6 +120,10 @@ class GPURunner:
         self._qg, self._k, self._v = self._attn_views(self.attn_proj, 1)
         self._mixed, self._z = self.gdn_proj[:, :C], self.gdn_proj[:, C:].view(1, nv, dv)
         self._b, self._a = self.gdn_ba[:, :nv], self.gdn_ba[:, nv:]
+        # The GDN b/a projection (5120 -> 96 on the 27B: a few CTAs, latency-bound) runs on a side
+        # stream beside the q/k/v/z GEMV and the conv, joined before the GDN kernel: in the captured graph
+        # a parallel branch, off the step's critical path. The same kernels either way: the same bits.
+        self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.graph: torch.cuda.CUDAGraph | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -311,10 +334,12 @@ class GPURunner:
 
     def _gdn_decode(self, g: GPUGDN, i: int) -> None:
         cs, ss = self.conv_state[i], self.gdn_state[i]
+        with beside(self.side):  # joined before gdn_decode
+            g.ba(self.x, out=self.gdn_ba)
         g.qkvz(self.x, out=self.gdn_proj)
-        g.ba(self.x, out=self.gdn_ba)
         conv_gather(self._mixed, g.conv1d, cs, self.pred, out=self.conv_out)  # reads the state only
         conv_state_commit(cs, self._mixed, self.commit_rows)  # then appends this token's input
+        join(self.side)
         gdn_decode(self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o)
         gated_rmsnorm(self.gdn_o, self._z, g.norm, self.cfg.rms_norm_eps, out=self.gdn_y)
         g.out_proj(self.gdn_y, out=self.delta)
