@@ -370,7 +370,7 @@ def nvfp4_linear(
     `rgw` (ring depth, row groups per CTA) and `tpw` (m16 tiles per warp: 1, 2 or 4) of the cross-CTA
     kernel, `cluster` True / False forces / forbids the cluster-reduced split-K (sm_90+). `sx`: (warps,
     MTW, PF) forces nvfp4_gemv_sx (the slice's activations in shared memory; cluster-reduced unless
-    `cluster` is False), False keeps the default launch from choosing it.
+    `cluster` is False; not together with `rd`), False keeps the default launch from choosing it.
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -391,15 +391,21 @@ def nvfp4_linear(
         raise ValueError(f"splits must be in 1..{min(MAX_SPLITS, chunks)}, got {splits}")
     nt = -(-m // 8)
     cps = -(-chunks // splits)
-    if rd is None and stages is None and rgw is None and cluster is None and tpw is None:
+    if rd and sx:
+        raise ValueError("rd and sx name two different kernels: give one")
+    if not sx and rd is None and stages is None and rgw is None and cluster is None and tpw is None:
         rd = choose_rd(splits, m)
         if rd:
             rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device)
         elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
             sx = SX_DEFAULT
     if sx:
-        if not isinstance(sx, tuple) or len(sx) != 3 or sx[1] not in (1, 2, 4) or (sx[0] * sx[1]) % MT:
-            raise ValueError(f"sx must be (warps, MTW in 1, 2, 4, PF) with warps * MTW a multiple of {MT}")
+        ok = isinstance(sx, tuple) and len(sx) == 3 and 1 <= sx[0] <= 32 and sx[1] in (1, 2, 4) and sx[2] >= 1
+        if not ok or (sx[0] * sx[1]) % MT:
+            raise ValueError(
+                f"sx must be (warps in 1..32, MTW in 1, 2, 4, PF >= 1) with warps * MTW a multiple of {MT}, "
+                f"got {sx!r}"
+            )
         return _launch_sx(x, packed, out, sx, splits, cps, cluster, probe)
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
@@ -433,17 +439,7 @@ def nvfp4_linear(
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
-    if splits == 1:
-        part = out
-    elif splits != packed.splits:  # the benchmark knob: a partial buffer of its own
-        part = torch.empty(splits, SMALL_M, packed.n, device=x.device)
-    else:
-        if packed.partial is None:
-            # Only here does a weight need its split-K partials: a slice count the other kernels do not
-            # serve by default (clusters unavailable or forced off, or a knob). Allocated once, for 32 rows
-            # (a capture allocates it from its pool). runner.memory_plan counts it where it can happen.
-            packed.partial = torch.empty(splits, SMALL_M, packed.n, device=x.device)
-        part = packed.partial
+    part = _partials(packed, splits, out)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe, tpw)
     kern.launch((-(-rg // rgw), splits), block, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
@@ -485,6 +481,20 @@ def _sx_kernel(name: str, nt: int, sxw: int, mtw: int, pf: int, probe: int = 0) 
     return _compile(name, {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "SXW": sxw}, probe)
 
 
+def _partials(packed: PackedNVFP4, splits: int, out: torch.Tensor) -> torch.Tensor:
+    """Where a split-K kernel without clusters writes its fp32 partials: `out` itself for one slice."""
+    if splits == 1:
+        return out
+    if splits != packed.splits:  # the benchmark knob: a partial buffer of its own
+        return torch.empty(splits, SMALL_M, packed.n, device=out.device)
+    if packed.partial is None:
+        # Only here does a weight need its split-K partials: a slice count the other kernels do not serve
+        # by default (clusters unavailable or forced off, or a knob). Allocated once, for 32 rows (a capture
+        # allocates it from its pool). runner.memory_plan counts it where it can happen.
+        packed.partial = torch.empty(splits, SMALL_M, packed.n, device=out.device)
+    return packed.partial
+
+
 def _launch_sx(
     x: torch.Tensor,
     packed: PackedNVFP4,
@@ -508,7 +518,7 @@ def _launch_sx(
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, 32 * sxw, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
-    part = out if splits == 1 else torch.empty(splits, m, packed.n, device=x.device)
+    part = _partials(packed, splits, out)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     _sx_kernel("nvfp4_gemv_sx", nt, sxw, mtw, pf, probe).launch(grid, 32 * sxw, args, shmem, pdl=True)
     if splits > 1:
