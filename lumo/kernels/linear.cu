@@ -566,14 +566,11 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   for (int i = 0; i < PF - 1; ++i)
     if (i < nc) load_x(i, i, (c0 + i) * 64 + 16 * t < K);
   // Chunk i0 + u (slot u): first refill the slot chunk i0 + u - 1 used with chunk i0 + u + PF - 1, if any.
-  auto step = [&](int u, int i0, bool fast) {
+  auto step = [&](int u, int i0, bool fast) {  // fast: the refill exists and lies below nfull (no checks)
     const int r = u + PF - 1;
-    if (fast) {  // the refill exists and lies below nfull: no branch, no bounds check
+    if (fast || i0 + r < nc) {
       load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
-      load_x(r % PF, r, true);
-    } else if (i0 + r < nc) {
-      load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
-      load_x(r % PF, r, (c0 + i0 + r) * 64 + 16 * t < K);
+      load_x(r % PF, r, fast || (c0 + i0 + r) * 64 + 16 * t < K);
     }
 #pragma unroll
     for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[u][p], sr[u][p], xr[u]);

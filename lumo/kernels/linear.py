@@ -463,17 +463,25 @@ def _sx_fits(row_groups: int, splits: int, cps: int, nt: int, device: torch.devi
     wave or of well-filled waves. A launch choice only (same bits)."""
     if nt <= 2 or splits < 2 or not _clusters(device):
         return False
-    sxw, mtw, pf = SX_DEFAULT
-    shmem = max(cps * nt * 1024, sxw * mtw * nt * 512)
+    grid, shmem = _sx_shape(SX_DEFAULT, row_groups, splits, cps, nt)
     if shmem > smem_limit(device):
         return False
+    sxw, mtw, pf = SX_DEFAULT
     kern = _sx_kernel("nvfp4_gemv_sx_cl", nt, sxw, mtw, pf)
-    grid = (-(-row_groups * MT // (sxw * mtw)), splits, 1)
     if kern.max_cluster_size(grid, 32 * sxw, shmem) < splits:
         return False
     per_sm, sms = kern.blocks_per_sm(32 * sxw, shmem), sm_count(device)
     ctas = grid[0] * splits
     return 0 < ctas <= per_sm * sms or wave_fill(ctas, per_sm, sms) >= SX_MIN_FILL
+
+
+def _sx_shape(
+    sx: tuple[int, int, int], row_groups: int, splits: int, cps: int, nt: int
+) -> tuple[tuple[int, int, int], int]:
+    """nvfp4_gemv_sx's grid and dynamic shared memory: the slice's activations, or the cluster epilogue's
+    partials where those are larger."""
+    sxw, mtw, _ = sx
+    return (-(-row_groups * MT // (sxw * mtw)), splits, 1), max(cps * nt * 1024, sxw * mtw * nt * 512)
 
 
 @functools.cache
@@ -508,10 +516,9 @@ def _launch_sx(
     """nvfp4_gemv_sx(_cl): the slice's activations in shared memory, weights register-direct."""
     m, (sxw, mtw, pf) = x.shape[0], sx
     nt, rg, chunks = -(-m // 8), packed.row_groups, packed.chunks
-    shmem = max(cps * nt * 1024, sxw * mtw * nt * 512)
+    grid, shmem = _sx_shape(sx, rg, splits, cps, nt)
     if shmem > smem_limit(x.device):
         raise ValueError(f"sx={sx!r}: a slice's activations need {shmem} bytes of shared memory per CTA")
-    grid = (-(-rg * MT // (sxw * mtw)), splits, 1)
     if splits > 1 and (_clusters(x.device) if cluster is None else cluster):
         kern = _sx_kernel("nvfp4_gemv_sx_cl", nt, sxw, mtw, pf, probe)
         if kern.max_cluster_size(grid, 32 * sxw, shmem) >= splits:
