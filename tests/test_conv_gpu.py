@@ -9,6 +9,7 @@ import torch
 from lumo import model
 from lumo.kernels.conv import (
     conv_commit_rows,
+    conv_decode,
     conv_gather,
     conv_gather_ref,
     conv_pred,
@@ -87,6 +88,22 @@ def test_chain_gather_and_decode_loop_equal_prefill(T):
         ys.append(conv_gather(x[t : t + 1], w, s_d, pred1))
         conv_state_commit(s_d, x[t : t + 1], row0)
     assert torch.equal(torch.cat(ys), y_pre) and torch.equal(s_d, s_pre)
+    # the runner's decode step: conv_decode (gather + commit in one launch), odd channel count
+    s_1 = state.clone()
+    ys = [conv_decode(x[t : t + 1], w, s_1, out=nan_out(1, C)) for t in range(T)]
+    assert torch.equal(torch.cat(ys), y_pre) and torch.equal(s_1, s_pre)
+
+
+def test_decode_odd_channels_and_bad_input():
+    C = 333
+    x, w, state = inputs(1, C, seed=5)
+    s_ref = state.clone()
+    y_ref = conv_gather(x, w, s_ref, conv_pred_chain(1, K).to(DEV))
+    conv_state_commit(s_ref, x, conv_commit_rows([0], 1).to(DEV))
+    s = state.clone()
+    assert torch.equal(conv_decode(x, w, s), y_ref) and torch.equal(s, s_ref)
+    with pytest.raises(ValueError, match="one token"):
+        conv_decode(torch.zeros(2, C, dtype=torch.bfloat16, device=DEV), w, s)
 
 
 def test_tree_gather_equals_prefill_along_each_path_and_commit():

@@ -149,7 +149,7 @@ def test_one_event_dry_run(stubbed, tree):
 
 def _emulated_ops():
     from lumo.kernels.attention import attn_decode_ref
-    from lumo.kernels.conv import conv_gather_ref, conv_prefill_ref, conv_state_commit_ref
+    from lumo.kernels.conv import conv_gather_ref, conv_pred_chain, conv_prefill_ref, conv_state_commit_ref
     from lumo.kernels.gdn import gdn_decode_ref
     from lumo.kernels.gdn_tree import gdn_tree_ref, gdn_tree_written
     from lumo.kernels.linear import unpack_nvfp4
@@ -228,6 +228,11 @@ def _emulated_ops():
 
     def conv_state_commit(state, x, rows):
         state.copy_(conv_state_commit_ref(state, x, rows.tolist()))
+
+    def conv_decode(x, w, state, out=None):  # the plain step: gather over the state, then commit row 0
+        y = conv_gather(x, w, state, conv_pred_chain(1, w.shape[1]), out)
+        conv_state_commit(state, x, torch.zeros(1, dtype=torch.int32))
+        return y
 
     def gdn_decode(
         mixed, a, b, A_log, dt_bias, state, out=None, state_out=None, out_dtype=bf, rows=None, count=None

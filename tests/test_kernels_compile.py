@@ -133,6 +133,20 @@ def test_register_direct_launch_choice():
             assert mtw in (1, 2, 4) and pf >= 2, (n, k, m)
 
 
+def test_l2_prefetch_budget():
+    """prefetch_chunks: the leading chunks per warp that the whole grid's L2 prefetch budget covers (a
+    chunk of an m16 tile is 576 bytes with its scales), at most the slice, none for a zero budget."""
+    from lumo.kernels.linear import MT, prefetch_chunks
+
+    per_chunk = 80 * MT * 8 * 576  # 6144 -> 5120: 80 row groups, 8 slices
+    assert prefetch_chunks(80, 8, 12, 16 << 20) == (16 << 20) // per_chunk == 11
+    assert prefetch_chunks(80, 8, 12, 64 << 20) == 12  # the whole slice
+    assert prefetch_chunks(3880, 1, 80, 16 << 20) == 1  # lm_head: 8.9 MB per chunk over the grid
+    assert prefetch_chunks(80, 8, 12, 0) == 0
+    with pytest.raises(ValueError, match="l2pf"):
+        prefetch_chunks(80, 8, 12, -1)
+
+
 def test_no_clusters_below_sm90():
     """max_cluster_size answers 0 for a pre-Hopper cubin without asking the driver (the cluster-reduced
     split-K then falls back to the cross-CTA kernel)."""

@@ -173,6 +173,10 @@ def test_split_k_variants_equal_cross_cta(splits):
             for cl in (True, False) if clusters else (False,):
                 y = nvfp4_linear(x, packed, out=poisoned(m, n), sx=sx, cluster=cl)
                 assert torch.equal(y, cross), (m, sx, cl)
+        # Every chunk asked of L2 before the wait (l2pf): the same bits.
+        for kw in (dict(rd=rds[-1]), dict(sx=(8, 2, 3))):
+            y = nvfp4_linear(x, packed, out=poisoned(m, n), l2pf=1 << 30, **kw)
+            assert torch.equal(y, cross), (m, kw)
 
 
 def test_bf16_batch_invariant():

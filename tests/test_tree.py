@@ -23,6 +23,10 @@ def test_default_tree_shape():
     assert t.gdn_items.shape == (1, 28) and t.gdn_items_len.tolist() == [28]
     walked = [it & GDN_NODE for it in t.gdn_items[0].tolist() if not it & GDN_FORK]
     assert walked == list(range(11))
+    # balanced: its 17 forks spread over 4 rows of at most 12 items (the walk plus the last spine node)
+    items, items_len = gdn_schedule(t.parent[:28].tolist(), balance=True)
+    assert items.shape == (4, 12) and items_len.tolist() == [12, 12, 12, 9]
+    assert [it & GDN_NODE for it in items[0].tolist() if not it & GDN_FORK] == list(range(11))
 
 
 @pytest.mark.parametrize(
@@ -103,35 +107,40 @@ SCHEDULE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("balance", [False, True], ids=["paths", "balanced"])
 @pytest.mark.parametrize("parent", SCHEDULE_CASES, ids=[f"case{i}" for i in range(len(SCHEDULE_CASES))])
-def test_gdn_schedule(parent):
+def test_gdn_schedule(parent, balance):
     n = len(parent)
-    items, items_len = gdn_schedule(parent)
+    items, items_len = gdn_schedule(parent, balance)
     kids = [[c for c in range(n) if parent[c] == u] for u in range(n)]
     walking = {u for u in range(n) if kids[u] or parent[u] < 0}
     ends = [u for u in sorted(walking) if not any(c in walking for c in kids[u])]
-    assert items.shape[0] == len(ends) and items.shape[1] == int(items_len.max())
+    assert items.shape[1] == int(items_len.max())
+    if balance:  # the least critical path: the walk to a node plus its leaf children, each a step
+        bound = max(len(ancestry_of(parent, u)) + sum(c not in walking for c in kids[u]) for u in walking)
+        assert items.shape[1] == bound
     written = [0] * n
+    lasts = []  # the last node each row walks
     for p in range(items.shape[0]):
         row = items[p].tolist()
         k = int(items_len[p])
         assert all(x == -1 for x in row[k:]), "padding past the end"
-        stack: list[int] = []  # the nodes the path's state has stepped, root first
-        owned: set[int] = set()
+        stack: list[int] = []  # the nodes the row's state has stepped, root first
         for it in row[:k]:
             u = it & GDN_NODE
             assert it >= 0 and it & ~(GDN_NODE | GDN_FORK | GDN_WRITE) == 0 and u < n
             written[u] += bool(it & GDN_WRITE)
             if it & GDN_FORK:
-                # a leaf forked off its parent, which this path owns and has just stepped
-                assert kids[u] == [] and parent[u] in owned and stack[-1] == parent[u]
+                # a leaf forked off its parent, which this row has just stepped
+                assert kids[u] == [] and stack[-1] == parent[u]
                 assert it & GDN_WRITE and stack + [u] == ancestry_of(parent, u)
             else:
                 stack.append(u)
                 assert u in walking and stack == ancestry_of(parent, u)  # parent stepped before the child
-                if it & GDN_WRITE:
-                    owned.add(u)
-        assert stack[-1] == ends[p], "a walking path runs root to a leaf of the tree without its leaves"
+        lasts.append(stack[-1])
+    if not balance:  # a row per walking path, walked to its end
+        assert lasts == ends
+    assert set(ends) <= set(lasts), "every walking path is walked to its end"
     assert written == [1] * n, "every node written exactly once"
 
 

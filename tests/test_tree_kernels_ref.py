@@ -34,6 +34,9 @@ def ancestry(tree: TreeBuffers, u: int) -> list[int]:
     return out[::-1]
 
 
+TREE_PARENT_DEFAULT = build_tree(TreeConfig()).parent[:28].tolist()
+
+
 def gdn_inputs(R: int, nk: int, nv: int, dk: int, dv: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     C = 2 * nk * dk + nv * dv
@@ -58,11 +61,15 @@ def test_gdn_tree_ref_is_decoding_along_each_ancestry(cfg):
     check_each_ancestry(o, inp, tree.parent.tolist(), tree.n_nodes)
 
 
-@pytest.mark.parametrize("parent", [[-1], [-1, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3]], ids=str)
-def test_gdn_tree_ref_general_trees(parent):
-    """Any tree whose parents precede their children (gdn_schedule is not tied to spine + siblings)."""
+@pytest.mark.parametrize("balance", [False, True], ids=["paths", "balanced"])
+@pytest.mark.parametrize(
+    "parent", [[-1], [-1, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3], TREE_PARENT_DEFAULT], ids=str
+)
+def test_gdn_tree_ref_general_trees(parent, balance):
+    """Any tree whose parents precede their children (gdn_schedule is not tied to spine + siblings), with
+    or without its forks spread over several rows."""
     R = len(parent) + 2  # two padding rows
-    items, items_len = gdn_schedule(parent)
+    items, items_len = gdn_schedule(parent, balance)
     inp = gdn_inputs(R, 2, 4, 32, 24, seed=R)
     o = gdn_tree_ref(**inp, items=items, items_len=items_len)
     check_each_ancestry(o, inp, parent + [-1, -1], len(parent))

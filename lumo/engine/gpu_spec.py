@@ -100,7 +100,7 @@ class GPUSpecEngine:
         self.depth = tb.depth.to(dev)
         self.depth1 = (tb.depth.long() + 1).to(dev)  # [R] i64: sampling position offset
         self.pred = conv_pred(tb.parent.tolist(), K).to(dev)  # [R, K-1]: padding rows act as roots
-        self.gdn_items = tb.gdn_items.to(dev)  # [P', L'] gdn_tree's items per walking path (gdn_schedule)
+        self.gdn_items = tb.gdn_items.to(dev)  # [P', L'] gdn_tree's items per schedule row (gdn_schedule)
         self.gdn_items_len = tb.gdn_items_len.to(dev)  # [P']
         self.table = draft_node_table(tb, self.k).to(dev)  # [D, k] node of (depth, rank)
         off = torch.where(tb.valid, torch.arange(R, dtype=i32), torch.full((R,), _NO_SLOT, dtype=i32))

@@ -23,7 +23,7 @@ import torch
 from ..config import FULL, ModelConfig
 from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
-from ..kernels.conv import conv_gather, conv_pred_chain, conv_prefill, conv_state_commit
+from ..kernels.conv import conv_decode, conv_prefill
 from ..kernels.gdn import gdn_decode, gdn_prefill
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
 from ..kernels.rope_kv import qk_norm_rope_kv
@@ -94,8 +94,6 @@ class GPURunner:
         self.top_p = torch.ones(1, dtype=f32, device=dev)  # [1] 1: off
         self.seed = torch.zeros(1, dtype=i64, device=dev)  # [1]
         self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
-        self.pred = conv_pred_chain(1, K).to(dev)  # [1, K-1] conv window: the state columns
-        self.commit_rows = torch.zeros(1, dtype=i32, device=dev)  # [1] append row 0 to the conv state
 
         # ---- static activations of one decode row ----
         self.h = torch.zeros(1, H, dtype=bf, device=dev)  # residual stream
@@ -337,8 +335,7 @@ class GPURunner:
         with beside(self.side):  # joined before gdn_decode
             g.ba(self.x, out=self.gdn_ba)
         g.qkvz(self.x, out=self.gdn_proj)
-        conv_gather(self._mixed, g.conv1d, cs, self.pred, out=self.conv_out)  # reads the state only
-        conv_state_commit(cs, self._mixed, self.commit_rows)  # then appends this token's input
+        conv_decode(self._mixed, g.conv1d, cs, out=self.conv_out)  # the state's window, then appends x
         join(self.side)
         gdn_decode(self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o)
         gated_rmsnorm(self.gdn_o, self._z, g.norm, self.cfg.rms_norm_eps, out=self.gdn_y)

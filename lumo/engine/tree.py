@@ -36,8 +36,8 @@ class TreeBuffers:
     path_len: torch.Tensor  # [P] int32 nodes on each path
     owner: torch.Tensor  # [rows] int32: the first path through this node (-1 padding)
     valid: torch.Tensor  # [rows] bool
-    gdn_items: torch.Tensor  # [P', L'] int32 gdn_tree's items per walking path (gdn_schedule), -1 padded
-    gdn_items_len: torch.Tensor  # [P'] int32 items of each walking path
+    gdn_items: torch.Tensor  # [P', L'] int32 gdn_tree's items per schedule row (gdn_schedule), -1 padded
+    gdn_items_len: torch.Tensor  # [P'] int32 items of each row
 
     @property
     def n_paths(self) -> int:
@@ -56,17 +56,32 @@ def sibling_depths(cfg: TreeConfig) -> list[tuple[int, int]]:
     return out[: max(cfg.budget - cfg.depth, 0)]
 
 
-def gdn_schedule(parent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The GDN tree verifier's work list: (items [P', L'] int32, -1 padded; items_len [P'] int32).
+# Spread each walking path's forks over several rows (gdn_schedule's `balance`). Off by default until it is
+# measured on a GPU (written in session 9 after the device time ran out; semantics tested on the CPU).
+GDN_BALANCE = False
+
+
+def gdn_schedule(parent: list[int], balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN tree verifier's work list: (items [P', L'] int32, -1 padded; items_len [P'] int32), one row
+    per warp walk (gdn_tree.cu runs the rows in parallel, each item one gdn_step in sequence).
 
     parent: one entry per real node (-1 for a root), every parent before its children. The walking
     paths are the root-to-leaf paths of the tree with its leaves removed (a root-only tree keeps its
     root); each walking node is owned by the first walking path through it, in order of the paths' last
-    nodes. A leaf is not walked: the path owning its parent forks it (one step on a copy of the parent's
-    state, which the path keeps). Path p's items, in order: for each node u on it, u (WRITE if p owns u),
-    then if p owns u, each leaf child c of u as c | FORK | WRITE. So every node is written exactly once,
-    with the state after its own root-to-node path, and a parent is always stepped before its children.
-    The spine + siblings tree gives one walking path (root .. spine node D-1) and n_nodes items."""
+    nodes. A leaf is not walked: a walk through its parent forks it (one step on a copy of the parent's
+    state, which the walk keeps). A row's items, in order: for each node u it walks, u (WRITE if it is the
+    first row of u's owning path), then the leaf children of u it forks, as c | FORK | WRITE. So every node
+    is written exactly once, with the state after its own root-to-node path, and a parent is always
+    stepped before its children.
+
+    Without `balance` a walking path is one row (it forks all its leaves): the default spine + siblings
+    tree gives one row of 28 items (11 walked nodes, 17 forks). A row is a warp's critical path, so with
+    `balance` the forks of a walking path are spread over several rows: the first walks the whole path
+    and forks from its deepest node upwards while its length stays within the bound T below; each further
+    row walks the path only down to the deepest node whose forks it takes (without writing the walked
+    nodes: recomputed, the same bits) and takes forks upwards the same way. T = the longest walk to a node
+    plus that node's forks, the least any schedule can reach. The default tree then gives 4 rows of at
+    most 12 items (more work in all, 45 steps, on 4 times the warps)."""
     n = len(parent)
     if any(not -1 <= p < i for i, p in enumerate(parent)):
         raise ValueError(f"parents must precede their children (parent[i] < i or -1), got {parent}")
@@ -76,22 +91,42 @@ def gdn_schedule(parent: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             kids[p].append(i)
     walked = [bool(kids[u]) or parent[u] < 0 for u in range(n)]
     ends = [u for u in range(n) if walked[u] and not any(walked[c] for c in kids[u])]
+    paths = []  # per walking path, root first: (node, owned by this path, the leaves it forks)
     owner = [-1] * n
-    rows = []
     for p, end in enumerate(ends):
         nodes, u = [], end
         while u >= 0:
             nodes.append(u)
             u = parent[u]
-        items = []
+        path = []
         for u in reversed(nodes):
             own = owner[u] < 0
             if own:
                 owner[u] = p
-            items.append(u | (GDN_WRITE if own else 0))
-            if own:
-                items += [c | GDN_FORK | GDN_WRITE for c in kids[u] if not walked[c]]
-        rows.append(items)
+            path.append((u, own, [c for c in kids[u] if not walked[c]] if own else []))
+        paths.append(path)
+    bound = max((i + 1 + len(f) for path in paths for i, (_, _, f) in enumerate(path)), default=0)
+    if not balance:
+        bound = n + 1  # no row ever splits
+    rows = []
+    for path in paths:
+        groups = [(len(path), set())]  # per row: (nodes it walks, the positions whose forks it takes)
+        load = 0  # forks the last row takes
+        for i in reversed(range(len(path))):
+            forks = path[i][2]
+            if forks and groups[-1][0] + load + len(forks) > bound:
+                groups.append((i + 1, set()))  # fits: i + 1 + len(forks) <= bound
+                load = 0
+            if forks:
+                groups[-1][1].add(i)
+                load += len(forks)
+        for r, (walk, takes) in enumerate(groups):
+            items = []
+            for i, (u, own, forks) in enumerate(path[:walk]):
+                items.append(u | (GDN_WRITE if own and r == 0 else 0))
+                if i in takes:
+                    items += [c | GDN_FORK | GDN_WRITE for c in forks]
+            rows.append(items)
     L = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), L), -1, dtype=torch.int32)
     for p, items in enumerate(rows):
@@ -142,7 +177,7 @@ def build_tree(cfg: TreeConfig) -> TreeBuffers:
             if owner[u] < 0:
                 owner[u] = p
     i32 = dict(dtype=torch.int32)
-    items, items_len = gdn_schedule(parent[:n])
+    items, items_len = gdn_schedule(parent[:n], GDN_BALANCE)
     return TreeBuffers(
         n_nodes=n,
         rows=R,

@@ -18,6 +18,7 @@ from .compile import (
 )
 from .conv import (
     conv_commit_rows,
+    conv_decode,
     conv_gather,
     conv_gather_ref,
     conv_pred,
@@ -81,6 +82,7 @@ __all__ = [
     "sample_tokens_ref",
     "sample_workspace",
     "conv_commit_rows",
+    "conv_decode",
     "conv_gather",
     "conv_gather_ref",
     "conv_pred",

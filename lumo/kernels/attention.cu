@@ -343,6 +343,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                       float* __restrict__ part_ml,         // [T, nkv*G, nch, 2]
                       int nkv, int max_len, int nch, int T) {
   extern __shared__ float smem[];  // SMEM_BYTES (82 KB at d = 256: dynamic)
+  pdl_begin();
   const int h = blockIdx.x, slots = gridDim.y - T, nh = nkv * G;
   const int len = min(*length, nch * CHUNK);
   const size_t kv_row = (size_t)nkv * D;
@@ -394,8 +395,8 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
                                            const int* __restrict__ length, const long long* __restrict__ mask,
                                            const bf16* __restrict__ gate, long long gate_rs, int gate_hs,
                                            bf16* __restrict__ out, int nh, int nch, int use_gate) {
-  pdl_trigger();  // the o projection (a PDL-launched GEMV) may start its weight prefetch
   __shared__ float gm[MERGE_GROUPS][2], ga[MERGE_GROUPS][32 * PER];
+  pdl_begin();
   const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31, k0 = blockIdx.y * 32 * PER;
   const int t = blockIdx.x / nh;
   const int n = *length + __popcll((u64)mask[t]);

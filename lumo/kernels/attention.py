@@ -119,6 +119,7 @@ def attn_decode(
         THREADS,
         (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch, T),
         shmem=_shmem(d),
+        pdl=True,
     )
     g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
     # Plain decode: a CTA per 32 dims; tree rows: a whole head per CTA (attention.cu). The same bits.
@@ -128,6 +129,7 @@ def attn_decode(
         _MERGE_THREADS,
         (acc, ml, length, mask, q if gate is None else gate, ctypes.c_longlong(g_rs), g_hs, out, nh, nch)
         + (int(gate is not None),),
+        pdl=True,
     )
     return out
 

@@ -15,10 +15,14 @@
 //                pred[t][j] < 0 is state column -1 - pred[t][j]; j = 0 .. KC-2 oldest first, then x[t].
 // conv_state_commit: grid ceil(C / CT), block CT; appends x[rows[0]], x[rows[1]], ... (stops at the first
 //                negative entry: a fixed-size, -1-padded rows buffer replays in a CUDA graph) to the state.
+// conv_decode:   grid ceil(C / CT), block CT; one new token x[0]: conv_gather of the state's window, then
+//                conv_state_commit of row 0, in one launch (the plain decode step; the same bits).
 //
 // lumo:test-defines KC=4
 
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 #ifndef KC
 #define KC 4  // conv kernel size K
@@ -50,6 +54,7 @@ __device__ __forceinline__ void load_w(const bf16* __restrict__ w, int c, float 
 extern "C" __global__ void __launch_bounds__(CT)
     conv_prefill(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w, bf16* __restrict__ state,
                  bf16* __restrict__ y, int T, int C) {
+  pdl_begin();
   const int c = blockIdx.x * CT + threadIdx.x;
   if (c >= C) return;
   const int t0 = blockIdx.y * TT;
@@ -94,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(CT)
 extern "C" __global__ void __launch_bounds__(CT)
     conv_gather(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w,
                 const bf16* __restrict__ state, const int* __restrict__ pred, bf16* __restrict__ y, int C) {
+  pdl_begin();
   const int c = blockIdx.x * CT + threadIdx.x;
   if (c >= C) return;
   const int t = blockIdx.y;
@@ -110,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(CT)
 extern "C" __global__ void __launch_bounds__(CT)
     conv_state_commit(bf16* __restrict__ state, const bf16* __restrict__ x, long long x_rs,
                       const int* __restrict__ rows, int n, int C) {
+  pdl_begin();
   const int c = blockIdx.x * CT + threadIdx.x;
   if (c >= C) return;
   bf16 win[KC - 1];
@@ -124,4 +131,26 @@ extern "C" __global__ void __launch_bounds__(CT)
   }
 #pragma unroll
   for (int j = 0; j < KC - 1; ++j) state[(size_t)c * (KC - 1) + j] = win[j];
+}
+
+extern "C" __global__ void __launch_bounds__(CT)
+    conv_decode(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ state,
+                bf16* __restrict__ y, int C) {
+  pdl_begin();
+  const int c = blockIdx.x * CT + threadIdx.x;
+  if (c >= C) return;
+  bf16* st = state + (size_t)c * (KC - 1);
+  float wv[KC], win[KC - 1];
+  bf16 keep[KC - 1];
+  load_w(w, c, wv);
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) {
+    keep[j] = st[j];
+    win[j] = __bfloat162float(keep[j]);
+  }
+  const bf16 xin = x[c];
+  y[c] = __float2bfloat16_rn(conv_silu(win, __bfloat162float(xin), wv));
+#pragma unroll
+  for (int j = 0; j < KC - 2; ++j) st[j] = keep[j + 1];
+  st[KC - 2] = xin;
 }

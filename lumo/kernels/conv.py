@@ -110,7 +110,7 @@ def conv_prefill(
     if T == 0:
         return out
     grid = (-(-C // CT), -(-T // TT))
-    _kernel("conv_prefill", K).launch(grid, CT, [x, _rs(x), w, state, out, T, C])
+    _kernel("conv_prefill", K).launch(grid, CT, [x, _rs(x), w, state, out, T, C], pdl=True)
     return out
 
 
@@ -133,7 +133,7 @@ def conv_gather(
     out = _out(out, T, C, x.device)
     if T == 0:
         return out
-    _kernel("conv_gather", K).launch((-(-C // CT), T), CT, [x, _rs(x), w, state, pred, out, C])
+    _kernel("conv_gather", K).launch((-(-C // CT), T), CT, [x, _rs(x), w, state, pred, out, C], pdl=True)
     return out
 
 
@@ -147,7 +147,23 @@ def conv_state_commit(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) 
         raise ValueError(f"rows must be contiguous int32 [n], got {rows.dtype} {list(rows.shape)}")
     if rows.numel() == 0 or K < 2:
         return
-    _kernel("conv_state_commit", K).launch(-(-C // CT), CT, [state, x, _rs(x), rows, rows.numel(), C])
+    _kernel("conv_state_commit", K).launch(
+        -(-C // CT), CT, [state, x, _rs(x), rows, rows.numel(), C], pdl=True
+    )
+
+
+def conv_decode(
+    x: torch.Tensor, w: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One new token (the plain decode step): y [1, C] = silu(conv(state's window, x[0])), then x[0] is
+    appended to the state, in one launch: the bits of conv_gather over the state + conv_state_commit."""
+    C, K = _check_wstate(w, state)
+    _check_x(x, C)
+    if x.shape[0] != 1:
+        raise ValueError(f"conv_decode takes one token, got x {list(x.shape)}")
+    out = _out(out, 1, C, x.device)
+    _kernel("conv_decode", K).launch(-(-C // CT), CT, [x, w, state, out, C], pdl=True)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@
 
 #include <cuda_bf16.h>
 
+#include "pdl.cuh"
+
 #ifndef NK
 #define NK 16
 #endif
@@ -51,6 +53,7 @@ extern "C" __global__ void __launch_bounds__(32)
                   const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
                   const gdn_param_t* __restrict__ dt_bias, const float* state_in, float* state_out,
                   gdn_out_t* __restrict__ o, int T, const int* __restrict__ rows, const int* __restrict__ count) {
+  pdl_begin();
   const int h = blockIdx.x, j0 = blockIdx.y * DVT, lane = threadIdx.x;
   const size_t soff = gdn_state_offset(h, j0, lane);
   float4 S[GDN_R];  // [GDN_R rows][4 columns] of the state tile

@@ -163,7 +163,7 @@ def gdn_decode(
     )
     args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, state_out, out, T]
     args += [ctypes.c_void_p(0) if t is None else t for t in (rows, count)]
-    kern.launch((nv, dv // gdn_dvt(dk, dv)), 32, args)
+    kern.launch((nv, dv // gdn_dvt(dk, dv)), 32, args, pdl=True)
     return out
 
 

@@ -3,7 +3,8 @@
 //
 // Grid (P', NV, DV / DVT), one warp per CTA. The walking paths are the root-to-leaf paths of the tree with
 // its leaves removed; every leaf is a FORK of its parent. Warp (p, h, tile) loads the COMMITTED state tile
-// state[h, :, j0 : j0 + DVT] once and runs walking path p's items (lumo.engine.tree.gdn_schedule) in order
+// state[h, :, j0 : j0 + DVT] once and runs row p's items (lumo.engine.tree.gdn_schedule: a walking path,
+// or with `balance` a walk down part of one and some of its forks) in order
 // with gdn_step.cuh's per-token code (the code gdn_recurrent runs, with the same DVT, so the same lane
 // layout and reduction trees):
 //   - a plain item steps the path's tile S in registers (a node of the path, root first);
@@ -27,6 +28,8 @@
 // lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVT=8 PARAM_BF16=0 OUT_BF16=0
 
 #include <cuda_bf16.h>
+
+#include "pdl.cuh"
 
 #ifndef NK
 #define NK 16
@@ -64,6 +67,7 @@ extern "C" __global__ void __launch_bounds__(32)
              const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
              const gdn_param_t* __restrict__ dt_bias, const float* __restrict__ state, gdn_out_t* __restrict__ o,
              const int* __restrict__ items, int item_stride, const int* __restrict__ items_len) {
+  pdl_begin();
   const int p = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * DVT, lane = threadIdx.x;
   const int n = min(items_len[p], item_stride);
   if (n <= 0) return;

@@ -1,6 +1,6 @@
 """Path-parallel GDN tree verifier with fork leaves (gdn_tree.cu) and its fp32 torch reference.
 
-One warp per (walking path, value head, dv tile) runs the path's items (lumo.engine.tree.gdn_schedule)
+One warp per (schedule row, value head, dv tile) runs the row's items (lumo.engine.tree.gdn_schedule)
 from the committed state with gdn_step.cuh's per-token code (the decode kernel's, same DVT): a plain item
 steps the path's state, a fork item (a leaf) steps a copy of it; WRITE items write o. The state is never
 written. So every node's o is bitwise what `gdn_decode` gives when the node's root-to-node path is decoded
@@ -39,8 +39,8 @@ def gdn_tree(
 
     mixed [R, C] bf16 post-conv [q | k | v] rows (row stride % 8 == 0, 16-byte aligned); a, b [R, nv] bf16
     raw in_proj_a / in_proj_b outputs; A_log, dt_bias [nv] (both f32 or both bf16); state [nv, dk, dv] f32
-    (the committed state, never written); items [P', L'] int32 node id | GDN_FORK | GDN_WRITE per walking
-    path (-1 past the end), items_len [P'] int32 (TreeBuffers.gdn_items / gdn_items_len, on the device;
+    (the committed state, never written); items [P', L'] int32 node id | GDN_FORK | GDN_WRITE per schedule
+    row (-1 past the end), items_len [P'] int32 (TreeBuffers.gdn_items / gdn_items_len, on the device;
     node ids < R, not checked). Returns o [R, nv, dv] (`out`, or out_dtype): rows no WRITE item names are
     left as they were. Never syncs; allocates only when `out` is None.
     """
@@ -58,7 +58,7 @@ def gdn_tree(
     kern = _kernel("gdn_tree", "gdn_tree", nk, nv, dk, dv, param_bf16, out_bf16)
     args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, out]
     args += [items, L, items_len]
-    kern.launch((P, nv, dv // gdn_dvt(dk, dv)), 32, args)
+    kern.launch((P, nv, dv // gdn_dvt(dk, dv)), 32, args, pdl=True)
     return out
 
 

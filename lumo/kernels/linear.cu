@@ -501,11 +501,30 @@ __device__ __forceinline__ u32 ld_stream2(const unsigned short* p) {
   return v;
 }
 
+// L2 prefetch before pdl_wait (nvfp4_gemv_rd / _sx): the row group's chunks r0 .. n - 1 of a split-K
+// slice, all MT tiles (contiguous: n - r0 times MT * 512 bytes of weights and MT * 64 of scales), asked of
+// L2 by one bulk prefetch each, from lane 0 of the warp that holds the row group's first tile (sm_90+;
+// nothing below). While the previous kernel still runs (in the decode step mostly a row kernel, during
+// which the DRAM would idle) the DRAM serves this kernel's first chunks, and the loads after pdl_wait
+// hit L2. Weights only: nothing earlier in the stream writes them. No bit of the result depends on it.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_chunks(const uint4* qw, const unsigned short* qs, size_t unit, int r0,
+                                                int n) {  // unit: the row group's tile 0 at the slice's chunk 0
+  if (n > r0) {
+    prefetch_l2(qw + (unit + (size_t)r0 * MT) * 32, (n - r0) * MT * 512);
+    prefetch_l2(qs + (unit + (size_t)r0 * MT) * 32, (n - r0) * MT * 64);
+  }
+}
+
 #if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_rd)
 extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     nvfp4_gemv_rd(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
-                  int N, int K, int C, int cps) {
+                  int N, int K, int C, int cps, int npf) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile0 = blockIdx.x * MTW;
@@ -561,6 +580,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
+  if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
   pdl_wait();
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)
@@ -620,7 +640,7 @@ __device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
                                                    const unsigned short* __restrict__ qs,
                                                    const float* __restrict__ gs, const bf16* __restrict__ x,
                                                    bf16* __restrict__ out, float* __restrict__ partial, int M,
-                                                   int N, int K, int RG, int C, int cps) {
+                                                   int N, int K, int RG, int C, int cps, int npf) {
   static_assert((SXW * MTW) % MT == 0 && MT % MTW == 0, "a CTA holds whole row groups");
   extern __shared__ uint4 smem[];
   const char* xs = reinterpret_cast<const char*>(smem);
@@ -646,6 +666,7 @@ __device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
     if (active && i < nc) load_w(i, PROBE_CHUNK(i));
+  if (active && tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
   pdl_wait();
 
   // The slice's activations: piece (i, j, h, l) (16 bytes: row 8j + g, columns 64(c0 + i) + 16t + 8h of
@@ -726,8 +747,8 @@ __device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
 extern "C" __global__ void __launch_bounds__(SXW * 32)
     nvfp4_gemv_sx(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out,
-                  float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
-  nvfp4_gemv_sx_body<false>(qw, qs, gs, x, out, partial, M, N, K, RG, C, cps);
+                  float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps, int npf) {
+  nvfp4_gemv_sx_body<false>(qw, qs, gs, x, out, partial, M, N, K, RG, C, cps, npf);
 }
 #endif
 
@@ -735,9 +756,9 @@ extern "C" __global__ void __launch_bounds__(SXW * 32)
 extern "C" __global__ void __launch_bounds__(SXW * 32)
     nvfp4_gemv_sx_cl(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                      const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
-                     int N, int K, int RG, int C, int cps) {
+                     int N, int K, int RG, int C, int cps, int npf) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  nvfp4_gemv_sx_body<true>(qw, qs, gs, x, out, nullptr, M, N, K, RG, C, cps);
+  nvfp4_gemv_sx_body<true>(qw, qs, gs, x, out, nullptr, M, N, K, RG, C, cps, npf);
 #else
   __trap();  // clusters need sm_90; linear.py never launches this below
 #endif

@@ -289,9 +289,10 @@ def _clusters(device: torch.device) -> bool:
 # number; a missing entry runs nvfp4_gemv (one slice) or the cluster-reduced nvfp4_gemv_cl. From the H200
 # sweeps of bench/bench_linear.py (docs/kernels.md): at M <= 8 it won at every slice count (the lm_head's
 # one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 up to 8 slices; at M = 32
-# up to 4 (5120 -> 10240, 8 slices: 19.4 us in clusters against 32.5).
+# up to 4 (5120 -> 10240, 8 slices: 19.4 us in clusters against 32.5). The lm_head at M = 1 takes PF 3:
+# 169.7 us against 177 with PF 4 (sessions 8 and 9, bench_linear_session9_l2pf.log).
 RD_CHOICE = (
-    (1, {1: (2, 4), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
+    (1, {1: (2, 3), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
     (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
     (16, {1: (2, 2), 2: (2, 2), 4: (2, 2), 8: (2, 2)}),
     (SMALL_M, {1: (2, 2), 2: (2, 2), 4: (4, 2)}),
@@ -342,6 +343,23 @@ def _rd_fit_waves(
 RD_MIN_BLOCKS = {(1, 1, 3, 8): 4, (2, 2, 2, 4): 5, (2, 2, 2, 2): 10, (2, 2, 2, 1): 20}
 
 
+# Weight bytes a register-direct or shared-activation GEMV asks L2 for before its pdl_wait (linear.cu,
+# prefetch_chunks): the first chunks of every warp's slice, as many as fit this budget. In the decode step
+# the GEMVs follow small row kernels, during which the DRAM would idle. H200, 27B decode step at 1k
+# (bench_decode.py --l2pf, session 9, three A/B pairs): 0 MiB 6.18 / 6.04 / 6.03 ms, 16 MiB 6.07 / 5.95 /
+# 5.94; 8 MiB no change, 32 MiB none either (it evicts what it fetched). Back-to-back launches of one GEMV
+# (bench_linear.py, "dflt@16") gain nothing: there the previous kernel keeps the DRAM busy.
+L2_PREFETCH_BYTES = 16 << 20
+
+
+def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
+    """How many leading chunks of each warp's split-K slice fit `budget` bytes of L2 prefetch (every
+    warp of the grid prefetches the same count; a chunk of one m16 tile is 576 bytes with its scales)."""
+    if budget < 0:
+        raise ValueError(f"l2pf must be >= 0 bytes, got {budget}")
+    return min(cps, budget // (row_groups * MT * splits * 576))
+
+
 @functools.cache
 def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}
@@ -361,6 +379,7 @@ def nvfp4_linear(
     splits: int | None = None,
     tpw: int | None = None,
     sx: tuple[int, int, int] | bool | None = None,
+    l2pf: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
 
@@ -371,6 +390,8 @@ def nvfp4_linear(
     kernel, `cluster` True / False forces / forbids the cluster-reduced split-K (sm_90+). `sx`: (warps,
     MTW, PF) forces nvfp4_gemv_sx (the slice's activations in shared memory; cluster-reduced unless
     `cluster` is False; not together with `rd`), False keeps the default launch from choosing it.
+    `l2pf`: bytes of the weight the register-direct and shared-activation kernels ask L2 for before they
+    wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -391,6 +412,7 @@ def nvfp4_linear(
         raise ValueError(f"splits must be in 1..{min(MAX_SPLITS, chunks)}, got {splits}")
     nt = -(-m // 8)
     cps = -(-chunks // splits)
+    npf = 0 if probe else prefetch_chunks(rg, splits, cps, L2_PREFETCH_BYTES if l2pf is None else l2pf)
     if rd and sx:
         raise ValueError("rd and sx name two different kernels: give one")
     if not sx and rd is None and stages is None and rgw is None and cluster is None and tpw is None:
@@ -406,12 +428,12 @@ def nvfp4_linear(
                 f"sx must be (warps in 1..32, MTW in 1, 2, 4, PF >= 1) with warps * MTW a multiple of {MT}, "
                 f"got {sx!r}"
             )
-        return _launch_sx(x, packed, out, sx, splits, cps, cluster, probe)
+        return _launch_sx(x, packed, out, sx, splits, cps, cluster, probe, npf)
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
         mtw, pf = rd
-        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps]
+        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps, npf]
         shmem = (splits - 1) * mtw * nt * 512
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
@@ -512,6 +534,7 @@ def _launch_sx(
     cps: int,
     cluster: bool | None,
     probe: int,
+    npf: int,
 ) -> torch.Tensor:
     """nvfp4_gemv_sx(_cl): the slice's activations in shared memory, weights register-direct."""
     m, (sxw, mtw, pf) = x.shape[0], sx
@@ -522,11 +545,11 @@ def _launch_sx(
     if splits > 1 and (_clusters(x.device) if cluster is None else cluster):
         kern = _sx_kernel("nvfp4_gemv_sx_cl", nt, sxw, mtw, pf, probe)
         if kern.max_cluster_size(grid, 32 * sxw, shmem) >= splits:
-            args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
+            args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps, npf]
             kern.launch(grid, 32 * sxw, args, shmem, pdl=True, cluster=(1, splits, 1))
             return out
     part = _partials(packed, splits, out)
-    args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
+    args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps, npf]
     _sx_kernel("nvfp4_gemv_sx", nt, sxw, mtw, pf, probe).launch(grid, 32 * sxw, args, shmem, pdl=True)
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)

@@ -82,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(NT)
     rmsnorm1p_residual(bf16* __restrict__ h, const bf16* __restrict__ delta, const bf16* __restrict__ w,
                        bf16* __restrict__ y, float eps) {
   __shared__ float partial[NT / 32];
-  pdl_trigger();  // a PDL-launched GEMV after this may start its weight prefetch now
+  pdl_begin();
   const int tid = threadIdx.x;
   const size_t row = (size_t)blockIdx.x * HID;
   float v[CPT][8];
@@ -140,7 +140,7 @@ typedef bf16 o_t;
 extern "C" __global__ void __launch_bounds__(32 * GWARPS)
     gated_rmsnorm(const o_t* __restrict__ o, long long o_rs, const bf16* __restrict__ z, long long z_rs,
                   const bf16* __restrict__ w, bf16* __restrict__ y, int T, int nv, float eps) {
-  pdl_trigger();
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const long long item = (long long)blockIdx.x * GWARPS + (threadIdx.x >> 5);
   if (item >= (long long)T * nv) return;
@@ -170,7 +170,7 @@ extern "C" __global__ void __launch_bounds__(32 * GWARPS)
 // silu_mul. gu [T, 2I] bf16 = [gate | up] rows, act [T, I] bf16: act = bf16(bf16(silu(gate)) * up), the
 // two roundings of torch's F.silu then torch.mul on bf16 tensors. One thread per 8 values (I % 8 == 0).
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int T, int I) {
-  pdl_trigger();
+  pdl_begin();
   const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 8;
   if (i >= (long long)T * I) return;
   const long long t = i / I, c = i % I;

@@ -72,7 +72,7 @@ def rmsnorm1p(
     if T == 0:
         return out
     d = ctypes.c_void_p(0) if delta is None else delta
-    _kernel("rmsnorm1p_residual", hid=H).launch(T, rms_threads(H), [h, d, w, out, float(eps)])
+    _kernel("rmsnorm1p_residual", hid=H).launch(T, rms_threads(H), [h, d, w, out, float(eps)], pdl=True)
     return out
 
 
@@ -109,7 +109,7 @@ def gated_rmsnorm(
     kern = _kernel("gated_rmsnorm", dv=dv, o_f32=int(o.dtype == torch.float32))
     grid = -(-(T * nv) // GWARPS)
     o_rs, z_rs = ctypes.c_longlong(o.stride(0)), ctypes.c_longlong(z.stride(0))  # long long in the kernel
-    kern.launch(grid, 32 * GWARPS, [o, o_rs, z, z_rs, w, out, T, nv, float(eps)])
+    kern.launch(grid, 32 * GWARPS, [o, o_rs, z, z_rs, w, out, T, nv, float(eps)], pdl=True)
     return out
 
 
@@ -151,7 +151,7 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             raise ValueError(f"{name} must be contiguous")
         _check_aligned(t, name)
     if T:
-        _kernel("silu_mul").launch(-(-(T * I // 8) // 256), 256, [gu, out, T, I])
+        _kernel("silu_mul").launch(-(-(T * I // 8) // 256), 256, [gu, out, T, I], pdl=True)
     return out
 
 

@@ -5,8 +5,9 @@
 // called pdl_trigger() or exited. Before pdl_wait() it may only read memory that no earlier kernel
 // writes (weights) and must write nothing; pdl_wait() returns when the earlier kernel has completed and
 // its writes are visible. Kernels that precede a PDL launch call pdl_trigger() as soon as they have no
-// more use for SM resources that the next kernel's prologue could use well (lumo: at their start for
-// the small row kernels, after the main loop for the GEMVs).
+// more use for SM resources that the next kernel's prologue could use well. In lumo every kernel but the
+// prefill's weight dequantisation is PDL-launched: the GEMVs read weights, wait, and trigger after their
+// main loop; the row kernels start with pdl_begin() (trigger, then wait).
 //
 // Contract of what a GEMV reads before pdl_wait(): its weights, which no kernel of the step writes (they
 // are packed at load). A kernel that writes a weight right before a PDL GEMV would need a pdl_wait()
@@ -25,4 +26,13 @@ __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+// The start of a row kernel (norms, conv, GDN, attention, sampling, tree ops): the kernel after it may
+// launch at once (its CTAs wait in their own pdl_wait, or prefetch weights), and this one waits for every
+// earlier kernel's writes before it reads or writes anything. As the first statement of every CTA (before
+// any early exit) it keeps the chain transitive: this kernel completes only after its predecessor has.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_trigger();
+  pdl_wait();
 }

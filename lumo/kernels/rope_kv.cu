@@ -24,6 +24,8 @@
 
 #include <cuda_bf16.h>
 
+#include "pdl.cuh"
+
 #ifndef D
 #define D 256  // head dim d (multiple of 32)
 #endif
@@ -85,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(32 * RWARPS)
                     const bf16* __restrict__ k_norm, const float* __restrict__ inv_freq,
                     const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
                     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nh, int nkv, float eps) {
+  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x;
   const int j = blockIdx.y * RWARPS + (threadIdx.x >> 5);

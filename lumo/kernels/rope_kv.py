@@ -110,7 +110,7 @@ def qk_norm_rope_kv(
     qs, ks, vs = (ctypes.c_longlong(t.stride(0)) for t in (qg, k, v))  # long long row strides
     args = [qg, qs, k, ks, v, vs, q_norm, k_norm, inv_freq, positions, slots]
     args += [q_out, k_cache, v_cache, nh, nkv, float(eps)]
-    _kernel(d, rd).launch((T, -(-(nh + nkv) // RWARPS)), 32 * RWARPS, args)
+    _kernel(d, rd).launch((T, -(-(nh + nkv) // RWARPS)), 32 * RWARPS, args, pdl=True)
     return q_out
 
 

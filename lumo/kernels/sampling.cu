@@ -26,6 +26,8 @@
 #define THREADS 512
 #define SORTN 4096  // bitonic sort buffer (keys)
 
+#include "pdl.cuh"
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
@@ -152,6 +154,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                    float* __restrict__ part_sum,            // [T, NB] sum exp(x - chunk max)
                    u64* __restrict__ part_keys,             // [T, NB, NCAND]
                    int V, int NB) {
+  pdl_begin();
   __shared__ u64 buf[SORTN];
   __shared__ float sv[THREADS / 32];
   __shared__ int si[THREADS / 32];
@@ -207,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                  const u64* __restrict__ part_keys,
                  int* __restrict__ tokens,  // [T] int32
                  int V, int NB) {
+  pdl_begin();
   __shared__ u64 buf[SORTN];
   __shared__ float prob[NCAND];
   __shared__ float sv[THREADS / 32];
@@ -269,6 +273,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // Test hook: u and g for indices [0, n) of one (seed, position); raw = 1 uses u's 23-bit integer = index.
 extern "C" __global__ void sample_noise(const long long* __restrict__ seed, const long long* __restrict__ position,
                                         int n, int raw, float* __restrict__ u_out, float* __restrict__ g_out) {
+  pdl_begin();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const u32 key = row_key((u64)seed[0], (u64)position[0]);

@@ -76,8 +76,10 @@ def sample_tokens(
     elif out.shape != (T,) or out.dtype != torch.int32:
         raise ValueError(f"sample_tokens: out must be [{T}] int32")
     params = (temperature, top_k, top_p, seed, position)
-    _kernel("sample_partial").launch((nb, T), THREADS, (logits, *params, val, idx, ssum, keys, V, nb))
-    _kernel("sample_final").launch(T, THREADS, (*params, val, idx, ssum, keys, out, V, nb))
+    _kernel("sample_partial").launch(
+        (nb, T), THREADS, (logits, *params, val, idx, ssum, keys, V, nb), pdl=True
+    )
+    _kernel("sample_final").launch(T, THREADS, (*params, val, idx, ssum, keys, out, V, nb), pdl=True)
     return out
 
 
@@ -87,7 +89,7 @@ def sample_noise(seed: int, position: int, n: int, raw: bool = False) -> tuple[t
     p = torch.tensor([position], dtype=torch.int64, device="cuda")
     u = torch.empty(n, dtype=torch.float32, device="cuda")
     g = torch.empty_like(u)
-    _kernel("sample_noise").launch(-(-n // 256), 256, (s, p, n, int(raw), u, g))
+    _kernel("sample_noise").launch(-(-n // 256), 256, (s, p, n, int(raw), u, g), pdl=True)
     return u, g
 
 

@@ -21,6 +21,8 @@
 #define TK_THREADS 256  // threads per topk_partial CTA
 #define KV_THREADS 128  // 16-byte columns per kv_remap CTA
 
+#include "pdl.cuh"
+
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -71,6 +73,7 @@ __device__ __forceinline__ void topk_warp_merge(u64 (&l)[KMAX], u64 (&out)[KMAX]
 
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
     topk_partial(const float* __restrict__ logits, int V, u64* __restrict__ part, int nb) {
+  pdl_begin();
   __shared__ u64 warp_top[TK_THREADS / 32][KMAX];
   const int b = blockIdx.x, t = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const float* row = logits + (size_t)t * V;
@@ -103,6 +106,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
 extern "C" __global__ void __launch_bounds__(32)
     topk_final(const u64* __restrict__ part, int nb, int k, int* __restrict__ ids, int* __restrict__ tokens,
                const int* __restrict__ nodes) {
+  pdl_begin();
   const int t = blockIdx.x, lane = threadIdx.x;
   u64 l[KMAX];
 #pragma unroll
@@ -136,6 +140,7 @@ extern "C" __global__ void __launch_bounds__(32)
 extern "C" __global__ void __launch_bounds__(32)
     tree_accept(const int* __restrict__ tokens, const int* __restrict__ choice, const int* __restrict__ parent,
                 int n_nodes, int cap, int* __restrict__ accepted, int* __restrict__ result) {
+  pdl_begin();
   __shared__ int path[64];
   const int lane = threadIdx.x;
   const bool in0 = lane < n_nodes, in1 = lane + 32 < n_nodes;
@@ -182,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(32)
 extern "C" __global__ void __launch_bounds__(KV_THREADS)
     kv_remap(const u64* __restrict__ caches, int row_vec, int max_len, const int* __restrict__ accepted,
              const int* __restrict__ count, int cap, const int* __restrict__ length) {
+  pdl_begin();
   const int col = blockIdx.y * KV_THREADS + threadIdx.x;
   if (col >= row_vec) return;
   uint4* base = reinterpret_cast<uint4*>(caches[blockIdx.x]);

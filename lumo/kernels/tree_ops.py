@@ -101,10 +101,10 @@ def topk_select(
         _check_i32(nodes, (T, k), "topk_select: nodes", dev)
     if T == 0:
         return out
-    _kernel("topk_partial").launch((nb, T), TK_THREADS, [logits, V, workspace, nb])
+    _kernel("topk_partial").launch((nb, T), TK_THREADS, [logits, V, workspace, nb], pdl=True)
     null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter
     extra = [tokens, nodes] if tokens is not None else [null, null]
-    _kernel("topk_final").launch(T, 32, [workspace, nb, k, out, *extra])
+    _kernel("topk_final").launch(T, 32, [workspace, nb, k, out, *extra], pdl=True)
     return out
 
 
@@ -159,7 +159,7 @@ def tree_accept(
     _check_i32(result, (cap + 2,), "tree_accept: result", dev)
     if cap < 1:
         raise ValueError("tree_accept: cap must be >= 1")
-    _kernel("tree_accept").launch(1, 32, [tokens, choice, parent, n_nodes, cap, accepted, result])
+    _kernel("tree_accept").launch(1, 32, [tokens, choice, parent, n_nodes, cap, accepted, result], pdl=True)
     return accepted, result
 
 
@@ -218,7 +218,7 @@ def kv_remap(table: KVTable, accepted: torch.Tensor, count: torch.Tensor, length
     _check_i32(length, (1,), "kv_remap: length", dev)
     grid = (table.ptrs.shape[0], -(-table.row_vec // KV_THREADS))
     args = [table.ptrs, table.row_vec, table.max_len, accepted, count, accepted.shape[0], length]
-    _kernel("kv_remap").launch(grid, KV_THREADS, args)
+    _kernel("kv_remap").launch(grid, KV_THREADS, args, pdl=True)
 
 
 def kv_remap_ref(
