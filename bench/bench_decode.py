@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 from lumo.config import ModelConfig
 from lumo.engine.gpu_weights import GPUWeights, config_27b, pack_weights, random_model_weights
 from lumo.engine.runner import GPURunner, linear_weight_bytes, memory_plan
+from lumo.kernels import linear
 from lumo.weights import GDNWeights, ModelWeights
 
 GB = 1e9
@@ -107,32 +109,54 @@ def time_prefill(runner: GPURunner, n: int, vocab: int) -> tuple[float, int]:
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
 
 
+def kernel_breakdown(prof, reps: int) -> list[dict]:
+    """Per kernel name, per replay: calls, summed durations ("us") and exclusive time ("excl_us").
+
+    Under programmatic dependent launch a kernel starts before its predecessor ends and waits inside
+    (pdl_wait), so durations overlap and their sum exceeds the step. The exclusive time gives each instant
+    of the run to the kernel that started first among those running (the rest of a chain: its end minus
+    the previous end), so it sums to the busy time and shows what each kernel adds to the critical path.
+    Read from the profiler's Chrome trace (kernel events with their device start and duration)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    agg: dict[str, list[float]] = {}
+    prev_end = None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        start, end = e["ts"], e["ts"] + e["dur"]
+        a = agg.setdefault(e["name"], [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += e["dur"]
+        a[2] += max(0.0, end - (start if prev_end is None else max(start, prev_end)))
+        prev_end = end if prev_end is None else max(prev_end, end)
+    rows = [
+        {"name": k, "calls": c / reps, "us": t / reps, "excl_us": x / reps} for k, (c, t, x) in agg.items()
+    ]
+    return sorted(rows, key=lambda r: -r["excl_us"])
+
+
 def profile_step(runner: GPURunner, context: int, steps: int = 5) -> dict:
     """Kernels of `steps` graph-replayed decode steps (eager if the profiler sees no graph kernels)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-
-    def dev_time(e) -> float:
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
     for use_graph in (True, False):
         runner.seek(context)
         runner.decode_step(use_graph)  # warm
         runner.seek(context)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 runner.decode_step(use_graph)
             torch.cuda.synchronize()
-        kernels = [e for e in prof.key_averages() if getattr(e, "device_type", None) == DeviceType.CUDA]
+        kernels = kernel_breakdown(prof, steps)
         if kernels:
             break
-    rows = sorted(((e.key, e.count / steps, dev_time(e) / steps) for e in kernels), key=lambda r: -r[2])
     return {
         "mode": "graph" if use_graph else "eager",
-        "launches_per_step": sum(r[1] for r in rows),
-        "busy_us_per_step": sum(r[2] for r in rows),
-        "kernels": [{"name": k, "calls": c, "us": t} for k, c, t in rows],
+        "launches_per_step": sum(k["calls"] for k in kernels),
+        "busy_us_per_step": sum(k["excl_us"] for k in kernels),
+        "kernels": kernels,
     }
 
 
@@ -240,12 +264,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=64, help="model depth (64 = the real 27B)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
-    ap.add_argument("--prefill", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timing trial")
     ap.add_argument("--peer-layers", type=int, default=64, help="0: no peer; else its depth (BF16)")
     ap.add_argument("--peer-tokens", type=int, default=16)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--l2pf", type=float, help="MiB of L2 weight prefetch per GEMV (default: the library's)")
     args = ap.parse_args()
+    if args.l2pf is not None:  # launch knobs only (same bits): read by every GEMV launch at capture
+        linear.L2_PREFETCH_BYTES = int(args.l2pf * (1 << 20))
 
     cfg = config_27b(num_layers=args.layers)
     dev = torch.cuda.get_device_name()
@@ -269,7 +296,8 @@ def main() -> None:
         x = gpu_ms / floor_ms
         print(f"decode @ {L}: {gpu_ms:.3f} ms (floor {floor_ms:.3f}, x{x:.2f}), e2e {e2e_ms:.3f}")
 
-    time_prefill(runner, 2048, cfg.vocab_size)  # warm-up: cuBLAS, SDPA, kernels
+    if args.prefill:
+        time_prefill(runner, 2048, cfg.vocab_size)  # warm-up: cuBLAS, SDPA, kernels
     prefill = []
     for n in args.prefill:
         s, peak = time_prefill(runner, n, cfg.vocab_size)
@@ -330,10 +358,11 @@ def main() -> None:
             f"kernels busy {prof['busy_us_per_step']:.0f} us of {step:.0f} us "
             f"(idle {max(step - prof['busy_us_per_step'], 0):.0f} us)"
         )
-        print("| kernel | calls/step | us/step | % of step |")
-        print("|---|---|---|---|")
+        print("| kernel | calls/step | exclusive us/step | % of step | summed durations us/step |")
+        print("|---|---|---|---|---|")
         for k in prof["kernels"][:15]:
-            print(f"| {k['name'][:60]} | {k['calls']:.0f} | {k['us']:.1f} | {100 * k['us'] / step:.1f} |")
+            x = k["excl_us"]
+            print(f"| {k['name'][:60]} | {k['calls']:.0f} | {x:.1f} | {100 * x / step:.1f} | {k['us']:.1f} |")
 
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_decode.json"
     out.parent.mkdir(parents=True, exist_ok=True)

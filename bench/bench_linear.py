@@ -90,7 +90,11 @@ def config_kwargs(cfg: str) -> dict:
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
     per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF, "sWxMxP" the slice-activations
-    kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P."""
+    kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix "@B" sets the L2 prefetch
+    budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0"."""
+    if "@" in cfg:
+        cfg, mib = cfg.split("@")
+        return {**config_kwargs(cfg), "l2pf": int(float(mib) * (1 << 20))}
     if cfg == "dflt":
         return {}
     if cfg == "cross":

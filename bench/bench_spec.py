@@ -26,10 +26,11 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from bench_decode import copy_bandwidth, step_bytes  # same folder: the floor is computed one way
+from bench_decode import copy_bandwidth, kernel_breakdown, step_bytes  # same folder: one floor, one profile
 
 from lumo.config import FULL, TreeConfig
 from lumo.corpus import split_documents, stdlib_documents
+from lumo.engine import tree as tree_module
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
@@ -37,6 +38,7 @@ from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import chain_config
+from lumo.kernels import linear
 from lumo.kernels.gdn import gdn_decode
 from lumo.kernels.gdn_tree import gdn_tree
 from lumo.tokenizer import Tokenizer
@@ -121,9 +123,9 @@ def spans(engine: GPUSpecEngine, events: int) -> dict:
 
 def graph_profile(engine: GPUSpecEngine, reps: int = 3, top: int = 10) -> dict:
     """Kernel breakdown of each event graph (draft, verify, commit) from torch.profiler over `reps`
-    replays of that graph alone. Replaying one graph repeatedly is safe here: draft and verify only write
-    tree buffers and tree slots; commit's state change does not matter to a timing breakdown."""
-    from torch.autograd import DeviceType
+    replays of that graph alone (bench_decode.kernel_breakdown: calls, summed durations, exclusive time).
+    Replaying one graph repeatedly is safe here: draft and verify only write tree buffers and tree slots;
+    commit's state change does not matter to a timing breakdown."""
     from torch.profiler import ProfilerActivity, profile
 
     out = {}
@@ -134,13 +136,7 @@ def graph_profile(engine: GPUSpecEngine, reps: int = 3, top: int = 10) -> dict:
             for _ in range(reps):
                 g.replay()
             torch.cuda.synchronize()
-        rows = [
-            (e.key[:48], e.count / reps, (getattr(e, "self_device_time_total", 0.0) or 0.0) / reps)
-            for e in prof.key_averages()
-            if getattr(e, "device_type", None) == DeviceType.CUDA
-        ]
-        rows.sort(key=lambda r: -r[2])
-        out[name] = [{"name": k, "calls": c, "us": t} for k, c, t in rows[:top]]
+        out[name] = kernel_breakdown(prof, reps)[:top]
     return out
 
 
@@ -302,7 +298,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--skip-27b", action="store_true")
+    ap.add_argument("--l2pf", type=float, help="MiB of L2 weight prefetch per GEMV (default: the library's)")
+    ap.add_argument(
+        "--gdn-balance", action="store_true", help="spread the GDN tree's forks over rows (tree.GDN_BALANCE)"
+    )
     args = ap.parse_args()
+    if args.l2pf is not None:  # launch knobs only (same bits): read by every GEMV launch at capture
+        linear.L2_PREFETCH_BYTES = int(args.l2pf * (1 << 20))
+    if args.gdn_balance:  # a schedule choice only (same bits): read by build_tree
+        tree_module.GDN_BALANCE = True
     result = {"device": torch.cuda.get_device_name(), "embedded": embedded(args.prompts, args.tokens)}
     if not args.skip_27b:
         result["27b"] = big(args.layers, args.context, args.events)
@@ -346,9 +350,9 @@ def main() -> None:
         ]
     if "27b" in result:
         for graph, ks in result["27b"]["kernels"].items():
-            print(f"\n27B {graph} graph, top kernels (us per event):")
+            print(f"\n27B {graph} graph, top kernels (us per event: exclusive / summed durations):")
             for k in ks:
-                print(f"  {k['us']:9.1f} us  {k['calls']:5.0f} calls  {k['name']}")
+                print(f"  {k['excl_us']:9.1f} / {k['us']:9.1f} us  {k['calls']:5.0f} calls  {k['name'][:48]}")
     w = max(len(r[0]) for r in rows)
     print(f"\n{'metric':<{w}}  value  note")
     for name, val, note in rows:
