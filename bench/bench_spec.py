@@ -30,7 +30,7 @@ from bench_decode import copy_bandwidth, kernel_breakdown, step_bytes  # same fo
 
 from lumo.config import FULL, TreeConfig
 from lumo.corpus import split_documents, stdlib_documents
-from lumo.engine import tree as tree_module
+from lumo.engine import gpu_spec
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
@@ -241,8 +241,8 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
         "per_node_ms": ms_other,
         "speedup": ms_other / ms_ours,
         "per_node_state_bytes": len(gdn) * n * nv * dk * dv * 4,
-        "gdn_tree_paths": tb.gdn_items.shape[0],  # walking paths: warps = paths x nv x dv / DVT per layer
-        "gdn_tree_steps": int(tb.gdn_items_len.sum()),  # gdn_step calls per (head, tile), forks included
+        "gdn_tree_rows": engine.gdn_items.shape[0],  # schedule rows: warps = rows x nv x dv / DVT per layer
+        "gdn_tree_steps": int(engine.gdn_items_len.sum()),  # gdn_step calls per (head, tile), forks included
     }
 
 
@@ -300,13 +300,15 @@ def main() -> None:
     ap.add_argument("--skip-27b", action="store_true")
     ap.add_argument("--l2pf", type=float, help="MiB of L2 weight prefetch per GEMV (default: the library's)")
     ap.add_argument(
-        "--gdn-balance", action="store_true", help="spread the GDN tree's forks over rows (tree.GDN_BALANCE)"
+        "--gdn-balance",
+        action="store_true",
+        help="spread the GDN tree's forks over warps (gpu_spec.GDN_BALANCE)",
     )
     args = ap.parse_args()
     if args.l2pf is not None:  # launch knobs only (same bits): read by every GEMV launch at capture
         linear.L2_PREFETCH_BYTES = int(args.l2pf * (1 << 20))
-    if args.gdn_balance:  # a schedule choice only (same bits): read by build_tree
-        tree_module.GDN_BALANCE = True
+    if args.gdn_balance:  # a schedule choice only (same bits): read when an engine is built
+        gpu_spec.GDN_BALANCE = True
     result = {"device": torch.cuda.get_device_name(), "embedded": embedded(args.prompts, args.tokens)}
     if not args.skip_27b:
         result["27b"] = big(args.layers, args.context, args.events)

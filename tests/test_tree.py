@@ -23,10 +23,13 @@ def test_default_tree_shape():
     assert t.gdn_items.shape == (1, 28) and t.gdn_items_len.tolist() == [28]
     walked = [it & GDN_NODE for it in t.gdn_items[0].tolist() if not it & GDN_FORK]
     assert walked == list(range(11))
-    # balanced: its 17 forks spread over 4 rows of at most 12 items (the walk plus the last spine node)
-    items, items_len = gdn_schedule(t.parent[:28].tolist(), balance=True)
-    assert items.shape == (4, 12) and items_len.tolist() == [12, 12, 12, 9]
-    assert [it & GDN_NODE for it in items[0].tolist() if not it & GDN_FORK] == list(range(11))
+    # balanced: its 17 forks spread over 4 rows of at most 12 items (the walk plus the last spine node, the
+    # least possible), or 3 rows of at most 14; the first row walks the whole path
+    parent = t.parent[:28].tolist()
+    for max_rows, lens in ((4, [12, 12, 12, 9]), (64, [12, 12, 12, 9]), (3, [14, 13, 12]), (1, [28])):
+        items, items_len = gdn_schedule(parent, max_rows)
+        assert items_len.tolist() == lens and items.shape == (len(lens), max(lens))
+        assert [it & GDN_NODE for it in items[0].tolist() if not it & GDN_FORK] == list(range(11))
 
 
 @pytest.mark.parametrize(
@@ -107,18 +110,20 @@ SCHEDULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["paths", "balanced"])
+@pytest.mark.parametrize("max_rows", [None, 3, 64], ids=["paths", "rows3", "rows64"])
 @pytest.mark.parametrize("parent", SCHEDULE_CASES, ids=[f"case{i}" for i in range(len(SCHEDULE_CASES))])
-def test_gdn_schedule(parent, balance):
+def test_gdn_schedule(parent, max_rows):
     n = len(parent)
-    items, items_len = gdn_schedule(parent, balance)
+    items, items_len = gdn_schedule(parent, max_rows)
     kids = [[c for c in range(n) if parent[c] == u] for u in range(n)]
     walking = {u for u in range(n) if kids[u] or parent[u] < 0}
     ends = [u for u in sorted(walking) if not any(c in walking for c in kids[u])]
     assert items.shape[1] == int(items_len.max())
-    if balance:  # the least critical path: the walk to a node plus its leaf children, each a step
-        bound = max(len(ancestry_of(parent, u)) + sum(c not in walking for c in kids[u]) for u in walking)
-        assert items.shape[1] == bound
+    if max_rows is not None:
+        assert items.shape[0] <= max(max_rows, len(ends))
+        # with room enough, the least critical path: the walk to a node plus its leaf children
+        least = max(len(ancestry_of(parent, u)) + sum(c not in walking for c in kids[u]) for u in walking)
+        assert items.shape[1] >= least and (max_rows < 64 or items.shape[1] == least)
     written = [0] * n
     lasts = []  # the last node each row walks
     for p in range(items.shape[0]):
@@ -138,7 +143,7 @@ def test_gdn_schedule(parent, balance):
                 stack.append(u)
                 assert u in walking and stack == ancestry_of(parent, u)  # parent stepped before the child
         lasts.append(stack[-1])
-    if not balance:  # a row per walking path, walked to its end
+    if max_rows is None:  # a row per walking path, walked to its end
         assert lasts == ends
     assert set(ends) <= set(lasts), "every walking path is walked to its end"
     assert written == [1] * n, "every node written exactly once"

@@ -96,12 +96,12 @@ def decode_path(inp: dict[str, torch.Tensor], nodes: list[int], dtype: torch.dty
     return torch.stack(outs), s
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["paths", "balanced"])
+@pytest.mark.parametrize("max_rows", [None, 3, 64], ids=["paths", "rows3", "rows64"])
 @pytest.mark.parametrize("cfg", TREES, ids=TREE_IDS)
 @pytest.mark.parametrize("nk,nv,dk,dv,pbf16", SHAPES, ids=SHAPE_IDS)
-def test_gdn_tree_equals_decoding_each_path(nk, nv, dk, dv, pbf16, cfg, balance):
+def test_gdn_tree_equals_decoding_each_path(nk, nv, dk, dv, pbf16, cfg, max_rows):
     tree = build_tree(cfg)
-    check_tree(tree.parent[: tree.n_nodes].tolist(), tree.rows, nk, nv, dk, dv, pbf16, balance)
+    check_tree(tree.parent[: tree.n_nodes].tolist(), tree.rows, nk, nv, dk, dv, pbf16, max_rows)
 
 
 # Trees beyond spine + siblings (gdn_schedule takes any tree whose parents precede their children):
@@ -115,21 +115,21 @@ def random_parents(seed: int, n: int = 30) -> list[int]:
 GENERAL = [[-1], [-1, 0, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3], random_parents(1), random_parents(2)]
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["paths", "balanced"])
+@pytest.mark.parametrize("max_rows", [None, 3, 64], ids=["paths", "rows3", "rows64"])
 @pytest.mark.parametrize("parent", GENERAL, ids=[f"general{i}" for i in range(len(GENERAL))])
 @pytest.mark.parametrize("nk,nv,dk,dv,pbf16", [SHAPES[0], SHAPES[2]], ids=[SHAPE_IDS[0], SHAPE_IDS[2]])
-def test_gdn_tree_general_trees(nk, nv, dk, dv, pbf16, parent, balance):
-    check_tree(parent, len(parent) + 3, nk, nv, dk, dv, pbf16, balance)
+def test_gdn_tree_general_trees(nk, nv, dk, dv, pbf16, parent, max_rows):
+    check_tree(parent, len(parent) + 3, nk, nv, dk, dv, pbf16, max_rows)
 
 
 def check_tree(
-    parent: list[int], R: int, nk: int, nv: int, dk: int, dv: int, pbf16: bool, balance: bool
+    parent: list[int], R: int, nk: int, nv: int, dk: int, dv: int, pbf16: bool, max_rows: int | None
 ) -> None:
-    """gdn_tree over the schedule of `parent` (R - len(parent) padding rows; `balance`: gdn_schedule's
+    """gdn_tree over the schedule of `parent` (R - len(parent) padding rows; `max_rows`: gdn_schedule's
     fork spreading): every node's o bitwise equal to plain decoding of its root-to-node path, padding
     rows unwritten, the state untouched, and the fp32 reference within bf16 / f32 noise."""
     n = len(parent)
-    items, items_len = gdn_schedule(parent, balance)
+    items, items_len = gdn_schedule(parent, max_rows)
     dtype = torch.bfloat16 if nv == 48 else torch.float32  # the engine's bf16 o at 27B; f32 elsewhere
     inp = gdn_inputs(R, nk, nv, dk, dv, pbf16, seed=R * 31 + nv)
     state0 = inp["state"].clone()

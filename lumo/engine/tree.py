@@ -56,12 +56,7 @@ def sibling_depths(cfg: TreeConfig) -> list[tuple[int, int]]:
     return out[: max(cfg.budget - cfg.depth, 0)]
 
 
-# Spread each walking path's forks over several rows (gdn_schedule's `balance`). Off by default until it is
-# measured on a GPU (written in session 9 after the device time ran out; semantics tested on the CPU).
-GDN_BALANCE = False
-
-
-def gdn_schedule(parent: list[int], balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gdn_schedule(parent: list[int], max_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The GDN tree verifier's work list: (items [P', L'] int32, -1 padded; items_len [P'] int32), one row
     per warp walk (gdn_tree.cu runs the rows in parallel, each item one gdn_step in sequence).
 
@@ -74,14 +69,15 @@ def gdn_schedule(parent: list[int], balance: bool = False) -> tuple[torch.Tensor
     is written exactly once, with the state after its own root-to-node path, and a parent is always
     stepped before its children.
 
-    Without `balance` a walking path is one row (it forks all its leaves): the default spine + siblings
+    Without `max_rows` a walking path is one row (it forks all its leaves): the default spine + siblings
     tree gives one row of 28 items (11 walked nodes, 17 forks). A row is a warp's critical path, so with
-    `balance` the forks of a walking path are spread over several rows: the first walks the whole path
-    and forks from its deepest node upwards while its length stays within the bound T below; each further
-    row walks the path only down to the deepest node whose forks it takes (without writing the walked
-    nodes: recomputed, the same bits) and takes forks upwards the same way. T = the longest walk to a node
-    plus that node's forks, the least any schedule can reach. The default tree then gives 4 rows of at
-    most 12 items (more work in all, 45 steps, on 4 times the warps)."""
+    `max_rows` the forks of a walking path are spread over several rows, at most max(max_rows, walking
+    paths) in all: the first walks the whole path and forks from its deepest node upwards while its length
+    stays within a bound T; each further row walks the path only down to the deepest node whose forks it
+    takes (without writing the walked nodes: recomputed, the same bits) and takes forks upwards the same
+    way. T is the least bound that keeps to the row count, at least the longest walk to a node plus that
+    node's forks, which no schedule can undercut. The default tree gives 4 rows of at most 12 items with
+    max_rows 4 (45 steps in all), 3 rows of at most 14 with max_rows 3."""
     n = len(parent)
     if any(not -1 <= p < i for i, p in enumerate(parent)):
         raise ValueError(f"parents must precede their children (parent[i] < i or -1), got {parent}")
@@ -105,9 +101,20 @@ def gdn_schedule(parent: list[int], balance: bool = False) -> tuple[torch.Tensor
                 owner[u] = p
             path.append((u, own, [c for c in kids[u] if not walked[c]] if own else []))
         paths.append(path)
-    bound = max((i + 1 + len(f) for path in paths for i, (_, _, f) in enumerate(path)), default=0)
-    if not balance:
-        bound = n + 1  # no row ever splits
+    least = max((i + 1 + len(f) for path in paths for i, (_, _, f) in enumerate(path)), default=0)
+    if max_rows is None:
+        rows = _rows(paths, n)  # a bound of n never splits a path
+    else:
+        rows = next(r for t in range(least, n + 1) if len(r := _rows(paths, t)) <= max(max_rows, len(paths)))
+    L = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), L), -1, dtype=torch.int32)
+    for p, items in enumerate(rows):
+        out[p, : len(items)] = torch.tensor(items, dtype=torch.int32)
+    return out, torch.tensor([len(r) for r in rows], dtype=torch.int32)
+
+
+def _rows(paths: list[list[tuple[int, bool, list[int]]]], bound: int) -> list[list[int]]:
+    """gdn_schedule's rows for item bound `bound` (>= every walk to a node plus its forks)."""
     rows = []
     for path in paths:
         groups = [(len(path), set())]  # per row: (nodes it walks, the positions whose forks it takes)
@@ -127,11 +134,7 @@ def gdn_schedule(parent: list[int], balance: bool = False) -> tuple[torch.Tensor
                 if i in takes:
                     items += [c | GDN_FORK | GDN_WRITE for c in forks]
             rows.append(items)
-    L = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), L), -1, dtype=torch.int32)
-    for p, items in enumerate(rows):
-        out[p, : len(items)] = torch.tensor(items, dtype=torch.int32)
-    return out, torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    return rows
 
 
 def build_tree(cfg: TreeConfig) -> TreeBuffers:
@@ -177,7 +180,7 @@ def build_tree(cfg: TreeConfig) -> TreeBuffers:
             if owner[u] < 0:
                 owner[u] = p
     i32 = dict(dtype=torch.int32)
-    items, items_len = gdn_schedule(parent[:n], GDN_BALANCE)
+    items, items_len = gdn_schedule(parent[:n])
     return TreeBuffers(
         n_nodes=n,
         rows=R,

@@ -4,7 +4,7 @@
 // Grid (P', NV, DV / DVT), one warp per CTA. The walking paths are the root-to-leaf paths of the tree with
 // its leaves removed; every leaf is a FORK of its parent. Warp (p, h, tile) loads the COMMITTED state tile
 // state[h, :, j0 : j0 + DVT] once and runs row p's items (lumo.engine.tree.gdn_schedule: a walking path,
-// or with `balance` a walk down part of one and some of its forks) in order
+// or with `max_rows` a walk down part of one and some of its forks) in order
 // with gdn_step.cuh's per-token code (the code gdn_recurrent runs, with the same DVT, so the same lane
 // layout and reduction trees):
 //   - a plain item steps the path's tile S in registers (a node of the path, root first);

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.tree import GDN_FORK, GDN_NODE, GDN_WRITE
+from .compile import sm_count
 from .gdn import _check_operands, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
 
 
@@ -21,6 +22,17 @@ def _check_index(x: torch.Tensor, shape: tuple[int, ...], what: str, device: tor
         raise ValueError(
             f"{what} must be contiguous int32 {list(shape)} on {device}, got {x.dtype} {tuple(x.shape)}"
         )
+
+
+def gdn_tree_rows(
+    nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool, device: torch.device
+) -> int | None:
+    """How many schedule rows (each nv x dv / DVT single-warp CTAs) the device holds at once: a cap for
+    gdn_schedule(max_rows=...), so a balanced schedule's grid runs in one wave. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    kern = _kernel("gdn_tree", "gdn_tree", nk, nv, dk, dv, param_bf16, out_bf16)
+    return max(1, kern.blocks_per_sm(32, 0) * sm_count(device) // (nv * (dv // gdn_dvt(dk, dv))))
 
 
 def gdn_tree(
