@@ -30,7 +30,6 @@ import torch
 from lumo.config import ModelConfig
 from lumo.engine.gpu_weights import GPUWeights, config_27b, pack_weights, random_model_weights
 from lumo.engine.runner import GPURunner, linear_weight_bytes, memory_plan
-from lumo.kernels import linear
 from lumo.weights import GDNWeights, ModelWeights
 
 GB = 1e9
@@ -269,10 +268,7 @@ def main() -> None:
     ap.add_argument("--peer-layers", type=int, default=64, help="0: no peer; else its depth (BF16)")
     ap.add_argument("--peer-tokens", type=int, default=16)
     ap.add_argument("--no-profile", action="store_true")
-    ap.add_argument("--l2pf", type=float, help="MiB of L2 weight prefetch per GEMV (default: the library's)")
     args = ap.parse_args()
-    if args.l2pf is not None:  # launch knobs only (same bits): read by every GEMV launch at capture
-        linear.L2_PREFETCH_BYTES = int(args.l2pf * (1 << 20))
 
     cfg = config_27b(num_layers=args.layers)
     dev = torch.cuda.get_device_name()

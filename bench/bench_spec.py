@@ -30,17 +30,15 @@ from bench_decode import copy_bandwidth, kernel_breakdown, step_bytes  # same fo
 
 from lumo.config import FULL, TreeConfig
 from lumo.corpus import split_documents, stdlib_documents
-from lumo.engine import gpu_spec
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
-from lumo.engine.tree import chain_config
-from lumo.kernels import linear
+from lumo.engine.tree import chain_config, gdn_schedule
 from lumo.kernels.gdn import gdn_decode
-from lumo.kernels.gdn_tree import gdn_tree
+from lumo.kernels.gdn_tree import gdn_tree, gdn_tree_rows
 from lumo.tokenizer import Tokenizer
 from lumo.weights import load_model
 
@@ -179,7 +177,8 @@ def graph_ms(fn, reps: int = 20) -> float:
 
 def gdn_designs(engine: GPUSpecEngine) -> dict:
     """Ours (path-parallel verify with fork leaves + replay) vs per-node stored states, over every GDN layer
-    of the model."""
+    of the model; and ours with the forks spread over as many warps as the device holds at once
+    (gdn_schedule's max_rows, capped by gdn_tree_rows: a candidate schedule, the same bits)."""
     cfg, r, tb = engine.cfg, engine.runner, engine.tb
     nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     gdn = [lw.mixer for kind, lw in zip(cfg.layer_types, engine.w.layers, strict=True) if kind != FULL]
@@ -192,20 +191,14 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
     accepted = torch.tensor([0, 1, 2, 3, 4] + [-1] * (engine.cap - 5), dtype=torch.int32, device="cuda")
     count = torch.tensor([5], dtype=torch.int32, device="cuda")  # a 4-draft acceptance (~ the paper's)
 
-    def ours() -> None:
+    nk, bf16_params = cfg.linear_num_key_heads, gdn[0].A_log.dtype == torch.bfloat16
+    cap = gdn_tree_rows(nk, nv, dk, dv, bf16_params, True, torch.device("cuda"))
+    balanced = [t.cuda() for t in gdn_schedule(parent[:n], max_rows=cap)]
+
+    def ours(items=(engine.gdn_items, engine.gdn_items_len)) -> None:
         for i, g in enumerate(gdn):
             mixed, ba = engine.gdn_mixed[i], engine.gdn_ba[i]
-            gdn_tree(
-                mixed,
-                ba[:, nv:],
-                ba[:, :nv],
-                g.A_log,
-                g.dt_bias,
-                states[i],
-                engine.gdn_items,
-                engine.gdn_items_len,
-                out=engine.gdn_o,
-            )
+            gdn_tree(mixed, ba[:, nv:], ba[:, :nv], g.A_log, g.dt_bias, states[i], *items, out=engine.gdn_o)
             gdn_decode(
                 mixed,
                 ba[:, nv:],
@@ -236,6 +229,7 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
             states[i].copy_(node_states[4])  # commit = copy the accepted node's state
 
     ms_ours, ms_other = graph_ms(ours), graph_ms(per_node)
+    ms_balanced = graph_ms(lambda: ours(balanced))
     return {
         "ours_ms": ms_ours,
         "per_node_ms": ms_other,
@@ -243,6 +237,9 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
         "per_node_state_bytes": len(gdn) * n * nv * dk * dv * 4,
         "gdn_tree_rows": engine.gdn_items.shape[0],  # schedule rows: warps = rows x nv x dv / DVT per layer
         "gdn_tree_steps": int(engine.gdn_items_len.sum()),  # gdn_step calls per (head, tile), forks included
+        "balanced_ms": ms_balanced,
+        "balanced_rows": balanced[0].shape[0],
+        "balanced_items": balanced[1].tolist(),  # per row: its critical path in gdn_step calls
     }
 
 
@@ -298,17 +295,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--skip-27b", action="store_true")
-    ap.add_argument("--l2pf", type=float, help="MiB of L2 weight prefetch per GEMV (default: the library's)")
-    ap.add_argument(
-        "--gdn-balance",
-        action="store_true",
-        help="spread the GDN tree's forks over warps (gpu_spec.GDN_BALANCE)",
-    )
     args = ap.parse_args()
-    if args.l2pf is not None:  # launch knobs only (same bits): read by every GEMV launch at capture
-        linear.L2_PREFETCH_BYTES = int(args.l2pf * (1 << 20))
-    if args.gdn_balance:  # a schedule choice only (same bits): read when an engine is built
-        gpu_spec.GDN_BALANCE = True
     result = {"device": torch.cuda.get_device_name(), "embedded": embedded(args.prompts, args.tokens)}
     if not args.skip_27b:
         result["27b"] = big(args.layers, args.context, args.events)
@@ -348,6 +335,11 @@ def main() -> None:
                 "GDN tree step ms: ours / per-node states",
                 f"{b['gdn']['ours_ms']:.3f} / {b['gdn']['per_node_ms']:.3f}",
                 f"{b['gdn']['speedup']:.1f}x (goal >= 3x)",
+            ),
+            (
+                "GDN tree step ms, forks over more warps (rows: items)",
+                f"{b['gdn']['balanced_ms']:.3f} ({b['gdn']['balanced_rows']}: {b['gdn']['balanced_items']})",
+                f"{b['gdn']['per_node_ms'] / b['gdn']['balanced_ms']:.1f}x (a candidate)",
             ),
         ]
     if "27b" in result:

@@ -27,7 +27,7 @@ from ..config import FULL, TreeConfig
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
 from ..kernels.conv import conv_gather, conv_pred, conv_state_commit
 from ..kernels.gdn import gdn_decode
-from ..kernels.gdn_tree import gdn_tree, gdn_tree_rows
+from ..kernels.gdn_tree import gdn_tree
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
@@ -37,13 +37,9 @@ from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
-from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
+from .tree import TreeBuffers, build_tree, chain_config
 
 _NO_SLOT = -(1 << 30)  # slot offset of a padding row: len + offset < 0, so qk_norm_rope_kv skips it
-# Spread the GDN verifier's forks over as many warps as the device holds at once (gdn_schedule's
-# max_rows; the same bits). Off until measured on a GPU: written in session 9 after its device time ran
-# out; `bench/bench_spec.py --gdn-balance` turns it on for a run.
-GDN_BALANCE = False
 
 
 class _Rows:
@@ -104,17 +100,8 @@ class GPUSpecEngine:
         self.depth = tb.depth.to(dev)
         self.depth1 = (tb.depth.long() + 1).to(dev)  # [R] i64: sampling position offset
         self.pred = conv_pred(tb.parent.tolist(), K).to(dev)  # [R, K-1]: padding rows act as roots
-        items, items_len = tb.gdn_items, tb.gdn_items_len
-        gdn_layers = [
-            lw.mixer for kind, lw in zip(cfg.layer_types, self.w.layers, strict=True) if kind != FULL
-        ]
-        if GDN_BALANCE and gdn_layers:  # forks spread over as many rows as the device holds at once
-            bf16_params = gdn_layers[0].A_log.dtype == torch.bfloat16
-            dk, nk = cfg.linear_key_head_dim, cfg.linear_num_key_heads
-            cap = gdn_tree_rows(nk, nv, dk, dv, bf16_params, True, dev)
-            items, items_len = gdn_schedule(tb.parent[: tb.n_nodes].tolist(), max_rows=cap or tb.n_nodes)
-        self.gdn_items = items.to(dev)  # [P', L'] gdn_tree's items per schedule row (gdn_schedule)
-        self.gdn_items_len = items_len.to(dev)  # [P']
+        self.gdn_items = tb.gdn_items.to(dev)  # [P', L'] gdn_tree's items per schedule row (gdn_schedule)
+        self.gdn_items_len = tb.gdn_items_len.to(dev)  # [P']
         self.table = draft_node_table(tb, self.k).to(dev)  # [D, k] node of (depth, rank)
         off = torch.where(tb.valid, torch.arange(R, dtype=i32), torch.full((R,), _NO_SLOT, dtype=i32))
         self.slot_off = off.to(dev)  # [R] i32: row i -> tree slot len + i

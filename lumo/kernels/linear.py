@@ -346,9 +346,9 @@ RD_MIN_BLOCKS = {(1, 1, 3, 8): 4, (2, 2, 2, 4): 5, (2, 2, 2, 2): 10, (2, 2, 2, 1
 # Weight bytes a register-direct or shared-activation GEMV asks L2 for before its pdl_wait (linear.cu,
 # prefetch_chunks): the first chunks of every warp's slice, as many as fit this budget. In the decode step
 # the GEMVs follow small row kernels, during which the DRAM would idle. H200, 27B decode step at 1k
-# (bench_decode.py --l2pf, session 9, three A/B pairs): 0 MiB 6.18 / 6.04 / 6.03 ms, 16 MiB 6.07 / 5.95 /
-# 5.94; 8 MiB no change, 32 MiB none either (it evicts what it fetched). Back-to-back launches of one GEMV
-# (bench_linear.py, "dflt@16") gain nothing: there the previous kernel keeps the DRAM busy.
+# (session 9, three A/B pairs, bench_decode_session9_ab.log): 0 MiB 6.18 / 6.04 / 6.03 ms, 16 MiB 6.07 /
+# 5.95 / 5.94; 8 MiB no change, 32 MiB none either (it evicts what it fetched). Back-to-back launches of
+# one GEMV (bench_linear.py, "dflt@16") gain nothing: there the previous kernel keeps the DRAM busy.
 L2_PREFETCH_BYTES = 16 << 20
 
 
