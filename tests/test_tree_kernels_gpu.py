@@ -10,7 +10,7 @@ import torch
 from lumo.config import TreeConfig
 from lumo.engine.tree import TreeBuffers, build_tree, chain_config, gdn_schedule
 from lumo.kernels.gdn import gdn_decode
-from lumo.kernels.gdn_tree import gdn_tree, gdn_tree_ref
+from lumo.kernels.gdn_tree import gdn_tree, gdn_tree_ref, gdn_tree_rows
 from lumo.kernels.sampling import sample_tokens, sample_tokens_ref
 from lumo.kernels.tree_ops import (
     accept_buffers,
@@ -120,6 +120,18 @@ GENERAL = [[-1], [-1, 0, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3], random_paren
 @pytest.mark.parametrize("nk,nv,dk,dv,pbf16", [SHAPES[0], SHAPES[2]], ids=[SHAPE_IDS[0], SHAPE_IDS[2]])
 def test_gdn_tree_general_trees(nk, nv, dk, dv, pbf16, parent, max_rows):
     check_tree(parent, len(parent) + 3, nk, nv, dk, dv, pbf16, max_rows)
+
+
+def test_gdn_tree_rows_fit_one_wave():
+    """gdn_tree_rows: the schedule rows whose single-warp CTAs the device holds at once (27B shape)."""
+    from lumo.kernels.compile import sm_count
+    from lumo.kernels.gdn import _kernel
+
+    dev = torch.device(DEV)
+    rows = gdn_tree_rows(16, 48, 128, 128, False, True, dev)
+    per_sm = _kernel("gdn_tree", "gdn_tree", 16, 48, 128, 128, False, True).blocks_per_sm(32, 0)
+    assert rows >= 1 and per_sm > 0
+    assert rows * 48 * 8 <= max(per_sm * sm_count(dev), 48 * 8) < (rows + 1) * 48 * 8
 
 
 def check_tree(

@@ -13,7 +13,7 @@ from lumo.engine.decode import SpecDecoder
 from lumo.engine.tree import TreeBuffers, accept, build_tree, chain_config, gdn_schedule
 from lumo.kernels.conv import conv_commit_rows
 from lumo.kernels.gdn import gdn_decode_ref
-from lumo.kernels.gdn_tree import gdn_tree_ref, gdn_tree_written
+from lumo.kernels.gdn_tree import gdn_tree_ref, gdn_tree_rows, gdn_tree_written
 from lumo.kernels.tree_ops import draft_node_table, kv_remap_ref, topk_select_ref, tree_accept_ref
 
 TREES = [
@@ -74,6 +74,11 @@ def test_gdn_tree_ref_general_trees(parent, max_rows):
     o = gdn_tree_ref(**inp, items=items, items_len=items_len)
     check_each_ancestry(o, inp, parent + [-1, -1], len(parent))
     assert gdn_tree_written(items, items_len, R).tolist() == [True] * len(parent) + [False, False]
+
+
+def test_gdn_tree_rows_needs_cuda():
+    """Off CUDA there is no occupancy to ask: no cap (gdn_schedule then spreads the forks freely)."""
+    assert gdn_tree_rows(2, 4, 32, 24, False, False, torch.device("cpu")) is None
 
 
 def check_each_ancestry(o: torch.Tensor, inp: dict[str, torch.Tensor], parent: list[int], n: int) -> None:
