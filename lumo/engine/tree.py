@@ -101,10 +101,10 @@ def gdn_schedule(parent: list[int], max_rows: int | None = None) -> tuple[torch.
                 owner[u] = p
             path.append((u, own, [c for c in kids[u] if not walked[c]] if own else []))
         paths.append(path)
-    least = max((i + 1 + len(f) for path in paths for i, (_, _, f) in enumerate(path)), default=0)
     if max_rows is None:
         rows = _rows(paths, n)  # a bound of n never splits a path
-    else:
+    else:  # no bound below the longest walk to a node plus its forks fits
+        least = max((i + 1 + len(f) for path in paths for i, (_, _, f) in enumerate(path)), default=0)
         rows = next(r for t in range(least, n + 1) if len(r := _rows(paths, t)) <= max(max_rows, len(paths)))
     L = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), L), -1, dtype=torch.int32)

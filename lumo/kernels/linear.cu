@@ -501,6 +501,17 @@ __device__ __forceinline__ u32 ld_stream2(const unsigned short* p) {
   return v;
 }
 
+// Chunk r (counted from wp / sp, this lane's pointers into tile unit * 32 + lane) of a warp's MTW m16 tiles:
+// weights and scale pairs, read once. No earlier kernel writes them (they may load before pdl_wait).
+__device__ __forceinline__ void load_tiles(uint4 (&w)[MTW], u32 (&s)[MTW], const uint4* wp,
+                                           const unsigned short* sp, int r) {
+#pragma unroll
+  for (int p = 0; p < MTW; ++p) {
+    w[p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
+    s[p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
+  }
+}
+
 // L2 prefetch before pdl_wait (nvfp4_gemv_rd / _sx): the row group's chunks r0 .. n - 1 of a split-K
 // slice, all MT tiles (contiguous: n - r0 times MT * 512 bytes of weights and MT * 64 of scales), asked of
 // L2 by one bulk prefetch each, from lane 0 of the warp that holds the row group's first tile (sm_90+;
@@ -551,13 +562,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   uint4 xr[PF][NT][2];
   // The loads address chunk i0 + r: the pointers move by PF chunks per loop trip and r is a compile-time
   // offset after unrolling (no per-chunk address arithmetic).
-  auto load_w = [&](int slot, int r) {  // weights + scales: no earlier kernel writes them
-#pragma unroll
-    for (int p = 0; p < MTW; ++p) {
-      wr[slot][p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
-      sr[slot][p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
-    }
-  };
+  auto load_w = [&](int slot, int r) { load_tiles(wr[slot], sr[slot], wp, sp, r); };
   auto load_x = [&](int slot, int r, bool kin) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
@@ -655,13 +660,7 @@ __device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
 
   uint4 wr[PF][MTW];
   u32 sr[PF][MTW];
-  auto load_w = [&](int slot, int r) {  // chunk i0 + r of this warp's tiles: no earlier kernel writes them
-#pragma unroll
-    for (int p = 0; p < MTW; ++p) {
-      wr[slot][p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
-      sr[slot][p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
-    }
-  };
+  auto load_w = [&](int slot, int r) { load_tiles(wr[slot], sr[slot], wp, sp, r); };  // chunk i0 + r
 
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
