@@ -36,9 +36,9 @@ from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weigh
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
-from lumo.engine.tree import chain_config, gdn_schedule
+from lumo.engine.tree import chain_config
 from lumo.kernels.gdn import gdn_decode
-from lumo.kernels.gdn_tree import gdn_tree, gdn_tree_rows
+from lumo.kernels.gdn_tree import gdn_tree
 from lumo.tokenizer import Tokenizer
 from lumo.weights import load_model
 
@@ -176,9 +176,9 @@ def graph_ms(fn, reps: int = 20) -> float:
 
 
 def gdn_designs(engine: GPUSpecEngine) -> dict:
-    """Ours (path-parallel verify with fork leaves + replay) vs per-node stored states, over every GDN layer
-    of the model; and ours with the forks spread over as many warps as the device holds at once
-    (gdn_schedule's max_rows, capped by gdn_tree_rows: a candidate schedule, the same bits)."""
+    """Ours (path-parallel verify with fork leaves + replay; the engine's schedule, each walking path's forks
+    spread over as many warps as the device holds at once) vs per-node stored states, over every GDN layer
+    of the model; and ours with one row (warp) per walking path (TreeBuffers.gdn_items, the same bits)."""
     cfg, r, tb = engine.cfg, engine.runner, engine.tb
     nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     gdn = [lw.mixer for kind, lw in zip(cfg.layer_types, engine.w.layers, strict=True) if kind != FULL]
@@ -191,9 +191,7 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
     accepted = torch.tensor([0, 1, 2, 3, 4] + [-1] * (engine.cap - 5), dtype=torch.int32, device="cuda")
     count = torch.tensor([5], dtype=torch.int32, device="cuda")  # a 4-draft acceptance (~ the paper's)
 
-    nk, bf16_params = cfg.linear_num_key_heads, gdn[0].A_log.dtype == torch.bfloat16
-    cap = gdn_tree_rows(nk, nv, dk, dv, bf16_params, True, torch.device("cuda"))
-    balanced = [t.cuda() for t in gdn_schedule(parent[:n], max_rows=cap)]
+    per_path = [tb.gdn_items.cuda(), tb.gdn_items_len.cuda()]
 
     def ours(items=(engine.gdn_items, engine.gdn_items_len)) -> None:
         for i, g in enumerate(gdn):
@@ -229,17 +227,16 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
             states[i].copy_(node_states[4])  # commit = copy the accepted node's state
 
     ms_ours, ms_other = graph_ms(ours), graph_ms(per_node)
-    ms_balanced = graph_ms(lambda: ours(balanced))
+    ms_per_path = graph_ms(lambda: ours(per_path))
     return {
         "ours_ms": ms_ours,
         "per_node_ms": ms_other,
         "speedup": ms_other / ms_ours,
         "per_node_state_bytes": len(gdn) * n * nv * dk * dv * 4,
         "gdn_tree_rows": engine.gdn_items.shape[0],  # schedule rows: warps = rows x nv x dv / DVT per layer
-        "gdn_tree_steps": int(engine.gdn_items_len.sum()),  # gdn_step calls per (head, tile), forks included
-        "balanced_ms": ms_balanced,
-        "balanced_rows": balanced[0].shape[0],
-        "balanced_items": balanced[1].tolist(),  # per row: its critical path in gdn_step calls
+        "gdn_tree_items": engine.gdn_items_len.tolist(),  # per row: its critical path in gdn_step calls
+        "per_path_ms": ms_per_path,
+        "per_path_items": per_path[1].tolist(),
     }
 
 
@@ -310,6 +307,7 @@ def main() -> None:
             rows.append((f"embedded {mode}: histogram", str(r["histogram"]), ""))
     if "27b" in result:
         b = result["27b"]
+        g = b["gdn"]
         rows += [
             (f"27B ({b['layers']} layers, ctx {b['context']}): draft ms", f"{b['draft']:.3f}", ""),
             ("27B verify ms (32 rows)", f"{b['verify']:.3f}", ""),
@@ -333,13 +331,13 @@ def main() -> None:
             ),
             (
                 "GDN tree step ms: ours / per-node states",
-                f"{b['gdn']['ours_ms']:.3f} / {b['gdn']['per_node_ms']:.3f}",
-                f"{b['gdn']['speedup']:.1f}x (goal >= 3x)",
+                f"{g['ours_ms']:.3f} / {g['per_node_ms']:.3f}",
+                f"{g['speedup']:.1f}x (goal >= 3x); rows' items {g['gdn_tree_items']}",
             ),
             (
-                "GDN tree step ms, forks over more warps (rows: items)",
-                f"{b['gdn']['balanced_ms']:.3f} ({b['gdn']['balanced_rows']}: {b['gdn']['balanced_items']})",
-                f"{b['gdn']['per_node_ms'] / b['gdn']['balanced_ms']:.1f}x (a candidate)",
+                "GDN tree step ms, one warp per walking path",
+                f"{g['per_path_ms']:.3f}",
+                f"{g['per_node_ms'] / g['per_path_ms']:.1f}x; rows' items {g['per_path_items']}",
             ),
         ]
     if "27b" in result:

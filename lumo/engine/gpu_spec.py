@@ -27,7 +27,7 @@ from ..config import FULL, TreeConfig
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
 from ..kernels.conv import conv_gather, conv_pred, conv_state_commit
 from ..kernels.gdn import gdn_decode
-from ..kernels.gdn_tree import gdn_tree
+from ..kernels.gdn_tree import gdn_tree, gdn_tree_rows
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
@@ -37,7 +37,7 @@ from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
-from .tree import TreeBuffers, build_tree, chain_config
+from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
 
 _NO_SLOT = -(1 << 30)  # slot offset of a padding row: len + offset < 0, so qk_norm_rope_kv skips it
 
@@ -100,8 +100,7 @@ class GPUSpecEngine:
         self.depth = tb.depth.to(dev)
         self.depth1 = (tb.depth.long() + 1).to(dev)  # [R] i64: sampling position offset
         self.pred = conv_pred(tb.parent.tolist(), K).to(dev)  # [R, K-1]: padding rows act as roots
-        self.gdn_items = tb.gdn_items.to(dev)  # [P', L'] gdn_tree's items per schedule row (gdn_schedule)
-        self.gdn_items_len = tb.gdn_items_len.to(dev)  # [P']
+        self.gdn_items, self.gdn_items_len = (t.to(dev) for t in self._gdn_schedule())  # [P', L'], [P']
         self.table = draft_node_table(tb, self.k).to(dev)  # [D, k] node of (depth, rank)
         off = torch.where(tb.valid, torch.arange(R, dtype=i32), torch.full((R,), _NO_SLOT, dtype=i32))
         self.slot_off = off.to(dev)  # [R] i32: row i -> tree slot len + i
@@ -157,6 +156,19 @@ class GPUSpecEngine:
         self.tk_ws = topk_workspace(1, V, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self._carry: torch.Tensor | None = None
+
+    def _gdn_schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """gdn_tree's schedule: each walking path's forks spread over as many rows (warps) as the device
+        holds in one wave (gdn_tree_rows), which shortens the critical path; the same bits as the tree's
+        one row per walking path (TreeBuffers.gdn_items)."""
+        cfg, tb = self.cfg, self.tb
+        gdn = [lw.mixer for kind, lw in zip(cfg.layer_types, self.w.layers, strict=True) if kind != FULL]
+        if not gdn:
+            return tb.gdn_items, tb.gdn_items_len
+        dims = (cfg.linear_num_key_heads, cfg.linear_num_value_heads)
+        dims += (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        max_rows = gdn_tree_rows(*dims, gdn[0].A_log.dtype == torch.bfloat16, True, self.dev)
+        return gdn_schedule(tb.parent[: tb.n_nodes].tolist(), max_rows=max_rows)
 
     # ------------------------------------------------------------------------------------------
     # Host control.

@@ -54,13 +54,13 @@ __device__ __forceinline__ void load_w(const bf16* __restrict__ w, int c, float 
 extern "C" __global__ void __launch_bounds__(CT)
     conv_prefill(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w, bf16* __restrict__ state,
                  bf16* __restrict__ y, int T, int C) {
-  pdl_begin();
   const int c = blockIdx.x * CT + threadIdx.x;
+  float wv[KC], win[KC - 1], old[KC - 1];
+  if (c < C) load_w(w, c, wv);  // before the wait: no kernel writes the conv weight
+  pdl_begin();
   if (c >= C) return;
   const int t0 = blockIdx.y * TT;
   const int t1 = min(t0 + TT, T);
-  float wv[KC], win[KC - 1], old[KC - 1];
-  load_w(w, c, wv);
 #pragma unroll
   for (int j = 0; j < KC - 1; ++j) {
     const int src = t0 - (KC - 1) + j;  // token index of window slot j (negative: state column KC-1+src)
@@ -99,12 +99,12 @@ extern "C" __global__ void __launch_bounds__(CT)
 extern "C" __global__ void __launch_bounds__(CT)
     conv_gather(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w,
                 const bf16* __restrict__ state, const int* __restrict__ pred, bf16* __restrict__ y, int C) {
-  pdl_begin();
   const int c = blockIdx.x * CT + threadIdx.x;
+  float wv[KC], win[KC - 1];
+  if (c < C) load_w(w, c, wv);  // before the wait: no kernel writes the conv weight
+  pdl_begin();
   if (c >= C) return;
   const int t = blockIdx.y;
-  float wv[KC], win[KC - 1];
-  load_w(w, c, wv);
 #pragma unroll
   for (int j = 0; j < KC - 1; ++j) {
     const int p = pred[t * (KC - 1) + j];
@@ -136,13 +136,16 @@ extern "C" __global__ void __launch_bounds__(CT)
 extern "C" __global__ void __launch_bounds__(CT)
     conv_decode(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ state,
                 bf16* __restrict__ y, int C) {
-  pdl_begin();
   const int c = blockIdx.x * CT + threadIdx.x;
-  if (c >= C) return;
   bf16* st = state + (size_t)c * (KC - 1);
   float wv[KC], win[KC - 1];
+  if (c < C) {  // before the wait: the conv weight (no kernel writes it) and an L2 request for the state
+    load_w(w, c, wv);
+    pdl_prefetch_l2(st);
+  }
+  pdl_begin();
+  if (c >= C) return;
   bf16 keep[KC - 1];
-  load_w(w, c, wv);
 #pragma unroll
   for (int j = 0; j < KC - 1; ++j) {
     keep[j] = st[j];

@@ -53,12 +53,14 @@ extern "C" __global__ void __launch_bounds__(32)
                   const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
                   const gdn_param_t* __restrict__ dt_bias, const float* state_in, float* state_out,
                   gdn_out_t* __restrict__ o, int T, const int* __restrict__ rows, const int* __restrict__ count) {
-  pdl_begin();
   const int h = blockIdx.x, j0 = blockIdx.y * DVT, lane = threadIdx.x;
   const size_t soff = gdn_state_offset(h, j0, lane);
+  // Before the wait: the gate parameters (no kernel writes them) and an L2 request for the state tile.
+  const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
+  gdn_prefetch_state(state_in + soff, lane);
+  pdl_begin();
   float4 S[GDN_R];  // [GDN_R rows][4 columns] of the state tile
   gdn_load_state(state_in + soff, S);
-  const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
 
   if (count != nullptr) T = min(T, max(*count, 0));  // commit replay: accepted count lives on the device
   if (T == 0) {

@@ -18,6 +18,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include "pdl.cuh"
+
 #define GDN_CQ (DVT / 4)
 #define GDN_RG (32 / GDN_CQ)
 #define GDN_R (DK / GDN_RG)
@@ -166,6 +168,14 @@ __device__ __forceinline__ size_t gdn_state_offset(int h, int j0, int lane) {
 __device__ __forceinline__ void gdn_load_state(const float* S0, float4 (&S)[GDN_R]) {
 #pragma unroll
   for (int m = 0; m < GDN_R; ++m) S[m] = *reinterpret_cast<const float4*>(S0 + (size_t)m * DV);
+}
+
+// An L2 request for the state rows of a lane's row group (before pdl_wait: pdl_prefetch_l2); one lane
+// per group asks, for the group's 16 * GDN_CQ bytes of each row (within one line: j0 % DVT == 0).
+__device__ __forceinline__ void gdn_prefetch_state(const float* S0, int lane) {
+  if (lane % GDN_CQ != 0) return;
+#pragma unroll
+  for (int m = 0; m < GDN_R; ++m) pdl_prefetch_l2(S0 + (size_t)m * DV);
 }
 
 __device__ __forceinline__ void gdn_store_state(float* S1, const float4 (&S)[GDN_R]) {

@@ -67,14 +67,16 @@ extern "C" __global__ void __launch_bounds__(32)
              const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
              const gdn_param_t* __restrict__ dt_bias, const float* __restrict__ state, gdn_out_t* __restrict__ o,
              const int* __restrict__ items, int item_stride, const int* __restrict__ items_len) {
-  pdl_begin();
   const int p = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * DVT, lane = threadIdx.x;
+  // Before the wait: the gate parameters (no kernel writes them) and an L2 request for the state tile.
+  const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
+  gdn_prefetch_state(state + gdn_state_offset(h, j0, lane), lane);
+  pdl_begin();
   const int n = min(items_len[p], item_stride);
   if (n <= 0) return;
   const int* item = items + (size_t)p * item_stride;
   float4 S[GDN_R];  // [GDN_R rows][4 columns] of the committed state tile, private to this path
   gdn_load_state(state + gdn_state_offset(h, j0, lane), S);
-  const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
 
   GdnRaw next;
   int it = item[0];

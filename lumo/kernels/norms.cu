@@ -82,9 +82,17 @@ extern "C" __global__ void __launch_bounds__(NT)
     rmsnorm1p_residual(bf16* __restrict__ h, const bf16* __restrict__ delta, const bf16* __restrict__ w,
                        bf16* __restrict__ y, float eps) {
   __shared__ float partial[NT / 32];
-  pdl_begin();
   const int tid = threadIdx.x;
   const size_t row = (size_t)blockIdx.x * HID;
+  float wv[CPT][8];  // the norm weight (no kernel writes it) and an L2 request for h, before the wait
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    if (tid + i * NT < CHUNKS) {
+      ld_bf16<8>(w + 8 * (tid + i * NT), wv[i]);
+      pdl_prefetch_l2(h + row + 8 * (tid + i * NT));
+    }
+  }
+  pdl_begin();
   float v[CPT][8];
   float ss = 0.0f;
 #pragma unroll
@@ -103,10 +111,6 @@ extern "C" __global__ void __launch_bounds__(NT)
       for (int j = 0; j < 8; ++j) ss = fmaf(v[i][j], v[i][j], ss);
     }
   }
-  float wv[CPT][8];  // the norm weight is loaded before the reduction: its latency overlaps the sum
-#pragma unroll
-  for (int i = 0; i < CPT; ++i)
-    if (tid + i * NT < CHUNKS) ld_bf16<8>(w + 8 * (tid + i * NT), wv[i]);
   ss = warp_sum(ss);
   if ((tid & 31) == 0) partial[tid >> 5] = ss;
   __syncthreads();
@@ -140,13 +144,14 @@ typedef bf16 o_t;
 extern "C" __global__ void __launch_bounds__(32 * GWARPS)
     gated_rmsnorm(const o_t* __restrict__ o, long long o_rs, const bf16* __restrict__ z, long long z_rs,
                   const bf16* __restrict__ w, bf16* __restrict__ y, int T, int nv, float eps) {
-  pdl_begin();
   const int lane = threadIdx.x & 31;
+  float ov[EPL], zv[EPL], wv[EPL], out[EPL];
+  ld_bf16<EPL>(w + lane * EPL, wv);  // the norm weight, before the wait (no kernel writes it)
+  pdl_begin();
   const long long item = (long long)blockIdx.x * GWARPS + (threadIdx.x >> 5);
   if (item >= (long long)T * nv) return;
   const int t = (int)(item / nv), hd = (int)(item % nv);
   const int col = hd * DV + lane * EPL;
-  float ov[EPL], zv[EPL], wv[EPL], out[EPL];
 #if O_F32
   ld_f32<EPL>(o + t * o_rs + col, ov);
 #pragma unroll
@@ -155,7 +160,6 @@ extern "C" __global__ void __launch_bounds__(32 * GWARPS)
   ld_bf16<EPL>(o + t * o_rs + col, ov);
 #endif
   ld_bf16<EPL>(z + t * z_rs + col, zv);
-  ld_bf16<EPL>(w + lane * EPL, wv);
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) ss = fmaf(ov[j], ov[j], ss);

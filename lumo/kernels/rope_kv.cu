@@ -48,16 +48,15 @@ typedef __nv_bfloat16 bf16;
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 // v <- bf16(rmsnorm1p(v, w)) then RoPE at position pos (see the header), result in v (bf16-exact floats).
-__device__ __forceinline__ void norm_rope(float (&v)[EPL], const bf16* __restrict__ w, float eps, int pos,
-                                          const float* __restrict__ inv_freq, int lane) {
+// wv: the lane's norm weights; freq: its inv_freq values (lanes < 2 HL).
+__device__ __forceinline__ void norm_rope(float (&v)[EPL], const float (&wv)[EPL], float eps, int pos,
+                                          const float (&freq)[EPL], int lane) {
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) ss = fmaf(v[j], v[j], ss);
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, m));
   const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)D), eps));
-  float wv[EPL];
-  ld_bf16<EPL>(w + lane * EPL, wv);
 #pragma unroll
   for (int j = 0; j < EPL; ++j) v[j] = round_bf16(__fmul_rn(__fmul_rn(v[j], r), __fadd_rn(1.0f, wv[j])));
   {
@@ -71,8 +70,7 @@ __device__ __forceinline__ void norm_rope(float (&v)[EPL], const bf16* __restric
       const float fpos = (float)pos;
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
-        const int i = (lane * EPL + j) % HALF;
-        const float f = __fmul_rn(fpos, inv_freq[i]);
+        const float f = __fmul_rn(fpos, freq[j]);
         const float c = cosf(f), s = sinf(f);
         const float rot = first ? -p[j] : p[j];
         v[j] = round_bf16(__fadd_rn(__fmul_rn(v[j], c), __fmul_rn(rot, s)));
@@ -87,23 +85,28 @@ extern "C" __global__ void __launch_bounds__(32 * RWARPS)
                     const bf16* __restrict__ k_norm, const float* __restrict__ inv_freq,
                     const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
                     bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nh, int nkv, float eps) {
-  pdl_begin();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x;
   const int j = blockIdx.y * RWARPS + (threadIdx.x >> 5);
+  // Before the wait: the warp's norm weights and the lane's RoPE frequencies (no kernel writes them).
+  float wv[EPL], freq[EPL];
+  if (j < nh + nkv) ld_bf16<EPL>((j < nh ? q_norm : k_norm) + lane * EPL, wv);
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) freq[e] = lane < 2 * HL ? inv_freq[(lane * EPL + e) % HALF] : 0.0f;
+  pdl_begin();
   if (j >= nh + nkv) return;  // whole warp exits together
   const int pos = positions[t];
   float x[EPL];
   if (j < nh) {
     ld_bf16<EPL>(qg + t * qg_rs + (size_t)j * 2 * D + lane * EPL, x);
-    norm_rope(x, q_norm, eps, pos, inv_freq, lane);
+    norm_rope(x, wv, eps, pos, freq, lane);
     st_bf16<EPL>(q_out + ((size_t)t * nh + j) * D + lane * EPL, x);
     return;
   }
   const int kh = j - nh;
   const int slot = slots[t];
   ld_bf16<EPL>(k + t * k_rs + (size_t)kh * D + lane * EPL, x);
-  norm_rope(x, k_norm, eps, pos, inv_freq, lane);
+  norm_rope(x, wv, eps, pos, freq, lane);
   if (slot < 0) return;
   const size_t dst = ((size_t)slot * nkv + kh) * D + lane * EPL;
   st_bf16<EPL>(k_cache + dst, x);
