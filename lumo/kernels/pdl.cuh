@@ -31,7 +31,8 @@ __device__ __forceinline__ void pdl_trigger() {
 
 // The start of a row kernel (norms, conv, GDN, attention, sampling, tree ops): wait for every earlier
 // kernel's writes, then let the next kernel launch (its CTAs wait in their own pdl_wait, or prefetch
-// weights). As the first statement of every CTA (before any early exit) it keeps the chain transitive:
+// weights). Called by every CTA before it reads anything an earlier kernel may write, writes anything or
+// exits (only loads of weights and pdl_prefetch_l2 may come before it), it keeps the chain transitive:
 // this kernel completes only after its predecessor has. Waiting first keeps at most one kernel placed
 // ahead of the running one; triggering first let a run of row kernels place several kernels' CTAs at
 // once (H200, 27B decode step at 1k: 5.96 -> 5.73 ms with this order).
