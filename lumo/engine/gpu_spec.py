@@ -162,12 +162,13 @@ class GPUSpecEngine:
         holds in one wave (gdn_tree_rows), which shortens the critical path; the same bits as the tree's
         one row per walking path (TreeBuffers.gdn_items)."""
         cfg, tb = self.cfg, self.tb
-        gdn = [lw.mixer for kind, lw in zip(cfg.layer_types, self.w.layers, strict=True) if kind != FULL]
-        if not gdn:
+        layers = zip(cfg.layer_types, self.w.layers, strict=True)
+        gdn = next((lw.mixer for kind, lw in layers if kind != FULL), None)
+        if gdn is None:
             return tb.gdn_items, tb.gdn_items_len
-        dims = (cfg.linear_num_key_heads, cfg.linear_num_value_heads)
-        dims += (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-        max_rows = gdn_tree_rows(*dims, gdn[0].A_log.dtype == torch.bfloat16, True, self.dev)
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        max_rows = gdn_tree_rows(nk, nv, dk, dv, gdn.A_log.dtype == torch.bfloat16, True, self.dev)
         return gdn_schedule(tb.parent[: tb.n_nodes].tolist(), max_rows=max_rows)
 
     # ------------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ __device__ __forceinline__ void prefetch_row(const bf16* base, size_t kv_row, in
   if (slot >= max_len) return;
   const char* r = reinterpret_cast<const char*>(base + (size_t)slot * kv_row);
 #pragma unroll
-  for (int b = 0; b < 2 * D; b += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(r + b));
+  for (int b = 0; b < 2 * D; b += 128) pdl_prefetch_l2(r + b);
 }
 
 #define QROWS 8   // query rows per cross-warp combine: one n8 tile of P.V
