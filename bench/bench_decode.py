@@ -108,23 +108,29 @@ def time_prefill(runner: GPURunner, n: int, vocab: int) -> tuple[float, int]:
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated()
 
 
-def kernel_breakdown(prof, reps: int) -> list[dict]:
-    """Per kernel name, per replay: calls, summed durations ("us") and exclusive time ("excl_us").
-
-    Under programmatic dependent launch a kernel starts before its predecessor ends and waits inside
-    (pdl_wait), so durations overlap and their sum exceeds the step. The exclusive time gives each instant
-    of the run to the kernel that started first among those running (the rest of a chain: its end minus
-    the previous end), so it sums to the busy time and shows what each kernel adds to the critical path.
-    Read from the profiler's Chrome trace (kernel events with their device start and duration)."""
+def kernel_events(prof) -> list[dict]:
+    """The profiler's kernel events (device start "ts", duration "dur", name, args with the grid), in
+    start order, read from its Chrome trace."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def kernel_breakdown(events: list[dict], reps: int, key=lambda e: e["name"]) -> list[dict]:
+    """Per key (default: the kernel name), per replay: calls, summed durations ("us") and exclusive time
+    ("excl_us").
+
+    Under programmatic dependent launch a kernel starts before its predecessor ends and waits inside
+    (pdl_wait), so durations overlap and their sum exceeds the step. The exclusive time gives each instant
+    of the run to the kernel that started first among those running (the rest of a chain: its end minus
+    the previous end), so it sums to the busy time and shows what each kernel adds to the critical path."""
     agg: dict[str, list[float]] = {}
     prev_end = None
-    for e in sorted(events, key=lambda e: e["ts"]):
+    for e in events:
         start, end = e["ts"], e["ts"] + e["dur"]
-        a = agg.setdefault(e["name"], [0, 0.0, 0.0])
+        a = agg.setdefault(key(e), [0, 0.0, 0.0])
         a[0] += 1
         a[1] += e["dur"]
         a[2] += max(0.0, end - (start if prev_end is None else max(start, prev_end)))
@@ -133,6 +139,17 @@ def kernel_breakdown(prof, reps: int) -> list[dict]:
         {"name": k, "calls": c / reps, "us": t / reps, "excl_us": x / reps} for k, (c, t, x) in agg.items()
     ]
     return sorted(rows, key=lambda r: -r["excl_us"])
+
+
+def gemv_by_launch(events: list[dict], reps: int) -> list[dict]:
+    """kernel_breakdown's rows of the GEMVs keyed by name, grid and block (a launch configuration: one
+    weight shape of the step); the other kernels' time is computed alongside but not returned."""
+
+    def key(e: dict) -> str:
+        a = e.get("args", {})
+        return f"{e['name']} {a.get('grid')} x {a.get('block')}" if "gemv" in e["name"] else e["name"]
+
+    return [k for k in kernel_breakdown(events, reps, key) if "gemv" in k["name"]]
 
 
 def profile_step(runner: GPURunner, context: int, steps: int = 5) -> dict:
@@ -148,14 +165,16 @@ def profile_step(runner: GPURunner, context: int, steps: int = 5) -> dict:
             for _ in range(steps):
                 runner.decode_step(use_graph)
             torch.cuda.synchronize()
-        kernels = kernel_breakdown(prof, steps)
-        if kernels:
+        events = kernel_events(prof)
+        if events:
             break
+    kernels = kernel_breakdown(events, steps)
     return {
         "mode": "graph" if use_graph else "eager",
         "launches_per_step": sum(k["calls"] for k in kernels),
         "busy_us_per_step": sum(k["excl_us"] for k in kernels),
         "kernels": kernels,
+        "gemv_launches": gemv_by_launch(events, steps),
     }
 
 
@@ -359,6 +378,12 @@ def main() -> None:
         for k in prof["kernels"][:15]:
             x = k["excl_us"]
             print(f"| {k['name'][:60]} | {k['calls']:.0f} | {x:.1f} | {100 * x / step:.1f} | {k['us']:.1f} |")
+        print("\nGEMV launches by configuration (grid x block: one weight shape each), per step:")
+        print("| GEMV grid x block | calls/step | exclusive us/step | us/call | summed durations us/step |")
+        print("|---|---|---|---|---|")
+        for k in prof["gemv_launches"]:
+            x, c = k["excl_us"], k["calls"]
+            print(f"| {k['name'][:70]} | {c:.0f} | {x:.1f} | {x / max(c, 1):.2f} | {k['us']:.1f} |")
 
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_decode.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,14 @@
 """Tree speculative decoding on the kernels (lumo/engine/gpu_spec.py), issue 7 item 8.
 
 1. Embedded model (lumo-tiny, greedy, held-out stdlib prompts): accepted drafts per event, the acceptance
-   histogram, and tokens/s of tree vs chain vs plain decoding (all CUDA graphs, host sync included).
+   histogram, and tokens/s of tree vs chain vs plain decoding (all CUDA graphs, host sync included), and
+   of tree decoding with a draft vocabulary (lumo.engine.draft_vocab; --draft-vocab, default 1024 tokens).
 2. Random 27B NVFP4 model with a random MTP head (gpu_weights.random_model_weights, config_27b): per-event
    GPU spans (draft, verify, accept+commit; graph replays), verify of R rows / plain decode step (goal
    <= 1.25), dispatch share = host time not covered by GPU work / event wall time (goal <= 5%), projected
    tokens/s at 4.05 accepted drafts per event on the H200 and on a GB10 (273 GB/s, same ratio to the
-   floor), and the extra GPU memory of tree decoding over plain decoding.
+   floor), and the extra GPU memory of tree decoding over plain decoding; the same spans with a draft
+   vocabulary (default 32768 tokens: the draft head's lm_head reads 13% of the whole one).
 3. GDN tree step at 27B shapes, ours (gdn_tree over the rows, leaves forked off their parents, + gdn_decode
    replay of the accepted path) vs the design other engines use (every node's full state computed from its
    parent's and stored: gdn_decode(state_out=...) per node, then the accepted node's state copied in):
@@ -23,16 +25,24 @@ import os
 import statistics
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from bench_decode import copy_bandwidth, kernel_breakdown, step_bytes  # same folder: one floor, one profile
+from bench_decode import (  # same folder: one floor, one profile
+    copy_bandwidth,
+    gemv_by_launch,
+    kernel_breakdown,
+    kernel_events,
+    step_bytes,
+)
 
 from lumo.config import FULL, TreeConfig
 from lumo.corpus import split_documents, stdlib_documents
+from lumo.engine.draft_vocab import draft_vocab_ids
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
-from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
+from lumo.engine.gpu_weights import config_27b, pack_linear, pack_weights, random_model_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
@@ -40,7 +50,7 @@ from lumo.engine.tree import chain_config
 from lumo.kernels.gdn import gdn_decode
 from lumo.kernels.gdn_tree import gdn_tree
 from lumo.tokenizer import Tokenizer
-from lumo.weights import load_model
+from lumo.weights import linear_rows, load_model
 
 GB, GB10_BW, PAPER_ACCEPTED = 1e9, 273e9, 4.05
 GREEDY = SamplingParams(temperature=0.0)
@@ -58,20 +68,23 @@ def held_out_prompts(path: Path, n: int, length: int = 128) -> list[list[int]]:
     return out
 
 
-def embedded(n_prompts: int, new: int) -> dict:
+def embedded(n_prompts: int, new: int, draft_vocab: int) -> dict:
     path = embedded_model_path()
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
     gw = pack_weights(cfg, w, "cuda", mtp=True)
+    ids = draft_vocab_ids(draft_vocab, cfg.vocab_size, Tokenizer.from_dir(path).added_token_ids())
+    gw_dv = pack_weights(cfg, w, "cuda", mtp=True, draft_ids=ids)
     prompts = held_out_prompts(path, n_prompts)
     res = {}
     # The prompts follow each other in one sequence (a decoder per mode, graphs captured once): room for all.
     capacity = sum(len(p) for p in prompts) + len(prompts) * (new + 64)
-    for mode in ("plain", "chain", "tree"):
-        runner = GPURunner(cfg, gw, capacity)
+    dv_mode = f"tree, draft vocabulary {len(ids)}"
+    for mode in ("plain", "chain", "tree", dv_mode):
+        runner = GPURunner(cfg, gw_dv if mode == dv_mode else gw, capacity)
         if mode == "plain":
             dec = GPUDecoder(runner, GREEDY, use_graph=True)
         else:
-            tree = chain_config(TreeConfig().depth) if mode == "chain" else TreeConfig()
+            tree = chain_config(TreeConfig().depth) if mode == "chain" else TreeConfig()  # both trees
             dec = GPUSpecDecoder(GPUSpecEngine(runner, tree), GREEDY, use_graph=True)
         hist: Counter = Counter()
         n_tok, secs = 0, 0.0
@@ -134,7 +147,10 @@ def graph_profile(engine: GPUSpecEngine, reps: int = 3, top: int = 10) -> dict:
             for _ in range(reps):
                 g.replay()
             torch.cuda.synchronize()
-        out[name] = kernel_breakdown(prof, reps)[:top]
+        events = kernel_events(prof)
+        out[name] = kernel_breakdown(events, reps)[:top]
+        if name == "verify":
+            out["verify's GEMVs by launch configuration"] = gemv_by_launch(events, reps)
     return out
 
 
@@ -240,24 +256,36 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
     }
 
 
-def big(layers: int, context: int, events: int) -> dict:
+def event_engine(runner: GPURunner, context: int) -> GPUSpecEngine:
+    """A tree engine on the runner after `context` random prompt tokens, graphs captured."""
+    engine = GPUSpecEngine(runner, TreeConfig())
+    vocab = runner.cfg.vocab_size
+    ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine.set_sampling(GREEDY)
+    engine.prefill(ids)
+    engine.capture()
+    torch.cuda.synchronize()
+    return engine
+
+
+def big(layers: int, context: int, events: int, draft_vocab: int) -> dict:
     bw = copy_bandwidth()
     torch.cuda.empty_cache()
     cfg = config_27b(layers)
     w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0, mtp=True)
     gw = pack_weights(cfg, w, "cuda", mtp=True)
+    # The same weights with a draft vocabulary of the draft_vocab lowest ids (the ids do not matter to the
+    # time on random weights): the draft head's rows of the lm_head.
+    rows = torch.arange(draft_vocab)
+    head = pack_linear([linear_rows(w.lm_head, rows.to(w.lm_head.weight.device))], "cuda")
+    gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=rows.to("cuda", torch.int32)))
     del w
     torch.cuda.empty_cache()
-    tree = TreeConfig()
-    runner = GPURunner(cfg, gw, context + 40 * events + 256)
+    capacity = context + 40 * events + 256
+    runner = GPURunner(cfg, gw, capacity)
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
-    engine = GPUSpecEngine(runner, tree)
-    ids = torch.randint(0, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
-    engine.set_sampling(GREEDY)
-    engine.prefill(ids)
-    engine.capture()
-    torch.cuda.synchronize()
+    engine = event_engine(runner, context)
     extra = torch.cuda.memory_allocated() - m0  # engine buffers + MTP cache + graph pools
     sp = spans(engine, events)
     kernels = graph_profile(engine)
@@ -265,6 +293,8 @@ def big(layers: int, context: int, events: int) -> dict:
     plain = plain_step_ms(runner, context)
     floor_ms = step_bytes(cfg, gw, context) / bw * 1e3
     ev = sp["event_wall_ms"]
+    sp_dv = spans(event_engine(GPURunner(cfg, gw_dv, capacity), context), events)
+    ev_dv = sp_dv["event_wall_ms"]
     return {
         "layers": layers,
         "context": context,
@@ -281,6 +311,13 @@ def big(layers: int, context: int, events: int) -> dict:
         "mtp_weights_GB": gw.mtp.nbytes() / GB,
         "gdn": designs,
         "kernels": kernels,
+        "draft_vocab": {
+            "size": draft_vocab,
+            **sp_dv,
+            "tokens_per_s_h200_at_4.05": (PAPER_ACCEPTED + 1) / ev_dv * 1e3,
+            "tokens_per_s_gb10_at_4.05": (PAPER_ACCEPTED + 1) / (ev_dv * bw / GB10_BW) * 1e3,
+            "head_GB": head.nbytes() / GB,
+        },
     }
 
 
@@ -292,10 +329,19 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--skip-27b", action="store_true")
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        nargs=2,
+        default=[1024, 32768],
+        metavar=("EMBEDDED", "BIG"),
+        help="draft vocabulary sizes of the extra runs (embedded model, 27B)",
+    )
     args = ap.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "embedded": embedded(args.prompts, args.tokens)}
+    emb = embedded(args.prompts, args.tokens, args.draft_vocab[0])
+    result = {"device": torch.cuda.get_device_name(), "embedded": emb}
     if not args.skip_27b:
-        result["27b"] = big(args.layers, args.context, args.events)
+        result["27b"] = big(args.layers, args.context, args.events, args.draft_vocab[1])
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_spec.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -325,6 +371,18 @@ def main() -> None:
                 f"plain {b['plain_tokens_per_s_h200']:.0f}",
             ),
             (
+                f"27B draft vocabulary {b['draft_vocab']['size']}: draft / verify / commit ms",
+                f"{b['draft_vocab']['draft']:.3f} / {b['draft_vocab']['verify']:.3f} / "
+                f"{b['draft_vocab']['commit']:.3f}",
+                f"head {b['draft_vocab']['head_GB']:.3f} GB",
+            ),
+            (
+                f"27B draft vocabulary {b['draft_vocab']['size']}: tokens/s at 4.05 drafts: H200 / GB10",
+                f"{b['draft_vocab']['tokens_per_s_h200_at_4.05']:.0f} / "
+                f"{b['draft_vocab']['tokens_per_s_gb10_at_4.05']:.1f}",
+                "if the acceptance held (random weights: not measured)",
+            ),
+            (
                 "27B extra GPU memory GB (buffers, MTP weights)",
                 f"{b['extra_memory_GB']:.2f} ({b['extra_memory_buffers_GB']:.2f}, {b['mtp_weights_GB']:.2f})",
                 "",
@@ -342,9 +400,10 @@ def main() -> None:
         ]
     if "27b" in result:
         for graph, ks in result["27b"]["kernels"].items():
-            print(f"\n27B {graph} graph, top kernels (us per event: exclusive / summed durations):")
+            what = graph if "GEMV" in graph else f"{graph} graph, top kernels"
+            print(f"\n27B {what} (us per event: exclusive / summed durations):")
             for k in ks:
-                print(f"  {k['excl_us']:9.1f} / {k['us']:9.1f} us  {k['calls']:5.0f} calls  {k['name'][:48]}")
+                print(f"  {k['excl_us']:9.1f} / {k['us']:9.1f} us  {k['calls']:5.0f} calls  {k['name'][:72]}")
     w = max(len(r[0]) for r in rows)
     print(f"\n{'metric':<{w}}  value  note")
     for name, val, note in rows:

@@ -29,6 +29,14 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument("--spec-depth", type=int, default=11, help="draft tree spine depth D")
     p.add_argument("--spec-topk", type=int, default=3, help="candidates per spine depth (siblings + 1)")
     p.add_argument("--spec-budget", type=int, default=27, help="draft nodes per tree, root excluded")
+    p.add_argument(
+        "--draft-vocab",
+        default=None,
+        metavar="N|FILE",
+        help="the drafter proposes only these tokens: a size N (the tokenizer's added tokens + the lowest "
+        "ids) or a file of token ids (JSON list, plain integers, or a .pt tensor); output unchanged, the "
+        "draft's lm_head shrinks (default: whole vocabulary)",
+    )
 
 
 def _llm(args: argparse.Namespace, progress: bool = False):
@@ -47,6 +55,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         spec=args.spec,
         tree=tree,
         backend=args.backend,
+        draft_vocab=args.draft_vocab,
     )
 
 

@@ -174,6 +174,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def added_token_ids(self) -> tuple[int, ...]:
+        """Ids of the tokenizer's added tokens (end of text, chat and reasoning / tool markers), ascending."""
+        return tuple(sorted(self._tok.get_added_tokens_decoder()))
+
     def token_to_id(self, s: str) -> int | None:
         return self._tok.token_to_id(s)
 

@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -76,6 +76,15 @@ class FP8Linear:
 
 
 Linear = DenseLinear | NVFP4Linear | FP8Linear
+
+
+def linear_rows(lin: Linear, rows: torch.Tensor) -> Linear:
+    """The linear restricted to output rows `rows` (int64 indices), same format and scales: row i of the
+    result is row rows[i] of lin (NVFP4 keeps each row's block scales and the global scale; FP8 its
+    per-tensor scale). A draft vocabulary's lm_head (lumo.engine.draft_vocab)."""
+    if isinstance(lin, NVFP4Linear):
+        return replace(lin, weight=lin.weight[rows], weight_scale=lin.weight_scale[rows])
+    return replace(lin, weight=lin.weight[rows])
 
 
 @dataclass

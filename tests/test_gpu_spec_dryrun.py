@@ -102,11 +102,16 @@ def w32():
     return load_model(embedded_model_path(), device="cpu", dtype=torch.float32, progress=False)[1]
 
 
+# A draft vocabulary whose logits columns differ from their token ids (column j is token 2j below 3065),
+# so a missing map shows: the even ids and the added tokens.
+DRAFT_IDS = sorted({*range(0, 2400, 2), *range(3065, 3072)})
+
+
 @functools.cache
-def tiny():
+def tiny(draft: bool = False):
     path = embedded_model_path()
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    return cfg, pack_weights(cfg, w, "cpu", mtp=True)
+    return cfg, pack_weights(cfg, w, "cpu", mtp=True, draft_ids=DRAFT_IDS if draft else None)
 
 
 @pytest.mark.parametrize(
@@ -263,8 +268,9 @@ def _emulated_ops():
     def sample_tokens(logits, temperature, top_k, top_p, seed, position, out=None, workspace=None):
         return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seed, position))
 
-    def topk_select(logits, k, out=None, tokens=None, nodes=None, workspace=None):
+    def topk_select(logits, k, out=None, tokens=None, nodes=None, workspace=None, id_map=None):
         ids = topk_select_ref(logits, k)
+        ids = ids if id_map is None else id_map[ids.long()]
         out.copy_(ids)
         for t, r in zip(*torch.nonzero(nodes >= 0, as_tuple=True), strict=True):
             tokens[nodes[t, r]] = ids[t, r]
@@ -306,13 +312,20 @@ def _install_emulation(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=5)],
-    ids=["greedy", "seeded"],
+    "params,draft",
+    [
+        (SamplingParams(temperature=0.0), False),
+        (SamplingParams(temperature=0.7, top_k=20, seed=5), False),
+        (SamplingParams(temperature=0.0), True),
+        (SamplingParams(temperature=0.7, top_k=20, seed=5), True),
+    ],
+    ids=["greedy", "seeded", "greedy-draft-vocab", "seeded-draft-vocab"],
 )
-def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
+def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft):
+    """Tree decoding == plain decoding, with the whole vocabulary and with a draft vocabulary (the draft
+    head's logits checked against the reference drafter's on the same token ids)."""
     _install_emulation(monkeypatch)
-    cfg, gw = tiny()
+    cfg, gw = tiny(draft)
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
     # prefill chunks of 10: the MTP's carried row crosses chunk boundaries (same chunking for both runners)
     rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
@@ -322,7 +335,8 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
     # Greedy: the MTP path (prefill pairs, feed, draft steps) against the fp32 reference SpecDecoder: the
     # next draft step's logits within bf16 noise (a position off by one gives 3-20%), compared while the
     # two agree on the tokens (bf16 vs fp32 may part at a near-tie).
-    ref = SpecDecoder(cfg, w32(), params, 64, "cpu", torch.float32, tree) if params.greedy else None
+    ids = DRAFT_IDS if draft else None
+    ref = SpecDecoder(cfg, w32(), params, 64, "cpu", torch.float32, tree, ids) if params.greedy else None
     got = spec.prefill(prompt)
     compared = 0
     if ref is not None and ref.prefill(prompt) != got:
@@ -330,9 +344,14 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
     while len(got) < 16:
         out = spec.step()
         got += out
+        if draft:  # every candidate the drafter proposed is a draft-vocabulary token
+            assert set(spec.engine.cand.flatten().tolist()) <= set(DRAFT_IDS)
         if ref is not None and ref.step() == out:
-            lg = spec.engine.draft_logits[0]
-            assert (lg - ref.draft_logits).norm() / ref.draft_logits.norm() < 0.02
+            lg, want_lg = spec.engine.draft_logits[0], ref.draft_logits
+            if draft:
+                assert lg.numel() == len(DRAFT_IDS)
+                want_lg = want_lg[torch.tensor(DRAFT_IDS)]
+            assert (lg - want_lg).norm() / want_lg.norm() < 0.02
             compared += 1
         else:
             ref = None
@@ -344,7 +363,9 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params):
     # The MTP must draft well (the embedded model was trained with it), and siblings must get accepted
     # sometimes (kv_remap moves rows only then).
     mean = sum(spec.stats.accepted) / spec.stats.events
-    assert mean > (0.5 if params.greedy else 0.0), f"drafts rarely accepted: {spec.stats.accepted}"
+    assert mean > (0.5 if params.greedy and not draft else 0.0), (
+        f"drafts rarely accepted: {spec.stats.accepted}"
+    )
     for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
         assert torch.equal(a, b)
     L = rs.length

@@ -13,6 +13,7 @@ import torch
 
 from lumo.config import TreeConfig
 from lumo.corpus import split_documents, stdlib_documents
+from lumo.engine.draft_vocab import draft_vocab_ids
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
@@ -113,6 +114,31 @@ def test_greedy_tree_equals_plain(variant):
     mean = sum(accepted) / len(accepted)
     print(f"{variant}: {len(accepted)} events, {mean:.2f} accepted drafts per event")
     assert mean > 0.3, "the MTP drafts are almost never accepted: the draft path is broken"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_tree_with_a_draft_vocabulary_equals_plain(variant):
+    """A draft vocabulary (the drafter's lm_head over 1024 of the 3072 tokens): still plain decoding's
+    tokens, bitwise; every drafted candidate is a vocabulary token."""
+    cfg, _, path = packed(variant)
+    _, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    ids = draft_vocab_ids(1024, cfg.vocab_size, Tokenizer.from_dir(path).added_token_ids())
+    gw = pack_weights(cfg, w, DEV, mtp=True, draft_ids=ids)
+    assert gw.mtp.draft_head.n == 1024
+    dec = GPUSpecDecoder(GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig()), GREEDY, use_graph=True)
+    allowed, accepted = set(ids), []
+
+    def check(_):
+        assert set(dec.engine.cand.flatten().tolist()) <= allowed
+
+    for i, p in enumerate(prompts(variant, 12)):
+        want = plain_tokens(variant, p, 128)
+        got = spec_tokens(dec, p, 128, check)
+        assert got == want, f"prompt {i} ({len(p)} tokens): first difference at token {first_diff(got, want)}"
+        accepted += dec.stats.accepted
+    mean = sum(accepted) / len(accepted)
+    print(f"{variant}, draft vocabulary 1024: {len(accepted)} events, {mean:.2f} accepted drafts per event")
+    assert mean > 0.3
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -230,6 +230,27 @@ def test_topk_select_matches_stable_sort(V, k):
     assert torch.equal(ids.cpu(), topk_select_ref(logits, k))
 
 
+@pytest.mark.parametrize("V", [9, 4097, 32768 + 77])
+def test_topk_select_maps_columns_to_draft_vocabulary_ids(V):
+    """With an id map (a draft vocabulary) the ids and the tree's tokens are id_map[column]."""
+    k = 3
+    logits = tie_logits(4, V, seed=V)
+    id_map = torch.sort(torch.randperm(3 * V, device=DEV)[:V]).values.to(torch.int32)
+    table = torch.tensor([[1, -1, 2], [3, 4, -1], [5, 6, 7], [-1, -1, 8]], dtype=torch.int32, device=DEV)
+    tokens = torch.full((9,), -7, dtype=torch.int32, device=DEV)
+    ids = topk_select(logits, k, tokens=tokens, nodes=table, id_map=id_map)
+    want = id_map.cpu()[topk_select_ref(logits, k).long()]
+    assert torch.equal(ids.cpu(), want)
+    expect = [-7] * 9
+    for t in range(4):
+        for r in range(k):
+            if table[t, r] >= 0:
+                expect[int(table[t, r])] = int(want[t, r])
+    assert tokens.tolist() == expect
+    with pytest.raises(ValueError, match="id_map"):
+        topk_select(logits, k, id_map=id_map[:-1])
+
+
 def test_topk_scatter_into_tree_and_graph_replay():
     """D drafter steps fill the tree's token buffer through the node table, eager and from a CUDA graph."""
     tree = build_tree(TreeConfig())

@@ -111,7 +111,7 @@ def test_draft_node_table_matches_spec_decoder(monkeypatch):
 
     monkeypatch.setattr(M, "mtp_forward", fake_mtp_forward)
     dec = object.__new__(SpecDecoder)
-    dec.cfg, dec.w, dec.device, dec.tree, dec.pending = None, None, "cpu", tree, 11
+    dec.cfg, dec.w, dec.device, dec.tree, dec.pending, dec.draft_ids = None, None, "cpu", tree, 11, None
     dec.draft_logits, dec.draft_hidden, dec.cache = logits[0], torch.zeros(1, 4), _FakeCache()
     want = dec._draft()
 

@@ -74,10 +74,12 @@ class SpecStats:
 class SpecDecoder(PlainDecoder):
     """Tree speculative decoding, reference implementation (exact; slow, one forward per tree node)."""
 
-    def __init__(self, cfg, w, params, max_len, device, dtype, tree: TreeConfig):
+    def __init__(self, cfg, w, params, max_len, device, dtype, tree: TreeConfig, draft_ids=None):
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
         self.tree: TreeBuffers = build_tree(tree)
+        # A draft vocabulary (lumo.engine.draft_vocab): the drafter's top-k among these token ids only.
+        self.draft_ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long)
         self.extra_positions = self.tree.depth_max + 1
         super().__init__(cfg, w, params, max_len, device, dtype)
         self.stats = SpecStats()
@@ -99,7 +101,12 @@ class SpecDecoder(PlainDecoder):
         logits, hidden = self.draft_logits, self.draft_hidden
         pos = self.cache.length  # MTP position of the step predicting depth 2 (pair (out_1, s_1))
         for d in range(1, t.depth_max + 1):
-            top = torch.topk(logits, max(int(t.rank.max()) + 1, 1)).indices.tolist()
+            k = max(int(t.rank.max()) + 1, 1)
+            if self.draft_ids is None:
+                top = torch.topk(logits, k).indices.tolist()
+            else:
+                ids = self.draft_ids.to(logits.device)
+                top = ids[torch.topk(logits[ids], k).indices].tolist()
             for i in range(t.n_nodes):
                 if int(t.depth[i]) == d:
                     tokens[i] = top[int(t.rank[i])]
@@ -148,11 +155,14 @@ class SpecDecoder(PlainDecoder):
         return emitted
 
 
-def make_decoder(cfg, w, params, max_len, device, dtype, spec: str, tree: TreeConfig | None = None):
+def make_decoder(
+    cfg, w, params, max_len, device, dtype, spec: str, tree: TreeConfig | None = None, draft_ids=None
+):
     if spec == "off":
         return PlainDecoder(cfg, w, params, max_len, device, dtype)
     if spec == "chain":
-        return SpecDecoder(cfg, w, params, max_len, device, dtype, chain_config((tree or TreeConfig()).depth))
+        chain = chain_config((tree or TreeConfig()).depth)
+        return SpecDecoder(cfg, w, params, max_len, device, dtype, chain, draft_ids)
     if spec == "tree":
-        return SpecDecoder(cfg, w, params, max_len, device, dtype, tree or TreeConfig())
+        return SpecDecoder(cfg, w, params, max_len, device, dtype, tree or TreeConfig(), draft_ids)
     raise ValueError(f"unknown spec mode {spec!r}: use tree, chain or off")

@@ -151,9 +151,16 @@ class GPUSpecEngine:
         self.mtp_cat = torch.zeros(self.cap, 2 * H, dtype=bf, device=dev)
         self.feed_tok = torch.zeros(self.cap, dtype=i32, device=dev)
         self.feed_hid = torch.zeros(self.cap, H, dtype=bf, device=dev)
-        self.draft_bf16 = torch.zeros(1, V, dtype=bf, device=dev)
-        self.draft_logits = torch.zeros(1, V, dtype=f32, device=dev)  # [1, V] next draft step's logits
-        self.tk_ws = topk_workspace(1, V, dev)
+        # The drafter's lm_head: a draft vocabulary's rows (GPUMTP.draft_head; the top-k maps its columns
+        # to token ids through draft_ids) or the whole lm_head. The verify always uses the whole one.
+        self.draft_head = w.mtp.draft_head or w.lm_head
+        self.draft_ids = w.mtp.draft_ids  # [Vd] int32 ascending, or None
+        Vd = self.draft_head.n
+        if Vd < self.k:
+            raise ValueError(f"a draft vocabulary of {Vd} tokens is smaller than the tree's top-{self.k}")
+        self.draft_bf16 = torch.zeros(1, Vd, dtype=bf, device=dev)
+        self.draft_logits = torch.zeros(1, Vd, dtype=f32, device=dev)  # [1, Vd] next draft step's logits
+        self.tk_ws = topk_workspace(1, Vd, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self._carry: torch.Tensor | None = None
 
@@ -358,7 +365,7 @@ class GPUSpecEngine:
         rmsnorm1p(rows.h, m.norm, eps, delta=delta, out=rows.out)
 
     def _draft_logits(self) -> None:
-        self.w.lm_head(self.d1.out, out=self.draft_bf16)
+        self.draft_head(self.d1.out, out=self.draft_bf16)
         self.draft_logits.copy_(self.draft_bf16)  # bf16 logits, then f32 (as lumo.model)
 
     def _feed(self) -> None:
@@ -389,6 +396,7 @@ class GPUSpecEngine:
             tokens=self.tokens,
             nodes=self.table[0:1],
             workspace=self.tk_ws,
+            id_map=self.draft_ids,
         )
         for dd in range(1, self.D):
             # Step dd: pair (draft hidden, spine token at depth dd) at MTP position len + dd - 1.
@@ -404,6 +412,7 @@ class GPUSpecEngine:
                 tokens=self.tokens,
                 nodes=self.table[dd : dd + 1],
                 workspace=self.tk_ws,
+                id_map=self.draft_ids,
             )
             self.mtp_pos.add_(1)
 

@@ -11,6 +11,7 @@ writing column ranges of the same output. Everything here is plain torch and als
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from ..weights import (
     ModelWeights,
     MTPWeights,
     NVFP4Linear,
+    linear_rows,
 )
 
 SMALL_M = 32  # rows served by the batch-invariant GEMV kernels (lumo.kernels.linear.SMALL_M)
@@ -132,9 +134,13 @@ class GPUMTP:
     pre_fc_norm_hidden: torch.Tensor  # [H] bf16, 1+w
     layers: list[GPULayer]  # GPUAttn mixers
     norm: torch.Tensor  # [H] bf16, 1+w
+    # A draft vocabulary (lumo.engine.draft_vocab): the lm_head's rows of those tokens, and their ids
+    # [N] int32 ascending. None: the drafter uses the whole lm_head.
+    draft_head: GPULinear | None = None
+    draft_ids: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        lins = [self.fc]
+        lins = [self.fc] + ([self.draft_head] if self.draft_head is not None else [])
         for lw in self.layers:
             lins += [lw.gate_up, lw.down, lw.mixer.qkv, lw.mixer.o_proj]
         return sum(lin.nbytes() for lin in lins)
@@ -252,27 +258,53 @@ def pack_layer(cfg: ModelConfig, lw: LayerWeights, device: torch.device | str) -
     )
 
 
-def pack_mtp(cfg: ModelConfig, m: MTPWeights, device: torch.device | str) -> GPUMTP:
-    """Pack the MTP head (its layers must be full-attention layers, as in every published checkpoint)."""
+def pack_mtp(
+    cfg: ModelConfig,
+    m: MTPWeights,
+    device: torch.device | str,
+    lm_head: Linear | None = None,
+    draft_ids: Sequence[int] | None = None,
+) -> GPUMTP:
+    """Pack the MTP head (its layers must be full-attention layers, as in every published checkpoint).
+    With draft_ids (sorted token ids, lumo.engine.draft_vocab) also the draft head: those rows of
+    lm_head."""
     device = torch.device(device)
     layers = [pack_layer(cfg, lw, device) for lw in m.layers]
     if not all(isinstance(lw.mixer, GPUAttn) for lw in layers):
         raise ValueError("MTP layers must be full-attention layers")
+    head = ids = None
+    if draft_ids is not None:
+        if lm_head is None:
+            raise ValueError("a draft vocabulary needs the lm_head")
+        rows = torch.as_tensor(draft_ids, dtype=torch.long)
+        if rows.dim() != 1 or rows.numel() == 0 or not bool((rows[1:] > rows[:-1]).all()):
+            raise ValueError("draft_ids must be ascending unique token ids")
+        if int(rows[0]) < 0 or int(rows[-1]) >= lm_head.shape[0]:
+            raise ValueError(f"draft_ids must lie in [0, {lm_head.shape[0]})")
+        head = pack_linear([linear_rows(lm_head, rows.to(lm_head.weight.device))], device)
+        ids = rows.to(device=device, dtype=torch.int32)
     return GPUMTP(
         fc=pack_linear([m.fc], device),
         pre_fc_norm_embedding=_vec(m.pre_fc_norm_embedding, device),
         pre_fc_norm_hidden=_vec(m.pre_fc_norm_hidden, device),
         layers=layers,
         norm=_vec(m.norm, device),
+        draft_head=head,
+        draft_ids=ids,
     )
 
 
 def pack_weights(
-    cfg: ModelConfig, w: ModelWeights, device: torch.device | str = "cuda", mtp: bool = False
+    cfg: ModelConfig,
+    w: ModelWeights,
+    device: torch.device | str = "cuda",
+    mtp: bool = False,
+    draft_ids: Sequence[int] | None = None,
 ) -> GPUWeights:
     """Pack for the kernels. The MTP head is packed only with `mtp=True` (speculative decoding; plain
-    decoding does not need it). Weights may live on any device; each linear is moved to `device` as it
-    is packed, so GPU memory holds only the packed copy when the source weights are on the CPU."""
+    decoding does not need it), with a draft head if draft_ids are given (pack_mtp). Weights may live on
+    any device; each linear is moved to `device` as it is packed, so GPU memory holds only the packed
+    copy when the source weights are on the CPU."""
     device = torch.device(device)
     kinds = [FULL if isinstance(lw.mixer, AttnWeights) else "linear_attention" for lw in w.layers]
     if tuple(kinds) != cfg.layer_types:
@@ -283,16 +315,18 @@ def pack_weights(
         norm=_vec(w.norm, device),
         lm_head=pack_linear([w.lm_head], device),
         inv_freq=rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
-        mtp=pack_mtp(cfg, w.mtp, device) if mtp and w.mtp is not None else None,
+        mtp=pack_mtp(cfg, w.mtp, device, w.lm_head, draft_ids) if mtp and w.mtp is not None else None,
     )
 
 
-def with_mtp(cfg: ModelConfig, gw: GPUWeights, w: ModelWeights) -> GPUWeights:
+def with_mtp(
+    cfg: ModelConfig, gw: GPUWeights, w: ModelWeights, draft_ids: Sequence[int] | None = None
+) -> GPUWeights:
     """gw with the MTP head of `w` packed (in place; once per model), for a backend packed without it."""
     if gw.mtp is None:
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
-        gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device)
+        gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device, w.lm_head, draft_ids)
     return gw
 
 

@@ -17,6 +17,7 @@ from ..config import TreeConfig
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import make_decoder
+from .draft_vocab import draft_vocab_ids
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
 
@@ -111,6 +112,7 @@ class LLM:
         spec: str = "auto",
         tree: TreeConfig | None = None,
         backend: str = "auto",
+        draft_vocab: int | str | os.PathLike | None = None,
     ):
         if spec not in ("auto", "off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
@@ -162,6 +164,16 @@ class LLM:
             if self.weights is None or self.weights.mtp is None:
                 raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
             build_tree(self.tree)
+        # A draft vocabulary (lumo.engine.draft_vocab): token ids the drafter may propose; None = all.
+        self.draft_ids: list[int] | None = None
+        if draft_vocab is not None:
+            if spec == "off":
+                raise ValueError(
+                    "a draft vocabulary needs speculative decoding (--spec tree or chain; auto is off on the "
+                    "torch backend)"
+                )
+            ids = draft_vocab_ids(draft_vocab, self.config.vocab_size, self.tokenizer.added_token_ids())
+            self.draft_ids = ids if len(ids) < self.config.vocab_size else None
         self._defaults = _generation_defaults(path)
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
 
@@ -169,7 +181,8 @@ class LLM:
         from .gpu_decode import GPUBackend
         from .gpu_weights import pack_weights
 
-        packed = pack_weights(self.config, self.weights, self.device, mtp=self.spec != "off")
+        mtp = self.spec != "off"
+        packed = pack_weights(self.config, self.weights, self.device, mtp=mtp, draft_ids=self.draft_ids)
         self.weights = None  # the packed copy on the GPU is the only one kept
         backend = GPUBackend(self.config, packed, self.max_model_len, self.device)
         if self.spec == "off":
@@ -273,9 +286,8 @@ class LLM:
         if self._gpu is not None:
             decoder = self._gpu.decoder(params, n)
         else:
-            decoder = make_decoder(
-                self.config, self.weights, params, n, self.device, self.dtype, self.spec, self.tree
-            )
+            args = (self.config, self.weights, params, n, self.device, self.dtype, self.spec, self.tree)
+            decoder = make_decoder(*args, draft_ids=self.draft_ids)
         self.last_decoder = decoder
         detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
         eos = set(self.tokenizer.eos_token_ids)

@@ -8,7 +8,8 @@
 //   largest keys and the result does not depend on the reduction order at all.
 //   topk_partial grid (NB, T), block TK_THREADS: CTA b keeps the top KMAX keys of [b*TK_SPAN, (b+1)*TK_SPAN).
 //   topk_final grid T, one warp: merges the NB*KMAX keys of a row, writes ids[t, r] (r < k) and, where
-//   nodes[t, r] >= 0, tokens[nodes[t, r]] (the tree's token buffer: node of (depth, rank)).
+//   nodes[t, r] >= 0, tokens[nodes[t, r]] (the tree's token buffer: node of (depth, rank)). With an id
+//   map (a draft vocabulary: logits column j is token id_map[j], ascending) both get id_map[index].
 // tree_accept: one warp; the walk of lumo.engine.tree.accept (see the kernel).
 // kv_remap: grid (number of caches, ceil(row_vec / KV_THREADS)); moves accepted K/V rows in place.
 //
@@ -102,10 +103,11 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
   }
 }
 
-// ids [T, k]; tokens (nullable) [R]; nodes (nullable) [T, k]: tokens[nodes[t, r]] = ids[t, r] when >= 0.
+// ids [T, k]; tokens (nullable) [R]; nodes (nullable) [T, k]: tokens[nodes[t, r]] = ids[t, r] when >= 0;
+// id_map (nullable) [V]: the id written for logits column j.
 extern "C" __global__ void __launch_bounds__(32)
     topk_final(const u64* __restrict__ part, int nb, int k, int* __restrict__ ids, int* __restrict__ tokens,
-               const int* __restrict__ nodes) {
+               const int* __restrict__ nodes, const int* __restrict__ id_map) {
   pdl_begin();
   const int t = blockIdx.x, lane = threadIdx.x;
   u64 l[KMAX];
@@ -118,7 +120,8 @@ extern "C" __global__ void __launch_bounds__(32)
 #pragma unroll
   for (int r = 0; r < KMAX; ++r) {
     if (r < k && lane == r) {
-      const int id = (int)(~(u32)(top[r] & 0xffffffffull));
+      const int j = (int)(~(u32)(top[r] & 0xffffffffull));
+      const int id = id_map != nullptr ? id_map[j] : j;
       ids[(size_t)t * k + r] = id;
       if (nodes != nullptr) {
         const int node = nodes[(size_t)t * k + r];

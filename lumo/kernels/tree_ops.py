@@ -67,11 +67,14 @@ def topk_select(
     tokens: torch.Tensor | None = None,
     nodes: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
+    id_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k ids [T, k] int32 of logits [T, V] f32 (k <= 8), logit descending, ties by lower id.
 
     With tokens ([R] int32, the tree's token buffer) and nodes ([T, k] int32, rows of draft_node_table),
     also tokens[nodes[t, r]] = ids[t, r] wherever nodes[t, r] >= 0 (node ids < R, not checked).
+    With id_map ([V] int32: the token of each logits column, a draft vocabulary in ascending order, so
+    ties still go to the lower token) the ids written are id_map[column].
     Pass out= and workspace= (topk_workspace) on the hot path: then nothing is allocated. Never syncs.
     """
     if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
@@ -99,11 +102,16 @@ def topk_select(
             raise ValueError(f"topk_select: tokens must be int32 [R], got {tuple(tokens.shape)}")
         _check_i32(tokens, tuple(tokens.shape), "topk_select: tokens", dev)
         _check_i32(nodes, (T, k), "topk_select: nodes", dev)
+    if id_map is not None:
+        if id_map.dim() != 1:
+            raise ValueError(f"topk_select: id_map must be int32 [{V}], got {tuple(id_map.shape)}")
+        _check_i32(id_map, (V,), "topk_select: id_map", dev)
     if T == 0:
         return out
     _kernel("topk_partial").launch((nb, T), TK_THREADS, [logits, V, workspace, nb], pdl=True)
-    null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter
+    null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter, no map
     extra = [tokens, nodes] if tokens is not None else [null, null]
+    extra.append(null if id_map is None else id_map)
     _kernel("topk_final").launch(T, 32, [workspace, nb, k, out, *extra], pdl=True)
     return out
 
