@@ -42,7 +42,7 @@ from lumo.corpus import split_documents, stdlib_documents
 from lumo.engine.draft_vocab import draft_vocab_ids
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
-from lumo.engine.gpu_weights import config_27b, pack_linear, pack_weights, random_model_weights
+from lumo.engine.gpu_weights import config_27b, pack_draft_head, pack_weights, random_model_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
@@ -50,7 +50,7 @@ from lumo.engine.tree import chain_config
 from lumo.kernels.gdn import gdn_decode
 from lumo.kernels.gdn_tree import gdn_tree
 from lumo.tokenizer import Tokenizer
-from lumo.weights import linear_rows, load_model
+from lumo.weights import load_model
 
 GB, GB10_BW, PAPER_ACCEPTED = 1e9, 273e9, 4.05
 GREEDY = SamplingParams(temperature=0.0)
@@ -276,9 +276,10 @@ def big(layers: int, context: int, events: int, draft_vocab: int) -> dict:
     gw = pack_weights(cfg, w, "cuda", mtp=True)
     # The same weights with a draft vocabulary of the draft_vocab lowest ids (the ids do not matter to the
     # time on random weights): the draft head's rows of the lm_head.
-    rows = torch.arange(draft_vocab)
-    head = pack_linear([linear_rows(w.lm_head, rows.to(w.lm_head.weight.device))], "cuda")
-    gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=rows.to("cuda", torch.int32)))
+    if not 8 <= draft_vocab <= cfg.vocab_size:
+        raise SystemExit(f"--draft-vocab: the 27B size must lie in [8, {cfg.vocab_size}], got {draft_vocab}")
+    head, ids = pack_draft_head(w.lm_head, torch.arange(draft_vocab), "cuda")
+    gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=ids))
     del w
     torch.cuda.empty_cache()
     capacity = context + 40 * events + 256

@@ -33,9 +33,10 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "--draft-vocab",
         default=None,
         metavar="N|FILE",
-        help="the drafter proposes only these tokens: a size N (the tokenizer's added tokens + the lowest "
-        "ids) or a file of token ids (JSON list, plain integers, or a .pt tensor); output unchanged, the "
-        "draft's lm_head shrinks (default: whole vocabulary)",
+        help="the drafter proposes only these tokens: a file of token ids, used as is (JSON list, plain "
+        "integers, or a .pt tensor; `python -m lumo.engine.draft_vocab` ranks them on your text) or a size N "
+        "(the tokenizer's added tokens + the lowest ids); the output is unchanged, and on the kernels "
+        "backend the draft's lm_head shrinks to those rows (default: whole vocabulary)",
     )
 
 

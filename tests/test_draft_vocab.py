@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from lumo.config import TreeConfig
 from lumo.engine.draft_vocab import MIN_DRAFT_VOCAB, draft_vocab_ids, frequency_ranked_ids, main
 from lumo.engine.llm import LLM, embedded_model_path
 from lumo.quant import nvfp4_quantize
@@ -22,9 +23,12 @@ def test_size_keeps_the_added_tokens_and_the_lowest_ids():
     assert draft_vocab_ids(12, 100, keep=[99, 97, 5, 200]) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 97, 99]
     assert draft_vocab_ids("10", 100) == list(range(10))
     assert draft_vocab_ids(500, 100) == list(range(100))  # at most the vocabulary
-    for bad in (MIN_DRAFT_VOCAB - 1, 0, True):
+    assert draft_vocab_ids(torch.tensor(9).numpy()[()], 100) == list(range(9))  # numpy integers too
+    for bad in (MIN_DRAFT_VOCAB - 1, 0, True, 12.0, None):
         with pytest.raises(ValueError, match="draft vocabulary"):
             draft_vocab_ids(bad, 100)
+    with pytest.raises(ValueError, match="added tokens"):
+        draft_vocab_ids(8, 100, keep=range(90, 99))
 
 
 def test_files_of_ids(tmp_path):
@@ -36,12 +40,14 @@ def test_files_of_ids(tmp_path):
     for name in ("a.json", "b.txt", "c.pt"):
         assert draft_vocab_ids(str(tmp_path / name), 50) == want, name
     (tmp_path / "bad.txt").write_text("3 4 five")
+    torch.save(torch.ones(9, dtype=torch.bool), tmp_path / "bool.pt")
     (tmp_path / "float.pt").write_bytes(b"")
     torch.save(torch.ones(9), tmp_path / "float.pt")
     (tmp_path / "few.json").write_text("[1, 2]")
     cases = {
         "bad.txt": "expected token ids",
         "float.pt": "integer tensor",
+        "bool.pt": "integer tensor",
         "few.json": "at least",
         "missing.json": "no such file",
         "a.json": "outside",  # id 40 >= vocabulary 20
@@ -102,6 +108,9 @@ def test_tree_decoding_with_a_draft_vocabulary_equals_plain():
 def test_user_errors():
     with pytest.raises(ValueError, match="needs speculative decoding"):
         LLM(spec="off", device="cpu", draft_vocab=64)
+    wide = TreeConfig(depth=3, topk=12, budget=30, rows=32)  # 12 candidates per depth
+    with pytest.raises(ValueError, match="top-12"):
+        LLM(spec="tree", device="cpu", draft_vocab=8, tree=wide)
     r = subprocess.run(
         [sys.executable, "-m", "lumo.cli", "generate", "--prompt", "x", "--device", "cpu", "--spec", "tree",
          "--draft-vocab", "/no/such/ids.json"],

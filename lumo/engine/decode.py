@@ -78,8 +78,15 @@ class SpecDecoder(PlainDecoder):
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
         self.tree: TreeBuffers = build_tree(tree)
-        # A draft vocabulary (lumo.engine.draft_vocab): the drafter's top-k among these token ids only.
-        self.draft_ids = None if draft_ids is None else torch.as_tensor(draft_ids, dtype=torch.long)
+        # A draft vocabulary (lumo.engine.draft_vocab): the drafter's top-k among these token ids only (the
+        # full lm_head is still computed here; the kernels backend computes only these rows).
+        self.draft_ids = None
+        if draft_ids is not None:
+            self.draft_ids = torch.as_tensor(draft_ids, dtype=torch.long, device=device)
+            if self.draft_ids.numel() < int(self.tree.rank.max()) + 1:
+                raise ValueError(
+                    f"a draft vocabulary of {self.draft_ids.numel()} tokens is smaller than the tree's top-k"
+                )
         self.extra_positions = self.tree.depth_max + 1
         super().__init__(cfg, w, params, max_len, device, dtype)
         self.stats = SpecStats()
@@ -105,8 +112,7 @@ class SpecDecoder(PlainDecoder):
             if self.draft_ids is None:
                 top = torch.topk(logits, k).indices.tolist()
             else:
-                ids = self.draft_ids.to(logits.device)
-                top = ids[torch.topk(logits[ids], k).indices].tolist()
+                top = self.draft_ids[torch.topk(logits[self.draft_ids], k).indices].tolist()
             for i in range(t.n_nodes):
                 if int(t.depth[i]) == d:
                     tokens[i] = top[int(t.rank[i])]

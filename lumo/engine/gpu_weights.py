@@ -258,6 +258,20 @@ def pack_layer(cfg: ModelConfig, lw: LayerWeights, device: torch.device | str) -
     )
 
 
+def pack_draft_head(
+    lm_head: Linear, draft_ids: Sequence[int] | torch.Tensor, device: torch.device | str
+) -> tuple[GPULinear, torch.Tensor]:
+    """The draft head of a draft vocabulary (lumo.engine.draft_vocab): the lm_head's rows of the ascending
+    token ids draft_ids, packed, and the ids [N] int32 on the device (GPUMTP.draft_head / draft_ids)."""
+    rows = torch.as_tensor(draft_ids, dtype=torch.long).cpu()
+    if rows.dim() != 1 or rows.numel() == 0 or not bool((rows[1:] > rows[:-1]).all()):
+        raise ValueError("draft_ids must be ascending unique token ids")
+    if int(rows[0]) < 0 or int(rows[-1]) >= lm_head.shape[0]:
+        raise ValueError(f"draft_ids must lie in [0, {lm_head.shape[0]})")
+    head = pack_linear([linear_rows(lm_head, rows.to(lm_head.weight.device))], device)
+    return head, rows.to(device=device, dtype=torch.int32)
+
+
 def pack_mtp(
     cfg: ModelConfig,
     m: MTPWeights,
@@ -276,13 +290,7 @@ def pack_mtp(
     if draft_ids is not None:
         if lm_head is None:
             raise ValueError("a draft vocabulary needs the lm_head")
-        rows = torch.as_tensor(draft_ids, dtype=torch.long)
-        if rows.dim() != 1 or rows.numel() == 0 or not bool((rows[1:] > rows[:-1]).all()):
-            raise ValueError("draft_ids must be ascending unique token ids")
-        if int(rows[0]) < 0 or int(rows[-1]) >= lm_head.shape[0]:
-            raise ValueError(f"draft_ids must lie in [0, {lm_head.shape[0]})")
-        head = pack_linear([linear_rows(lm_head, rows.to(lm_head.weight.device))], device)
-        ids = rows.to(device=device, dtype=torch.int32)
+        head, ids = pack_draft_head(lm_head, draft_ids, device)
     return GPUMTP(
         fc=pack_linear([m.fc], device),
         pre_fc_norm_embedding=_vec(m.pre_fc_norm_embedding, device),
@@ -322,11 +330,14 @@ def pack_weights(
 def with_mtp(
     cfg: ModelConfig, gw: GPUWeights, w: ModelWeights, draft_ids: Sequence[int] | None = None
 ) -> GPUWeights:
-    """gw with the MTP head of `w` packed (in place; once per model), for a backend packed without it."""
+    """gw with the MTP head of `w` packed (in place; once per model), for a backend packed without it;
+    with draft_ids, a draft head too (replacing one packed before)."""
     if gw.mtp is None:
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
         gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device, w.lm_head, draft_ids)
+    elif draft_ids is not None:
+        gw.mtp.draft_head, gw.mtp.draft_ids = pack_draft_head(w.lm_head, draft_ids, gw.embed.device)
     return gw
 
 

@@ -169,10 +169,15 @@ class LLM:
         if draft_vocab is not None:
             if spec == "off":
                 raise ValueError(
-                    "a draft vocabulary needs speculative decoding (--spec tree or chain; auto is off on the "
-                    "torch backend)"
+                    "a draft vocabulary needs speculative decoding (--spec tree or chain; auto speculates "
+                    "only on the kernels backend with an MTP head)"
                 )
             ids = draft_vocab_ids(draft_vocab, self.config.vocab_size, self.tokenizer.added_token_ids())
+            k = int(build_tree(self.tree if spec == "tree" else chain_config(self.tree.depth)).rank.max()) + 1
+            if len(ids) < k:
+                raise ValueError(
+                    f"a draft vocabulary of {len(ids)} tokens is smaller than the tree's top-{k}"
+                )
             self.draft_ids = ids if len(ids) < self.config.vocab_size else None
         self._defaults = _generation_defaults(path)
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
