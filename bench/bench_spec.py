@@ -73,7 +73,8 @@ def embedded(n_prompts: int, new: int, draft_vocab: int) -> dict:
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
     gw = pack_weights(cfg, w, "cuda", mtp=True)
     ids = draft_vocab_ids(draft_vocab, cfg.vocab_size, Tokenizer.from_dir(path).added_token_ids())
-    gw_dv = pack_weights(cfg, w, "cuda", mtp=True, draft_ids=ids)
+    head, dev_ids = pack_draft_head(w.lm_head, ids, "cuda")  # the same weights plus a draft head
+    gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=dev_ids))
     prompts = held_out_prompts(path, n_prompts)
     res = {}
     # The prompts follow each other in one sequence (a decoder per mode, graphs captured once): room for all.

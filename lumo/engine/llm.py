@@ -158,8 +158,9 @@ class LLM:
             has_mtp = self.weights is not None and self.weights.mtp is not None
             spec = "tree" if self.backend == "kernels" and has_mtp else "off"
         self.spec = spec
+        shape = self.tree if spec == "tree" else chain_config(self.tree.depth)  # the speculated tree
         if spec != "off" and self.backend == "kernels":
-            _check_gpu_tree(self.tree if spec == "tree" else chain_config(self.tree.depth))
+            _check_gpu_tree(shape)
         if spec != "off":  # fail at start-up, not on every request
             if self.weights is None or self.weights.mtp is None:
                 raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
@@ -173,7 +174,7 @@ class LLM:
                     "only on the kernels backend with an MTP head)"
                 )
             ids = draft_vocab_ids(draft_vocab, self.config.vocab_size, self.tokenizer.added_token_ids())
-            k = int(build_tree(self.tree if spec == "tree" else chain_config(self.tree.depth)).rank.max()) + 1
+            k = int(build_tree(shape).rank.max()) + 1  # the drafter's candidates per depth
             if len(ids) < k:
                 raise ValueError(
                     f"a draft vocabulary of {len(ids)} tokens is smaller than the tree's top-{k}"
