@@ -175,6 +175,9 @@ def _emulated_ops():
         return out.copy_(x.double() @ cache[key].t())
 
     def nvfp4_linear(x, packed, out=None, **k):
+        if packed.glu_n:  # fused SwiGLU: [gate | up] rows, then the activation
+            y = silu_mul_ref(rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), None))
+            return y if out is None else out.copy_(y)
         return rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), out)
 
     def bf16_linear(x, w, out=None, workspace=None):

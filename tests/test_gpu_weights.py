@@ -22,7 +22,7 @@ from lumo.engine.gpu_weights import (
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import linear_weight_bytes, memory_plan, splitk_partial_bytes
 from lumo.kernels.attention import attn_decode_workspace
-from lumo.kernels.linear import unpack_nvfp4
+from lumo.kernels.linear import pack_fused, unpack_nvfp4
 from lumo.quant import fp8_quantize, nvfp4_quantize
 from lumo.weights import DenseLinear, FP8Linear, NVFP4Linear, load_model
 
@@ -60,7 +60,10 @@ def test_fused_linears_hold_the_checkpoint_values(tiny_nvfp4):
             pairs = [(gm.qkv, [m.q_proj, m.k_proj, m.v_proj]), (gm.o_proj, [m.o_proj])]
         pairs += [(g.gate_up, [lw.mlp.gate_proj, lw.mlp.up_proj]), (g.down, [lw.mlp.down_proj])]
         for gl, lins in pairs:
-            assert gl.shard_sizes == tuple(lin.shape[0] for lin in lins)
+            if gl is g.gate_up:  # NVFP4 gate and up: packed for the fused SwiGLU, output [M, I]
+                assert gl.glu and gl.shard_sizes == (lins[0].shape[0],)
+            else:
+                assert not gl.glu and gl.shard_sizes == tuple(lin.shape[0] for lin in lins)
             assert gl.k == lins[0].shape[1] and gl.n == sum(gl.shard_sizes)
             want = torch.cat([lin.dequantize(torch.float32) for lin in lins])
             assert torch.equal(dequantized(gl), want)
@@ -90,6 +93,30 @@ def test_mixed_kinds_become_parts_in_order():
     assert torch.equal(got[64:74], want[64:74])  # bf16 dense: exact
     y = torch.zeros(3, gl.n)
     assert [t.shape[-1] for t in gl.split(y)] == [40, 24, 10, 6, 8]
+
+
+@pytest.mark.parametrize("i", [40, 44, 3])
+def test_glu_packing_interleaves_gate_and_up(i):
+    """pack_fused(glu=True): m16 tile T holds gate rows 8T..8T+7 then up rows 8T..8T+7 (each shard zero
+    padded to a multiple of 8 rows, scales and global scales moved with their rows); unpack_nvfp4 gives
+    back [gate | up]. A gate / up pair of mixed kinds stays a plain fused linear."""
+    gen = torch.Generator().manual_seed(i)
+    K = 80
+    gate, up = (NVFP4Linear(*nvfp4_quantize(torch.randn(i, K, generator=gen) * s)) for s in (1.0, 3.0))
+    gl = pack_linear([gate, up], "cpu", glu=True)
+    packed = gl.parts[0].packed
+    i8 = -(-i // 8) * 8
+    assert gl.glu and packed.glu_n == i and packed.n == 2 * i8 and gl.n == i
+    want = torch.cat([gate.dequantize(torch.float32), up.dequantize(torch.float32)])
+    assert torch.equal(unpack_nvfp4(packed), want)
+    gs = packed.gs[: 2 * i8].view(-1, 2, 8)  # [tile, gate / up, row]
+    for h, lin in enumerate((gate, up)):
+        assert (gs[:, h].flatten()[:i] == lin.weight_scale_2).all() and (gs[:, h].flatten()[i:] == 0).all()
+    dense = DenseLinear(torch.randn(i, K, generator=gen).to(torch.bfloat16))
+    mixed = pack_linear([gate, dense], "cpu", glu=True)
+    assert not mixed.glu and mixed.shard_sizes == (i, i)
+    with pytest.raises(ValueError, match="glu"):
+        pack_fused([(gate.weight, gate.weight_scale, gate.weight_scale_2)], glu=True)
 
 
 def shrunk_27b(vocab_size: int, hidden_size: int, intermediate_size: int, head_dim: int) -> ModelConfig:

@@ -219,6 +219,33 @@ def test_fused_shards_keep_their_scales():
         assert rel_err(o, nvfp4_linear_ref(x, *sh)) < 5e-3
 
 
+@pytest.mark.parametrize("i,k,splits", [(136, 16 * 45, 4), (100, 16 * 37, 3), (8 * 33, 16 * 16, 1)])
+def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
+    """An MLP's [gate | up] packed for the fused SwiGLU (pack_fused(glu=True)) gives, at every M <= 32 and
+    through every kernel (the register-direct one applies silu(gate) * up in its epilogue, the others
+    write the interleaved rows for silu_mul), the bits of the plain fused GEMV followed by torch's silu
+    then mul (silu_mul's bits: test_norms_gpu); the prefill path (M > 32) matches the fp32 reference.
+    I = 100 is not a multiple of 8 (padded rows)."""
+    from lumo.kernels.norms import silu_mul_ref  # torch's F.silu then mul: silu_mul's bits, any I
+
+    gen = torch.Generator(DEV).manual_seed(i + k)
+    gate, up = rand_nvfp4(i, k, gen), rand_nvfp4(i, k, gen)
+    plain = pack_fused([gate, up], splits=splits)
+    fused = pack_fused([gate, up], splits=splits, glu=True)
+    assert fused.out_features == i and fused.splits == splits
+    knobs = [{}, dict(rd=False, cluster=False), dict(rd=(1, 2)), dict(rd=(4, 2)), dict(sx=(8, 2, 3))]
+    if torch.cuda.get_device_capability()[0] >= 9:
+        knobs.append(dict(rd=False, cluster=True))
+    for m in (1, 2, 7, 9, 17, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        want = silu_mul_ref(nvfp4_linear(x, plain))
+        for kw in knobs:
+            assert torch.equal(nvfp4_linear(x, fused, out=poisoned(m, i), **kw), want), (m, kw)
+    x = torch.randn(45, k, generator=gen, device=DEV).to(torch.bfloat16)
+    g, u = nvfp4_linear_ref(x, *gate), nvfp4_linear_ref(x, *up)
+    assert rel_err(nvfp4_linear(x, fused), torch.nn.functional.silu(g) * u) < 1e-2
+
+
 @pytest.mark.parametrize("m", [1, 32])
 def test_graph_replay_equals_eager(m):
     gen = torch.Generator(DEV).manual_seed(m)

@@ -28,13 +28,13 @@ from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
 from ..kernels.conv import conv_gather, conv_pred, conv_state_commit
 from ..kernels.gdn import gdn_decode
 from ..kernels.gdn_tree import gdn_tree, gdn_tree_rows
-from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
+from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
-from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer
+from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
 from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
@@ -308,8 +308,7 @@ class GPUSpecEngine:
 
     def _mlp(self, lw: GPULayer, rows: _Rows) -> None:
         """rows.x -> rows.delta; the runner's arithmetic (silu rounded to bf16, then the product)."""
-        lw.gate_up(rows.x, out=rows.gate_up)
-        silu_mul(rows.gate_up, out=rows.act)
+        swiglu(lw.gate_up, rows.x, act=rows.act, gu=rows.gate_up)
         lw.down(rows.act, out=rows.delta)
 
     def _attn(

@@ -18,6 +18,7 @@ import torch
 
 from ..config import FULL, ModelConfig
 from ..kernels.linear import PackedNVFP4, _bf16_splits, bf16_linear, nvfp4_linear, pack_fused
+from ..kernels.norms import silu_mul
 from ..kernels.rope_kv import rope_inv_freq
 from ..weights import (
     AttnWeights,
@@ -46,7 +47,7 @@ class LinearPart:
 
     @property
     def n(self) -> int:
-        return self.packed.n if self.packed is not None else self.weight.shape[0]
+        return self.packed.out_features if self.packed is not None else self.weight.shape[0]
 
     def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
@@ -67,6 +68,9 @@ class GPULinear:
     parts: list[LinearPart]
     shard_sizes: tuple[int, ...]  # N of each original linear
     k: int  # input features K
+    # An MLP's [gate | up] packed for the fused SwiGLU (one NVFP4 part, pack_fused(glu=True)): the output is
+    # silu(gate) * up [M, I] and shard_sizes is (I,). See swiglu().
+    glu: bool = False
 
     @property
     def n(self) -> int:
@@ -120,7 +124,7 @@ class GPULayer:
     input_layernorm: torch.Tensor  # [H] bf16, 1+w
     post_attention_layernorm: torch.Tensor  # [H] bf16, 1+w
     mixer: GPUGDN | GPUAttn
-    gate_up: GPULinear  # [2I, H]: [gate | up]
+    gate_up: GPULinear  # [2I, H]: [gate | up] (or fused SwiGLU, GPULinear.glu): use swiglu()
     down: GPULinear  # [H, I]
 
 
@@ -191,12 +195,26 @@ def _dense_part(weight: torch.Tensor) -> LinearPart:
     return LinearPart(weight=weight, workspace=ws)
 
 
-def pack_linear(lins: list[Linear], device: torch.device | str) -> GPULinear:
-    """Fuse linears sharing their input into one GPULinear; consecutive shards of one kind share a part."""
+def pack_linear(lins: list[Linear], device: torch.device | str, glu: bool = False) -> GPULinear:
+    """Fuse linears sharing their input into one GPULinear; consecutive shards of one kind share a part.
+
+    glu: `lins` are an MLP's [gate, up]; where both are NVFP4 of one shape they are packed for the fused
+    SwiGLU (the GEMV's output is silu(gate) * up, GPULinear.glu), else as a plain fused linear."""
     device = torch.device(device)
     k = lins[0].shape[1]
     if any(lin.shape[1] != k for lin in lins):
         raise ValueError(f"fused linears must share K, got {[lin.shape for lin in lins]}")
+    if (
+        glu
+        and len(lins) == 2
+        and all(_kind(lin) == "nvfp4" for lin in lins)
+        and lins[0].shape == lins[1].shape
+    ):
+        shards = [
+            (lin.weight.to(device), lin.weight_scale.to(device), lin.weight_scale_2.to(device))
+            for lin in lins
+        ]
+        return GPULinear([LinearPart(packed=pack_fused(shards, glu=True))], (lins[0].shape[0],), k, glu=True)
     groups: list[list[Linear]] = []
     for lin in lins:
         if groups and _kind(groups[-1][0]) == _kind(lin):
@@ -214,6 +232,16 @@ def pack_linear(lins: list[Linear], device: torch.device | str) -> GPULinear:
         else:
             parts.append(_dense_part(torch.cat([_dense_bf16(lin, device) for lin in g])))
     return GPULinear(parts, tuple(lin.shape[0] for lin in lins), k)
+
+
+def swiglu(
+    gate_up: GPULinear, x: torch.Tensor, act: torch.Tensor | None = None, gu: torch.Tensor | None = None
+) -> torch.Tensor:
+    """An MLP's activation silu(gate) * up [M, I] (lumo.model.mlp): one launch where gate_up is packed for
+    the fused SwiGLU, else the [gate | up] GEMV (into `gu` if given) and silu_mul (same bits)."""
+    if gate_up.glu:
+        return gate_up(x, out=act)
+    return silu_mul(gate_up(x, out=gu), out=act)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -253,7 +281,7 @@ def pack_layer(cfg: ModelConfig, lw: LayerWeights, device: torch.device | str) -
         input_layernorm=_vec(lw.input_layernorm, device),
         post_attention_layernorm=_vec(lw.post_attention_layernorm, device),
         mixer=mixer,
-        gate_up=pack_linear([lw.mlp.gate_proj, lw.mlp.up_proj], device),
+        gate_up=pack_linear([lw.mlp.gate_proj, lw.mlp.up_proj], device, glu=True),
         down=pack_linear([lw.mlp.down_proj], device),
     )
 

@@ -25,11 +25,11 @@ from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_decode, conv_prefill
 from ..kernels.gdn import gdn_decode, gdn_prefill
-from ..kernels.norms import gated_rmsnorm, rmsnorm1p, silu_mul
+from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..weights import ModelWeights
-from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights
+from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu
 from .sampling import SamplingParams
 
 PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
@@ -249,9 +249,8 @@ class GPURunner:
 
     def _mlp(self, lw: GPULayer, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:  # prefill rows
-            return lw.down(silu_mul(lw.gate_up(x)))
-        lw.gate_up(x, out=self.gate_up)  # the decode row: static buffers
-        silu_mul(self.gate_up, out=self.act)  # silu rounded to bf16, then the product: lumo.model.mlp
+            return lw.down(swiglu(lw.gate_up, x))
+        swiglu(lw.gate_up, x, act=self.act, gu=self.gate_up)  # the decode row: static buffers
         return lw.down(self.act, out=out)
 
     def _attn_views(self, proj: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

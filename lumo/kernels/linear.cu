@@ -45,10 +45,12 @@
 // lumo:test-defines NT=4 STAGES=3 RGW=4 TPW=1 MTW=1 KSW=4 PF=2
 // lumo:test-defines NT=2 STAGES=4 RGW=2 TPW=2 MTW=1 KSW=4 PF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=3 RD_MINB=4
+// lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 GLU=1
 // lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
 
 #include <cuda_bf16.h>
 
+#include "act.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
 
@@ -433,11 +435,20 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #ifndef KSW
 #define KSW 8  // nvfp4_gemv_rd: warps per CTA = split-K slices of the weight
 #endif
+#ifndef GLU
+#define GLU 0  // nvfp4_gemv_rd: 1 for an MLP's [gate | up] packed for the fused SwiGLU (see below)
+#endif
 
 // Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp s holds slice s's accumulators
 // of MTW m16 tiles from tile0 on. The slice partials p_s = acc_s * 2^7 (as nvfp4_gemv stores them) are summed
 // in slice order by warp 0 (a = p_0, a += p_s: splitk_reduce's operations), which stores bf16(a * gs[n]).
 // Needs (KSW - 1) * MTW * NT * 512 bytes of dynamic shared memory.
+//
+// GLU: the weight is an MLP's [gate | up] packed by pack_fused(..., glu=True): rows g and g + 8 of m16
+// tile T are gate and up row 8T + g. Warp 0's lane (g, t) then holds both halves of output 8T + g, rounds
+// each to bf16 as the plain store would, and stores act = bf16(silu(gate) * up) with silu_mul's arithmetic
+// (act.cuh): the bits of this GEMV unfused followed by silu_mul, in one launch. N is then I, the MLP's
+// intermediate size (the output's width).
 __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
                                                 bf16* __restrict__ out, int M, int N, int tile0, int warp,
                                                 int lane) {
@@ -452,7 +463,21 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
   reduce_warps<KSW, MTW>(acc, reinterpret_cast<char*>(smem), warp, lane);
   if (warp > 0) return;
 #pragma unroll
-  for (int i = 0; i < MTW; ++i)
+  for (int i = 0; i < MTW; ++i) {
+#if GLU
+    const int o = (tile0 + i) * 8 + g;
+    if (o >= N) continue;
+    const float sg = gs[(tile0 + i) * 16 + g], su = gs[(tile0 + i) * 16 + g + 8];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = 8 * j + 2 * t + e;
+        if (m < M)
+          out[(size_t)m * N + o] =
+              __float2bfloat16_rn(silu_mul1(round_bf16(acc[i][j][e] * sg), round_bf16(acc[i][j][2 + e] * su)));
+      }
+#else
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = (tile0 + i) * 16 + g + 8 * h;
@@ -466,6 +491,8 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
           if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(acc[i][j][2 * h + e] * scale);
         }
     }
+#endif
+  }
 }
 
 // Register-direct in-CTA split-K (nvfp4_gemv_rd, M <= 8 * NT). grid RG * MT / MTW, block 32 * KSW with

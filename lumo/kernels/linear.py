@@ -62,6 +62,13 @@ class PackedNVFP4:
     splits: int  # split-K slices (fixed per weight: the K order never depends on M)
     shard_sizes: tuple[int, ...]  # N of each fused shard, in order
     partial: torch.Tensor | None  # [splits, 32, N] f32, made by the first launch that needs it (nvfp4_linear)
+    # An MLP's [gate | up] packed for the fused SwiGLU (pack_fused(..., glu=True)): the intermediate size
+    # I, the width of nvfp4_linear's output silu(gate) * up. 0: a plain linear.
+    glu_n: int = 0
+
+    @property
+    def out_features(self) -> int:
+        return self.glu_n or self.n
 
     @property
     def chunks(self) -> int:
@@ -115,9 +122,19 @@ def pack_nvfp4(
 
 
 def pack_fused(
-    shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], splits: int | None = None
+    shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    splits: int | None = None,
+    glu: bool = False,
 ) -> PackedNVFP4:
-    """Concatenate NVFP4 shards along N (gate+up, q/k/v/z): one launch, each shard keeps its global scale."""
+    """Concatenate NVFP4 shards along N (gate+up, q/k/v/z): one launch, each shard keeps its global scale.
+
+    glu: the two shards are an MLP's gate and up projections (N = I each), packed for the fused SwiGLU:
+    each m16 tile holds 8 gate rows then the same 8 rows of up (each shard zero padded to a multiple of 8
+    rows), so the GEMV's epilogue can store silu(gate) * up [M, I] directly (linear.cu, GLU)."""
+    if glu and (len(shards) != 2 or shards[0][0].shape != shards[1][0].shape):
+        raise ValueError(
+            f"glu packs two shards of one shape (gate, up), got {[tuple(w.shape) for w, _, _ in shards]}"
+        )
     k = shards[0][0].shape[1] * 2
     for w, s, s2 in shards:
         if (
@@ -142,8 +159,16 @@ def pack_fused(
     nib = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(n, k)
     nib = nib ^ ((scales < 0).repeat_interleave(16, dim=1).to(torch.uint8) << 3)
     nib = nib * (scales != 0).repeat_interleave(16, dim=1).to(torch.uint8)
+    sbyte = _encode_scales(scales)
+    glu_n = 0
+    if glu:  # rows (gate 8T .. 8T + 7, up 8T .. 8T + 7) for T = 0, 1, ...: each shard padded to 8i rows
+        glu_n, i8 = n // 2, -(-n // 16) * 8
+        nib, sbyte, gs = (_interleave8(t, glu_n, i8) for t in (nib, sbyte, gs))
+        n = 2 * i8
+        rg = -(-n // ROWS)
+        n_pad = rg * ROWS
     nib = torch.nn.functional.pad(nib, (0, k_pad - k, 0, n_pad - n))  # [Np, Kp] u8
-    sbyte = torch.nn.functional.pad(_encode_scales(scales), (0, k_pad // 16 - k // 16, 0, n_pad - n))
+    sbyte = torch.nn.functional.pad(sbyte, (0, k_pad // 16 - k // 16, 0, n_pad - n))
 
     # nib[rg, p, h(0: row g, 1: row g+8), g, c, t, s, e(4 columns)] -> lane (g, t) word s.
     v = nib.view(rg, MT, 2, 8, chunks, 4, 4, 4)
@@ -164,8 +189,16 @@ def pack_fused(
 
     splits = choose_splits(n, k) if splits is None else splits
     gs_pad = torch.nn.functional.pad(gs, (0, n_pad - n)).contiguous()
-    sizes = tuple(w.shape[0] for w, _, _ in shards)
-    return PackedNVFP4(qw, qs, gs_pad, n, k, splits, sizes, None)
+    sizes = (glu_n,) if glu else tuple(w.shape[0] for w, _, _ in shards)
+    return PackedNVFP4(qw, qs, gs_pad, n, k, splits, sizes, None, glu_n)
+
+
+def _interleave8(t: torch.Tensor, i: int, i8: int) -> torch.Tensor:
+    """Rows [gate (i) | up (i)] -> [gate 0..7 | up 0..7 | gate 8..15 | ...], each half zero padded to i8."""
+    gate, up = (torch.nn.functional.pad(h, (0, 0) * (t.dim() - 1) + (0, i8 - i)) for h in t.split(i))
+    return torch.stack([gate.view(i8 // 8, 8, *t.shape[1:]), up.view(i8 // 8, 8, *t.shape[1:])], 1).reshape(
+        2 * i8, *t.shape[1:]
+    )
 
 
 def split_fused(out: torch.Tensor, packed: PackedNVFP4) -> tuple[torch.Tensor, ...]:
@@ -290,9 +323,11 @@ def _clusters(device: torch.device) -> bool:
 # sweeps of bench/bench_linear.py (docs/kernels.md): at M <= 8 it won at every slice count (the lm_head's
 # one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 up to 8 slices; at M = 32
 # up to 4 (5120 -> 10240, 8 slices: 19.4 us in clusters against 32.5). The lm_head at M = 1 takes PF 3:
-# 169.7 us against 177 with PF 4 (sessions 8 and 9, bench_linear_session9_l2pf.log).
+# 169.7 us against 177 with PF 4 (sessions 8 and 9, bench_linear_session9_l2pf.log). At M = 1 one tile
+# and PF 2 for 4 and 8 slices (session 12: gate+up 29.5 -> 27.7 us, attention q/k/v 14.9 -> 13.9, GDN
+# q/k/v/z 16.5 -> 15.7, bench_linear_session12_spw_xs.log; the 27B decode step at 1k 5.66 -> 5.54 ms).
 RD_CHOICE = (
-    (1, {1: (2, 3), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
+    (1, {1: (2, 3), 2: (1, 2), 4: (1, 2), 8: (1, 2), 16: (1, 2)}),
     (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
     (16, {1: (2, 2), 2: (2, 2), 4: (2, 2), 8: (2, 2)}),
     (SMALL_M, {1: (2, 2), 2: (2, 2), 4: (4, 2)}),
@@ -361,8 +396,8 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 
 
 @functools.cache
-def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits}
+def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0, glu: bool = False) -> Kernel:
+    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits} | ({"GLU": 1} if glu else {})
     minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
@@ -399,12 +434,17 @@ def nvfp4_linear(
     own `choose_splits`: another K order, so other result bits; never set by the library.
     """
     _check_x(x, packed.k)
-    out = _out(x, packed.n, out)
+    out = _out(x, packed.out_features, out)
     m = x.shape[0]
-    if m > SMALL_M:
-        return _prefill(x, packed, out)
     if m == 0:
         return out
+    # A fused-SwiGLU weight: nvfp4_gemv_rd applies silu(gate) * up in its epilogue; every other path
+    # computes the interleaved rows into `rows`, then _glu_act gives the same bits.
+    rows = (lambda: torch.empty(m, packed.n, dtype=torch.bfloat16, device=x.device)) if packed.glu_n else None
+    if m > SMALL_M:
+        return (
+            _glu_act(_prefill(x, packed, rows() if rows else out), out) if rows else _prefill(x, packed, out)
+        )
     rg, chunks = packed.row_groups, packed.chunks
     if splits is None:
         splits = packed.splits
@@ -428,17 +468,22 @@ def nvfp4_linear(
                 f"sx must be (warps in 1..32, MTW in 1, 2, 4, PF >= 1) with warps * MTW a multiple of {MT}, "
                 f"got {sx!r}"
             )
+        if rows:
+            return _glu_act(_launch_sx(x, packed, rows(), sx, splits, cps, cluster, probe, npf), out)
         return _launch_sx(x, packed, out, sx, splits, cps, cluster, probe, npf)
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
         mtw, pf = rd
-        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, chunks, cps, npf]
+        args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         shmem = (splits - 1) * mtw * nt * 512
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
-        _rd_kernel(nt, mtw, pf, splits, probe).launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
+        kern = _rd_kernel(nt, mtw, pf, splits, probe, bool(packed.glu_n))
+        kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
+    if rows:  # the ring kernels below write the interleaved rows
+        act, out = out, rows()
     if cluster is None:  # H200: M = 32 4-18 % faster per shape, verify 15.36 -> 14.66 ms; M <= 8 +-4 %
         cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
     auto_tiles = tpw is None and rgw is None
@@ -460,14 +505,27 @@ def nvfp4_linear(
         if kern.max_cluster_size(grid, block, shmem) >= splits:  # else the cross-CTA kernel below
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, splits, 1))
-            return out
+            return _glu_act(out, act) if rows else out
     part = _partials(packed, splits, out)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe, tpw)
     kern.launch((-(-rg // rgw), splits), block, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)
-    return out
+    return _glu_act(out, act) if rows else out
+
+
+def _glu_act(rows: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """act [M, I] = silu(gate) * up from a fused-SwiGLU weight's interleaved GEMV rows [M, 2 * I8] (blocks
+    of 8 gate then 8 up columns): silu_mul over rows of 16, the bits of nvfp4_gemv_rd's GLU epilogue."""
+    from .norms import silu_mul
+
+    m, i = act.shape
+    if rows.shape[1] == 2 * i:
+        silu_mul(rows.view(-1, 16), out=act.view(-1, 8))
+    else:
+        act.copy_(silu_mul(rows.view(-1, 16)).view(m, -1)[:, :i])
+    return act
 
 
 # nvfp4_gemv_sx's (warps, MTW, PF) where it replaces the cluster-reduced ring kernel. Session 8, H200,
@@ -625,7 +683,8 @@ def bf16_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_nvfp4(packed: PackedNVFP4) -> torch.Tensor:
-    """Decode the packed layout back to f32 [N, K] (gs applied), following linear.cu's layout comment."""
+    """Decode the packed layout back to f32 [N, K] (gs applied), following linear.cu's layout comment; a
+    fused-SwiGLU weight back to its [gate | up] rows."""
     from ..quant import E2M1_LUT
 
     rg, chunks = packed.row_groups, packed.chunks
@@ -641,5 +700,13 @@ def unpack_nvfp4(packed: PackedNVFP4) -> torch.Tensor:
     bits = (sb << 4) + (117 << 7)
     scale = bits.to(torch.int16).view(torch.bfloat16).float().permute(0, 2, 5, 3, 1, 4)  # [rg, p, h, g, c, t]
     w = vals * scale[..., None, None]
-    w = w.reshape(rg * ROWS, chunks * CHUNK)[: packed.n, : packed.k]
-    return w * packed.gs[: packed.n, None].cpu()
+    w = w.reshape(rg * ROWS, chunks * CHUNK)[: packed.n, : packed.k] * packed.gs[: packed.n, None].cpu()
+    if packed.glu_n:  # back to [gate | up]
+        i = packed.glu_n
+        w = (
+            w.view(-1, 2, 8, packed.k)
+            .transpose(0, 1)
+            .reshape(2, -1, packed.k)[:, :i]
+            .reshape(2 * i, packed.k)
+        )
+    return w

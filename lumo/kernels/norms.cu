@@ -40,6 +40,7 @@ static_assert(HID % 8 == 0, "HID must be a multiple of 8 (16-byte vectors)");
 static_assert(NT % 32 == 0 && NT <= 1024, "NT must be a multiple of 32");
 static_assert(DV % 32 == 0, "DV must be a multiple of 32");
 
+#include "act.cuh"
 #include "pdl.cuh"
 #include "vec.cuh"
 
@@ -60,17 +61,12 @@ __device__ __forceinline__ void ld_f32(const float* __restrict__ p, float (&v)[N
   }
 }
 
-__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
 // Sum over the warp with an xor butterfly: every lane ends with the same bits (fp add is commutative).
 __device__ __forceinline__ float warp_sum(float s) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, m));
   return s;
 }
-
-// torch's silu on fp32: x / (1 + exp(-x)).
-__device__ __forceinline__ float silu(float x) { return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x))); }
 
 // ------------------------------------------------------------------------------------------------
 // rmsnorm1p_residual. grid = T CTAs, block = NT. h [T, HID] bf16 (in/out when delta != null),
@@ -182,6 +178,6 @@ extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restric
   ld_bf16<8>(gu + t * 2 * I + c, g);
   ld_bf16<8>(gu + t * 2 * I + I + c, u);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(round_bf16(silu(g[j])), u[j]);
+  for (int j = 0; j < 8; ++j) o[j] = silu_mul1(g[j], u[j]);
   st_bf16<8>(act + i, o);
 }

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Session 12's GPU checks; logs under $OUT.
+#   ab:    the linear GPU tests, then the 27B decode step at 1k for the code versions under exp/ (A/B,
+#          two rounds), then bench_spec.py on the working tree.
+#   spec:  the speculative-engine GPU tests (~9 minutes).
+#   final: the linear GPU tests, bench_decode.py and bench_spec.py in full, then the runner, LLM and
+#          tree-kernel GPU tests.
+set -u
+export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
+out=${OUT:-/tmp}
+P="python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE"
+t0=$SECONDS
+case ${1:-ab} in
+ab)
+  PYTHONPATH=. timeout 200 $P tests/test_linear_gpu.py tests/test_norms_gpu.py > "$out/t_linear.log" 2>&1
+  echo "linear+norms tests rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_linear.log")"
+  grep -E "^(FAILED|ERROR)" "$out/t_linear.log" | head
+  for round in 1 2; do
+    for v in ${VERSIONS:-base glu both}; do
+      PYTHONPATH=exp/$v timeout 100 python exp/$v/bench/bench_decode.py --contexts 1024 --prefill \
+        --peer-layers 0 --no-profile > "$out/decode_${v}_$round.log" 2>&1
+      echo "$v round $round rc=$? $((SECONDS - t0))s: $(grep -E '^decode' "$out/decode_${v}_$round.log")"
+    done
+  done
+  PYTHONPATH=. timeout 150 python bench/bench_spec.py > "$out/bench_spec.log" 2>&1
+  echo "bench_spec rc=$? $((SECONDS - t0))s"
+  grep -E "^(embedded|27B|GDN)" "$out/bench_spec.log"
+  ;;
+spec)
+  PYTHONPATH=. timeout 570 $P -s tests/test_gpu_spec_gpu.py > "$out/t_spec.log" 2>&1
+  echo "spec rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_spec.log")"
+  grep -E "^(FAILED|ERROR)|accepted drafts" "$out/t_spec.log"
+  ;;
+final)
+  PYTHONPATH=. timeout 150 $P tests/test_linear_gpu.py > "$out/t_linear.log" 2>&1
+  echo "linear tests rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_linear.log")"
+  grep -E "^(FAILED|ERROR)" "$out/t_linear.log" | head
+  PYTHONPATH=. timeout 200 python bench/bench_decode.py --peer-layers 0 > "$out/bench_decode.log" 2>&1
+  echo "bench_decode rc=$? $((SECONDS - t0))s"
+  grep -E "^(decode|prefill)" "$out/bench_decode.log"
+  PYTHONPATH=. timeout 150 python bench/bench_spec.py > "$out/bench_spec.log" 2>&1
+  echo "bench_spec rc=$? $((SECONDS - t0))s"
+  grep -E "^27B (draft|verify|plain|tokens)" "$out/bench_spec.log"
+  PYTHONPATH=. timeout 250 $P tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py \
+    > "$out/t_rest.log" 2>&1
+  echo "runner+llm+tree rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_rest.log")"
+  grep -E "^(FAILED|ERROR)" "$out/t_rest.log" | head
+  ;;
+esac
