@@ -163,7 +163,7 @@ def test_split_k_variants_equal_cross_cta(splits):
                 assert torch.equal(y, cross), (m, st, rgw, tpw)
         rds = ((1, 1), (1, 4), (2, 3), (4, 2), (2, 6)) if m <= 8 else ((1, 2), (4, 2))
         for rd in rds:  # register-direct: any tile width and prefetch depth that fits shared memory
-            if (splits - 1) * rd[0] * -(-m // 8) * 512 > smem_limit(x.device):
+            if splits * rd[0] * -(-m // 8) * 512 > smem_limit(x.device):
                 continue
             y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd)
             assert torch.equal(y, cross), (m, rd)

@@ -439,44 +439,49 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #define GLU 0  // nvfp4_gemv_rd: 1 for an MLP's [gate | up] packed for the fused SwiGLU (see below)
 #endif
 
-// Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp s holds slice s's accumulators
-// of MTW m16 tiles from tile0 on. The slice partials p_s = acc_s * 2^7 (as nvfp4_gemv stores them) are summed
-// in slice order by warp 0 (a = p_0, a += p_s: splitk_reduce's operations), which stores bf16(a * gs[n]).
-// Needs (KSW - 1) * MTW * NT * 512 bytes of dynamic shared memory.
+// Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp s holds slice s's accumulators of MTW m16
+// tiles from tile0 on. Every warp puts its slice partial p_s = acc_s * 2^7 (as nvfp4_gemv stores it) in
+// shared memory; then the (tile, n8 tile) pairs are shared out among the warps (pair q to warp q % KSW),
+// and each sums its pairs over the slices in slice order (a = p_0, a += p_s: splitk_reduce's operations)
+// and stores bf16(a * gs[n]). Needs KSW * MTW * NT * 512 bytes of dynamic shared memory.
 //
 // GLU: the weight is an MLP's [gate | up] packed by pack_fused(..., glu=True): rows g and g + 8 of m16
-// tile T are gate and up row 8T + g. Warp 0's lane (g, t) then holds both halves of output 8T + g, rounds
-// each to bf16 as the plain store would, and stores act = bf16(silu(gate) * up) with silu_mul's arithmetic
+// tile T are gate and up row 8T + g. Lane (g, t) then holds both halves of output 8T + g, rounds each to
+// bf16 as the plain store would, and stores act = bf16(silu(gate) * up) with silu_mul's arithmetic
 // (act.cuh): the bits of this GEMV unfused followed by silu_mul, in one launch. N is then I, the MLP's
 // intermediate size (the output's width).
 __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
                                                 bf16* __restrict__ out, int M, int N, int tile0, int warp,
                                                 int lane) {
   extern __shared__ uint4 smem[];
+  float* red = reinterpret_cast<float*>(smem);  // [slice][tile i][n8 tile j][e][lane]
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int i = 0; i < MTW; ++i)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = __fmul_rn(acc[i][j][e], DQ_UNSCALE);  // never fused below
-  reduce_warps<KSW, MTW>(acc, reinterpret_cast<char*>(smem), warp, lane);
-  if (warp > 0) return;
+      for (int e = 0; e < 4; ++e)  // never fused with the sum below
+        red[(((warp * MTW + i) * NT + j) * 4 + e) * 32 + lane] = __fmul_rn(acc[i][j][e], DQ_UNSCALE);
+  __syncthreads();
+  for (int q = warp; q < MTW * NT; q += KSW) {
+    const int i = q / NT, j = q % NT;
+    float a[4];
 #pragma unroll
-  for (int i = 0; i < MTW; ++i) {
+    for (int e = 0; e < 4; ++e) a[e] = red[((i * NT + j) * 4 + e) * 32 + lane];
+    for (int s = 1; s < KSW; ++s)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] += red[((((s * MTW + i) * NT + j) * 4 + e) * 32) + lane];
 #if GLU
     const int o = (tile0 + i) * 8 + g;
     if (o >= N) continue;
     const float sg = gs[(tile0 + i) * 16 + g], su = gs[(tile0 + i) * 16 + g + 8];
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = 8 * j + 2 * t + e;
-        if (m < M)
-          out[(size_t)m * N + o] =
-              __float2bfloat16_rn(silu_mul1(round_bf16(acc[i][j][e] * sg), round_bf16(acc[i][j][2 + e] * su)));
-      }
+    for (int e = 0; e < 2; ++e) {
+      const int m = 8 * j + 2 * t + e;
+      if (m < M)
+        out[(size_t)m * N + o] = __float2bfloat16_rn(silu_mul1(round_bf16(a[e] * sg), round_bf16(a[2 + e] * su)));
+    }
 #else
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -484,12 +489,10 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
       if (n >= N) continue;
       const float scale = gs[n];
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int m = 8 * j + 2 * t + e;
-          if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(acc[i][j][2 * h + e] * scale);
-        }
+      for (int e = 0; e < 2; ++e) {
+        const int m = 8 * j + 2 * t + e;
+        if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(a[2 * h + e] * scale);
+      }
     }
 #endif
   }
@@ -507,7 +510,7 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 // per chunk are the dequant). Its steady state has no branch and no bounds check: the loads address the chunk
 // by a compile-time offset from pointers moved once per PF chunks (session 8: 84 -> 72 instructions per
 // chunk; the H200's gate+up GEMV 31.3 -> 28.3 us at M = 1 and 55.1 -> 48.2 at M = 32, down 21.5 -> 17.3 at
-// M = 1). Dynamic smem: (S - 1) * MTW * NT * 512 bytes.
+// M = 1). Dynamic smem: S * MTW * NT * 512 bytes.
 #ifndef PF
 #define PF 4  // nvfp4_gemv_rd: chunks in flight per warp
 #endif

@@ -365,7 +365,7 @@ def _rd_fit_waves(
     sms = sm_count(device)
 
     def fill(w: int) -> float:
-        per_sm = _rd_kernel(nt, w, pf, splits).blocks_per_sm(32 * splits, (splits - 1) * w * nt * 512)
+        per_sm = _rd_kernel(nt, w, pf, splits).blocks_per_sm(32 * splits, splits * w * nt * 512)
         return wave_fill(tiles // w, per_sm, sms)
 
     return (mtw // 2, pf) if fill(mtw // 2) > fill(mtw) + WAVE_MARGIN else rd
@@ -476,7 +476,7 @@ def nvfp4_linear(
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
         mtw, pf = rd
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
-        shmem = (splits - 1) * mtw * nt * 512
+        shmem = splits * mtw * nt * 512
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
         kern = _rd_kernel(nt, mtw, pf, splits, probe, bool(packed.glu_n))
