@@ -97,9 +97,13 @@ def tokenizer():
     return Tokenizer.from_dir(embedded_model_path())
 
 
+def model_path(name: str = "lumo-tiny"):
+    return embedded_model_path().parent / name
+
+
 @functools.cache
-def w32():
-    return load_model(embedded_model_path(), device="cpu", dtype=torch.float32, progress=False)[1]
+def w32(name: str = "lumo-tiny"):
+    return load_model(model_path(name), device="cpu", dtype=torch.float32, progress=False)[1]
 
 
 # A draft vocabulary whose logits columns differ from their token ids (column j is token 2j below 3065),
@@ -108,8 +112,8 @@ DRAFT_IDS = sorted({*range(0, 2400, 2), *range(3065, 3072)})
 
 
 @functools.cache
-def tiny(draft: bool = False):
-    path = embedded_model_path()
+def tiny(draft: bool = False, name: str = "lumo-tiny"):
+    path = model_path(name)
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
     return cfg, pack_weights(cfg, w, "cpu", mtp=True, draft_ids=DRAFT_IDS if draft else None)
 
@@ -314,6 +318,7 @@ def _install_emulation(monkeypatch) -> None:
                 monkeypatch.setattr(m, name, fn)
 
 
+@pytest.mark.parametrize("name", ["lumo-tiny", "lumo-tiny-nvfp4"], ids=["bf16", "nvfp4"])
 @pytest.mark.parametrize(
     "params,draft",
     [
@@ -324,11 +329,14 @@ def _install_emulation(monkeypatch) -> None:
     ],
     ids=["greedy", "seeded", "greedy-draft-vocab", "seeded-draft-vocab"],
 )
-def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft):
+def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     """Tree decoding == plain decoding, with the whole vocabulary and with a draft vocabulary (the draft
-    head's logits checked against the reference drafter's on the same token ids)."""
+    head's logits checked against the reference drafter's on the same token ids); BF16 and NVFP4 (its MLPs
+    packed for the fused SwiGLU)."""
     _install_emulation(monkeypatch)
-    cfg, gw = tiny(draft)
+    cfg, gw = tiny(draft, name)
+    if name.endswith("nvfp4"):
+        assert all(lw.gate_up.glu for lw in gw.layers)
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
     # prefill chunks of 10: the MTP's carried row crosses chunk boundaries (same chunking for both runners)
     rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
@@ -339,7 +347,7 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft):
     # next draft step's logits within bf16 noise (a position off by one gives 3-20%), compared while the
     # two agree on the tokens (bf16 vs fp32 may part at a near-tie).
     ids = DRAFT_IDS if draft else None
-    ref = SpecDecoder(cfg, w32(), params, 64, "cpu", torch.float32, tree, ids) if params.greedy else None
+    ref = SpecDecoder(cfg, w32(name), params, 64, "cpu", torch.float32, tree, ids) if params.greedy else None
     got = spec.prefill(prompt)
     compared = 0
     if ref is not None and ref.prefill(prompt) != got:

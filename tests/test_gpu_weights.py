@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,11 +19,12 @@ from lumo.engine.gpu_weights import (
     pack_linear,
     pack_weights,
     random_model_weights,
+    swiglu_scratch,
 )
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import linear_weight_bytes, memory_plan, splitk_partial_bytes
 from lumo.kernels.attention import attn_decode_workspace
-from lumo.kernels.linear import pack_fused, unpack_nvfp4
+from lumo.kernels.linear import nvfp4_linear, pack_fused, unpack_nvfp4
 from lumo.quant import fp8_quantize, nvfp4_quantize
 from lumo.weights import DenseLinear, FP8Linear, NVFP4Linear, load_model
 
@@ -112,6 +114,16 @@ def test_glu_packing_interleaves_gate_and_up(i):
     gs = packed.gs[: 2 * i8].view(-1, 2, 8)  # [tile, gate / up, row]
     for h, lin in enumerate((gate, up)):
         assert (gs[:, h].flatten()[:i] == lin.weight_scale_2).all() and (gs[:, h].flatten()[i:] == 0).all()
+    # the interleaved-rows workspace a caller may lend nvfp4_linear is checked before any launch
+    x = torch.randn(2, K, generator=gen).to(torch.bfloat16)
+    for bad in (
+        torch.empty(2, 2 * i8 + 8, dtype=torch.bfloat16),
+        torch.empty(1, 2 * i8, dtype=torch.bfloat16),
+    ):
+        with pytest.raises(ValueError, match="rows"):
+            nvfp4_linear(x, packed, rows=bad)
+    scratch = swiglu_scratch([SimpleNamespace(gate_up=gl)], 3, "cpu")
+    assert scratch.numel() == 3 * 2 * i8 and gl.scratch_width == 2 * i8
     dense = DenseLinear(torch.randn(i, K, generator=gen).to(torch.bfloat16))
     mixed = pack_linear([gate, dense], "cpu", glu=True)
     assert not mixed.glu and mixed.shard_sizes == (i, i)

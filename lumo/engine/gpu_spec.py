@@ -34,7 +34,7 @@ from ..kernels.sampling import sample_tokens, sample_workspace
 from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
-from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu
+from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
 from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
@@ -59,7 +59,8 @@ class _Rows:
         self.q = torch.zeros(T, nh, d, dtype=bf, device=dev)
         self.attn_out = torch.zeros(T, nh, d, dtype=bf, device=dev)
         self.attn_ws = attn_decode_workspace(T, nh, d, runner.max_len, dev)
-        self.gate_up = torch.zeros(T, 2 * I, dtype=bf, device=dev)
+        layers = runner.w.layers + (runner.w.mtp.layers if runner.w.mtp is not None else [])
+        self.mlp_scratch = swiglu_scratch(layers, T, dev)  # the gate+up GEMV's rows, if not fused
         self.act = torch.zeros(T, I, dtype=bf, device=dev)
         self.positions = torch.zeros(T, dtype=torch.int32, device=dev)  # RoPE positions
         self.slots = torch.zeros(T, dtype=torch.int32, device=dev)  # KV cache slots
@@ -308,7 +309,7 @@ class GPUSpecEngine:
 
     def _mlp(self, lw: GPULayer, rows: _Rows) -> None:
         """rows.x -> rows.delta; the runner's arithmetic (silu rounded to bf16, then the product)."""
-        swiglu(lw.gate_up, rows.x, act=rows.act, gu=rows.gate_up)
+        swiglu(lw.gate_up, rows.x, act=rows.act, scratch=rows.mlp_scratch)
         lw.down(rows.act, out=rows.delta)
 
     def _attn(

@@ -49,9 +49,11 @@ class LinearPart:
     def n(self) -> int:
         return self.packed.out_features if self.packed is not None else self.weight.shape[0]
 
-    def run(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, out: torch.Tensor | None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.packed is not None:
-            return nvfp4_linear(x, self.packed, out=out)
+            return nvfp4_linear(x, self.packed, out=out, rows=rows)
         return bf16_linear(x, self.weight, out=out, workspace=self.workspace)
 
     def nbytes(self) -> int:
@@ -76,9 +78,17 @@ class GPULinear:
     def n(self) -> int:
         return sum(self.shard_sizes)
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def scratch_width(self) -> int:
+        """Columns of swiglu()'s scratch per row: [gate | up], or a fused-SwiGLU weight's padded rows."""
+        return self.parts[0].packed.n if self.glu else self.n
+
+    def __call__(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """rows: a fused-SwiGLU weight's interleaved-rows workspace (nvfp4_linear)."""
         if len(self.parts) == 1:
-            return self.parts[0].run(x, out)
+            return self.parts[0].run(x, out, rows)
         if out is None:
             out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16, device=x.device)
         col = 0
@@ -235,13 +245,22 @@ def pack_linear(lins: list[Linear], device: torch.device | str, glu: bool = Fals
 
 
 def swiglu(
-    gate_up: GPULinear, x: torch.Tensor, act: torch.Tensor | None = None, gu: torch.Tensor | None = None
+    gate_up: GPULinear, x: torch.Tensor, act: torch.Tensor | None = None, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
     """An MLP's activation silu(gate) * up [M, I] (lumo.model.mlp): one launch where gate_up is packed for
-    the fused SwiGLU, else the [gate | up] GEMV (into `gu` if given) and silu_mul (same bits)."""
+    the fused SwiGLU (GPULinear.glu), else the [gate | up] GEMV and silu_mul (the same bits). `scratch`
+    (swiglu_scratch) holds the GEMV's rows where they are not fused; None: made per call."""
+    m, width = x.shape[0], gate_up.scratch_width
+    rows = None if scratch is None else scratch[: m * width].view(m, width)
     if gate_up.glu:
-        return gate_up(x, out=act)
-    return silu_mul(gate_up(x, out=gu), out=act)
+        return gate_up(x, out=act, rows=rows)
+    return silu_mul(gate_up(x, out=rows), out=act)
+
+
+def swiglu_scratch(layers: Sequence[GPULayer], rows: int, device: torch.device) -> torch.Tensor:
+    """swiglu()'s flat bf16 scratch for `rows` rows through any of `layers`' MLPs."""
+    width = max((lw.gate_up.scratch_width for lw in layers), default=0)
+    return torch.zeros(rows * width, dtype=torch.bfloat16, device=device)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

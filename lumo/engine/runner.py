@@ -29,7 +29,7 @@ from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..weights import ModelWeights
-from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu
+from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
 from .sampling import SamplingParams
 
 PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
@@ -108,7 +108,7 @@ class GPURunner:
         self.attn_proj = torch.zeros(1, nh * 2 * d + 2 * nkv * d, dtype=bf, device=dev)
         self.q = torch.zeros(1, nh, d, dtype=bf, device=dev)
         self.attn_out = torch.zeros(1, nh, d, dtype=bf, device=dev)
-        self.gate_up = torch.zeros(1, 2 * I, dtype=bf, device=dev)
+        self.mlp_scratch = swiglu_scratch(self.w.layers, 1, dev)  # the gate+up GEMV's rows, if not fused
         self.act = torch.zeros(1, I, dtype=bf, device=dev)
         self.logits_bf16 = torch.zeros(1, V, dtype=bf, device=dev)
         self.logits = torch.zeros(1, V, dtype=f32, device=dev)  # [1, V] f32 of the latest step
@@ -250,7 +250,7 @@ class GPURunner:
     def _mlp(self, lw: GPULayer, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:  # prefill rows
             return lw.down(swiglu(lw.gate_up, x))
-        swiglu(lw.gate_up, x, act=self.act, gu=self.gate_up)  # the decode row: static buffers
+        swiglu(lw.gate_up, x, act=self.act, scratch=self.mlp_scratch)  # the decode row: static buffers
         return lw.down(self.act, out=out)
 
     def _attn_views(self, proj: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

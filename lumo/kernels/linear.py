@@ -352,7 +352,7 @@ def wave_fill(ctas: int, per_sm: int, sms: int) -> float:
 
 @functools.cache  # on every launch's path: one answer per shape
 def _rd_fit_waves(
-    rd: tuple[int, int], tiles: int, nt: int, splits: int, device: torch.device
+    rd: tuple[int, int], tiles: int, nt: int, splits: int, device: torch.device, glu: bool = False
 ) -> tuple[int, int]:
     """The table's (MTW, PF), or half its tile width (same PF) where that fills the device's CTA slots
     better by WAVE_MARGIN: twice the CTAs of fewer registers can fill whole waves where the wide tile leaves
@@ -365,7 +365,7 @@ def _rd_fit_waves(
     sms = sm_count(device)
 
     def fill(w: int) -> float:
-        per_sm = _rd_kernel(nt, w, pf, splits).blocks_per_sm(32 * splits, splits * w * nt * 512)
+        per_sm = _rd_kernel(nt, w, pf, splits, glu=glu).blocks_per_sm(32 * splits, splits * w * nt * 512)
         return wave_fill(tiles // w, per_sm, sms)
 
     return (mtw // 2, pf) if fill(mtw // 2) > fill(mtw) + WAVE_MARGIN else rd
@@ -415,8 +415,11 @@ def nvfp4_linear(
     tpw: int | None = None,
     sx: tuple[int, int, int] | bool | None = None,
     l2pf: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N].
+    """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
+    (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
+    holds the interleaved rows where the kernel does not fuse the activation (made per call if None).
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
@@ -440,7 +443,7 @@ def nvfp4_linear(
         return out
     # A fused-SwiGLU weight: nvfp4_gemv_rd applies silu(gate) * up in its epilogue; every other path
     # computes the interleaved rows into `rows`, then _glu_act gives the same bits.
-    rows = (lambda: torch.empty(m, packed.n, dtype=torch.bfloat16, device=x.device)) if packed.glu_n else None
+    rows = _glu_rows(rows, m, packed, x.device) if packed.glu_n else None
     if m > SMALL_M:
         return (
             _glu_act(_prefill(x, packed, rows() if rows else out), out) if rows else _prefill(x, packed, out)
@@ -458,7 +461,7 @@ def nvfp4_linear(
     if not sx and rd is None and stages is None and rgw is None and cluster is None and tpw is None:
         rd = choose_rd(splits, m)
         if rd:
-            rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device)
+            rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device, bool(packed.glu_n))
         elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
             sx = SX_DEFAULT
     if sx:
@@ -513,6 +516,17 @@ def nvfp4_linear(
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)
     return _glu_act(out, act) if rows else out
+
+
+def _glu_rows(buf: torch.Tensor | None, m: int, packed: PackedNVFP4, device: torch.device):
+    """A maker of the interleaved-rows buffer [m, packed.n] of a fused-SwiGLU weight: a view of `buf`."""
+    if buf is None:
+        return lambda: torch.empty(m, packed.n, dtype=torch.bfloat16, device=device)
+    if buf.dtype != torch.bfloat16 or buf.dim() != 2 or buf.shape[0] < m or buf.shape[1] != packed.n:
+        raise ValueError(f"rows must be bf16 [>= {m}, {packed.n}], got {buf.dtype} {tuple(buf.shape)}")
+    if not buf.is_contiguous():
+        raise ValueError("rows must be contiguous")
+    return lambda: buf[:m]
 
 
 def _glu_act(rows: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
