@@ -12,69 +12,70 @@
 set -u
 export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
-P="python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE"
 t0=$SECONDS
+
+# gpu_tests LOG SECONDS PYTEST-ARGS...: the gpu-marked tests of the working tree, their summary and failures.
+gpu_tests() {
+  local log=$1 limit=$2
+  shift 2
+  PYTHONPATH=. timeout "$limit" python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE "$@" \
+    > "$out/$log" 2>&1
+  echo "$log rc=$? $((SECONDS - t0))s: $(tail -1 "$out/$log")"
+  grep -E "^(FAILED|ERROR)|accepted drafts" "$out/$log" | head -20
+}
+
+# run_bench LOG SECONDS PATTERN SCRIPT ARGS...: a benchmark of the working tree and its PATTERN lines.
+run_bench() {
+  local log=$1 limit=$2 pattern=$3
+  shift 3
+  PYTHONPATH=. timeout "$limit" python "$@" > "$out/$log" 2>&1
+  echo "$log rc=$? $((SECONDS - t0))s"
+  grep -E "$pattern" "$out/$log"
+}
+
+# decode_ab SPEC VERSIONS...: two rounds over the code versions exp/V: the decode step at 1k, and with
+# SPEC=1 also bench_spec.py's 27B spans.
+decode_ab() {
+  local spec=$1 round v
+  shift
+  for round in 1 2; do
+    for v in "$@"; do
+      PYTHONPATH=exp/$v timeout 100 python exp/$v/bench/bench_decode.py --contexts 1024 --prefill \
+        --peer-layers 0 --no-profile > "$out/decode_${v}_$round.log" 2>&1
+      echo "$v round $round rc=$? $((SECONDS - t0))s: $(grep -E '^decode' "$out/decode_${v}_$round.log")"
+      [[ $spec == 1 ]] || continue
+      PYTHONPATH=exp/$v timeout 100 python exp/$v/bench/bench_spec.py > "$out/spec_${v}_$round.log" 2>&1
+      echo "$v round $round rc=$? $((SECONDS - t0))s: $(grep -E '^27B (draft ms|verify ms|plain)' \
+        "$out/spec_${v}_$round.log" | tr -s ' ' | tr '\n' ';')"
+    done
+  done
+}
+
+SPANS="^27B (draft|verify|plain|tokens)"
 case ${1:-ab} in
 ab)
-  PYTHONPATH=. timeout 200 $P tests/test_linear_gpu.py tests/test_norms_gpu.py > "$out/t_linear.log" 2>&1
-  echo "linear+norms tests rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_linear.log")"
-  grep -E "^(FAILED|ERROR)" "$out/t_linear.log" | head
-  for round in 1 2; do
-    for v in ${VERSIONS:-base glu both}; do
-      PYTHONPATH=exp/$v timeout 100 python exp/$v/bench/bench_decode.py --contexts 1024 --prefill \
-        --peer-layers 0 --no-profile > "$out/decode_${v}_$round.log" 2>&1
-      echo "$v round $round rc=$? $((SECONDS - t0))s: $(grep -E '^decode' "$out/decode_${v}_$round.log")"
-    done
-  done
-  PYTHONPATH=. timeout 150 python bench/bench_spec.py > "$out/bench_spec.log" 2>&1
-  echo "bench_spec rc=$? $((SECONDS - t0))s"
-  grep -E "^(embedded|27B|GDN)" "$out/bench_spec.log"
+  gpu_tests t_linear.log 200 tests/test_linear_gpu.py tests/test_norms_gpu.py
+  decode_ab 0 ${VERSIONS:-base glu both}
+  run_bench bench_spec.log 150 "^(embedded|27B|GDN)" bench/bench_spec.py
   ;;
 epi)
-  PYTHONPATH=. timeout 200 $P tests/test_linear_gpu.py tests/test_runner_gpu.py tests/test_llm_gpu.py \
-    tests/test_tree_kernels_gpu.py > "$out/t_epi.log" 2>&1
-  echo "linear+runner+llm+tree rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_epi.log")"
-  grep -E "^(FAILED|ERROR)" "$out/t_epi.log" | head
-  for round in 1 2; do
-    for v in ${VERSIONS:-base epi}; do
-      PYTHONPATH=exp/$v timeout 100 python exp/$v/bench/bench_decode.py --contexts 1024 --prefill \
-        --peer-layers 0 --no-profile > "$out/decode_${v}_$round.log" 2>&1
-      echo "$v round $round rc=$? $((SECONDS - t0))s: $(grep -E '^decode' "$out/decode_${v}_$round.log")"
-      PYTHONPATH=exp/$v timeout 100 python exp/$v/bench/bench_spec.py > "$out/spec_${v}_$round.log" 2>&1
-      echo "$v round $round rc=$? $((SECONDS - t0))s: $(grep -E '^27B (draft ms|verify ms|plain)' "$out/spec_${v}_$round.log" | tr -s ' ' | tr '\n' ';')"
-    done
-  done
+  gpu_tests t_epi.log 200 tests/test_linear_gpu.py tests/test_runner_gpu.py tests/test_llm_gpu.py \
+    tests/test_tree_kernels_gpu.py
+  decode_ab 1 ${VERSIONS:-base epi}
   ;;
 last)
-  PYTHONPATH=. timeout 150 python bench/bench_decode.py --peer-layers 0 > "$out/bench_decode.log" 2>&1
-  echo "bench_decode rc=$? $((SECONDS - t0))s"
-  grep -E "^(decode|prefill)" "$out/bench_decode.log"
-  PYTHONPATH=. timeout 100 python bench/bench_spec.py > "$out/bench_spec.log" 2>&1
-  echo "bench_spec rc=$? $((SECONDS - t0))s"
-  grep -E "^27B (draft|verify|plain|tokens)" "$out/bench_spec.log"
-  PYTHONPATH=. timeout ${SPEC_S:-150} $P -s tests/test_gpu_spec_gpu.py \
-    -k "test_27b_shaped or (nvfp4 and (greedy_tree_equals_plain or accepted_logits or chain))" > "$out/t_last.log" 2>&1
-  echo "spec subset rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_last.log")"
-  grep -E "^(FAILED|ERROR)|accepted drafts" "$out/t_last.log"
+  run_bench bench_decode.log 150 "^(decode|prefill)" bench/bench_decode.py --peer-layers 0
+  run_bench bench_spec.log 100 "$SPANS" bench/bench_spec.py
+  gpu_tests t_last.log "${SPEC_S:-150}" -s tests/test_gpu_spec_gpu.py \
+    -k "test_27b_shaped or (nvfp4 and (greedy_tree_equals_plain or accepted_logits or chain))"
   ;;
 spec)
-  PYTHONPATH=. timeout 570 $P -s tests/test_gpu_spec_gpu.py > "$out/t_spec.log" 2>&1
-  echo "spec rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_spec.log")"
-  grep -E "^(FAILED|ERROR)|accepted drafts" "$out/t_spec.log"
+  gpu_tests t_spec.log 570 -s tests/test_gpu_spec_gpu.py
   ;;
 final)
-  PYTHONPATH=. timeout 150 $P tests/test_linear_gpu.py > "$out/t_linear.log" 2>&1
-  echo "linear tests rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_linear.log")"
-  grep -E "^(FAILED|ERROR)" "$out/t_linear.log" | head
-  PYTHONPATH=. timeout 200 python bench/bench_decode.py --peer-layers 0 > "$out/bench_decode.log" 2>&1
-  echo "bench_decode rc=$? $((SECONDS - t0))s"
-  grep -E "^(decode|prefill)" "$out/bench_decode.log"
-  PYTHONPATH=. timeout 150 python bench/bench_spec.py > "$out/bench_spec.log" 2>&1
-  echo "bench_spec rc=$? $((SECONDS - t0))s"
-  grep -E "^27B (draft|verify|plain|tokens)" "$out/bench_spec.log"
-  PYTHONPATH=. timeout 250 $P tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py \
-    > "$out/t_rest.log" 2>&1
-  echo "runner+llm+tree rc=$? $((SECONDS - t0))s: $(tail -1 "$out/t_rest.log")"
-  grep -E "^(FAILED|ERROR)" "$out/t_rest.log" | head
+  gpu_tests t_linear.log 150 tests/test_linear_gpu.py
+  run_bench bench_decode.log 200 "^(decode|prefill)" bench/bench_decode.py --peer-layers 0
+  run_bench bench_spec.log 150 "$SPANS" bench/bench_spec.py
+  gpu_tests t_rest.log 250 tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py
   ;;
 esac

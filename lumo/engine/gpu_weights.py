@@ -205,6 +205,13 @@ def _dense_part(weight: torch.Tensor) -> LinearPart:
     return LinearPart(weight=weight, workspace=ws)
 
 
+def _nvfp4_shards(lins: list[Linear], device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """pack_fused's (weight, weight_scale, weight_scale_2) of each NVFP4 linear, on `device`."""
+    return [
+        (lin.weight.to(device), lin.weight_scale.to(device), lin.weight_scale_2.to(device)) for lin in lins
+    ]
+
+
 def pack_linear(lins: list[Linear], device: torch.device | str, glu: bool = False) -> GPULinear:
     """Fuse linears sharing their input into one GPULinear; consecutive shards of one kind share a part.
 
@@ -220,11 +227,8 @@ def pack_linear(lins: list[Linear], device: torch.device | str, glu: bool = Fals
         and all(_kind(lin) == "nvfp4" for lin in lins)
         and lins[0].shape == lins[1].shape
     ):
-        shards = [
-            (lin.weight.to(device), lin.weight_scale.to(device), lin.weight_scale_2.to(device))
-            for lin in lins
-        ]
-        return GPULinear([LinearPart(packed=pack_fused(shards, glu=True))], (lins[0].shape[0],), k, glu=True)
+        part = LinearPart(packed=pack_fused(_nvfp4_shards(lins, device), glu=True))
+        return GPULinear([part], (lins[0].shape[0],), k, glu=True)
     groups: list[list[Linear]] = []
     for lin in lins:
         if groups and _kind(groups[-1][0]) == _kind(lin):
@@ -234,11 +238,7 @@ def pack_linear(lins: list[Linear], device: torch.device | str, glu: bool = Fals
     parts = []
     for g in groups:
         if _kind(g[0]) == "nvfp4":
-            shards = [
-                (lin.weight.to(device), lin.weight_scale.to(device), lin.weight_scale_2.to(device))
-                for lin in g
-            ]
-            parts.append(LinearPart(packed=pack_fused(shards)))
+            parts.append(LinearPart(packed=pack_fused(_nvfp4_shards(g, device))))
         else:
             parts.append(_dense_part(torch.cat([_dense_bf16(lin, device) for lin in g])))
     return GPULinear(parts, tuple(lin.shape[0] for lin in lins), k)

@@ -445,9 +445,8 @@ def nvfp4_linear(
     # computes the interleaved rows into `rows`, then _glu_act gives the same bits.
     rows = _glu_rows(rows, m, packed, x.device) if packed.glu_n else None
     if m > SMALL_M:
-        return (
-            _glu_act(_prefill(x, packed, rows() if rows else out), out) if rows else _prefill(x, packed, out)
-        )
+        y = _prefill(x, packed, rows() if rows else out)
+        return _glu_act(y, out) if rows else y
     rg, chunks = packed.row_groups, packed.chunks
     if splits is None:
         splits = packed.splits
@@ -464,16 +463,6 @@ def nvfp4_linear(
             rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device, bool(packed.glu_n))
         elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
             sx = SX_DEFAULT
-    if sx:
-        ok = isinstance(sx, tuple) and len(sx) == 3 and 1 <= sx[0] <= 32 and sx[1] in (1, 2, 4) and sx[2] >= 1
-        if not ok or (sx[0] * sx[1]) % MT:
-            raise ValueError(
-                f"sx must be (warps in 1..32, MTW in 1, 2, 4, PF >= 1) with warps * MTW a multiple of {MT}, "
-                f"got {sx!r}"
-            )
-        if rows:
-            return _glu_act(_launch_sx(x, packed, rows(), sx, splits, cps, cluster, probe, npf), out)
-        return _launch_sx(x, packed, out, sx, splits, cps, cluster, probe, npf)
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
@@ -485,8 +474,37 @@ def nvfp4_linear(
         kern = _rd_kernel(nt, mtw, pf, splits, probe, bool(packed.glu_n))
         kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
         return out
-    if rows:  # the ring kernels below write the interleaved rows
-        act, out = out, rows()
+    if sx:
+        ok = isinstance(sx, tuple) and len(sx) == 3 and 1 <= sx[0] <= 32 and sx[1] in (1, 2, 4) and sx[2] >= 1
+        if not ok or (sx[0] * sx[1]) % MT:
+            raise ValueError(
+                f"sx must be (warps in 1..32, MTW in 1, 2, 4, PF >= 1) with warps * MTW a multiple of {MT}, "
+                f"got {sx!r}"
+            )
+    y = rows() if rows else out  # the kernels below write a fused-SwiGLU weight's interleaved rows
+    if sx:
+        _launch_sx(x, packed, y, sx, splits, cps, cluster, probe, npf)
+    else:
+        _launch_ring(x, packed, y, splits, cps, stages, rgw, tpw, cluster, probe)
+    return _glu_act(y, out) if rows else y
+
+
+def _launch_ring(
+    x: torch.Tensor,
+    packed: PackedNVFP4,
+    out: torch.Tensor,
+    splits: int,
+    cps: int,
+    stages: int | None,
+    rgw: int | None,
+    tpw: int | None,
+    cluster: bool | None,
+    probe: int,
+) -> None:
+    """nvfp4_gemv_cl (the split-K slices summed in a cluster, sm_90+) or nvfp4_gemv + splitk_reduce: the
+    cp.async-ring kernels, with nvfp4_linear's knobs (None: the library's choice)."""
+    m, rg, chunks = x.shape[0], packed.row_groups, packed.chunks
+    nt = -(-m // 8)
     if cluster is None:  # H200: M = 32 4-18 % faster per shape, verify 15.36 -> 14.66 ms; M <= 8 +-4 %
         cluster = nt > 1 and 1 < splits <= MAX_SPLITS and _clusters(x.device)
     auto_tiles = tpw is None and rgw is None
@@ -508,14 +526,13 @@ def nvfp4_linear(
         if kern.max_cluster_size(grid, block, shmem) >= splits:  # else the cross-CTA kernel below
             args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.n, packed.k, rg, chunks, cps]
             kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, splits, 1))
-            return _glu_act(out, act) if rows else out
+            return
     part = _partials(packed, splits, out)
     args = [packed.qw, packed.qs, packed.gs, x, out, part, m, packed.n, packed.k, rg, chunks, cps]
     kern = _kernel("nvfp4_gemv", nt, stages, KW, rgw, probe, tpw)
     kern.launch((-(-rg // rgw), splits), block, args, stages * _fp4_stage_bytes(nt, rgw), pdl=True)
     if splits > 1:
         _reduce(part, packed.gs, out, m, packed.n, splits)
-    return _glu_act(out, act) if rows else out
 
 
 def _glu_rows(buf: torch.Tensor | None, m: int, packed: PackedNVFP4, device: torch.device):
