@@ -3,6 +3,8 @@
 One table, printed last: median microseconds per launch (CUDA-graph replay of back-to-back launches over
 rotating weight copies, so L2 does not serve the weights), bytes, GB/s, % of device-copy bandwidth, and
 the torch peer (BF16 weights through cuBLAS) as a speed ratio. JSON goes to $OUT or bench/results/.
+The fused gate+up is packed as the runner packs it (pack_fused(glu=True)): the GEMV stores silu(gate) * up,
+17408 wide; the torch / bf16 peers run the plain 5120 -> 34816 product.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lumo.kernels import bf16_linear, nvfp4_linear, pack_nvfp4
+from lumo.kernels import bf16_linear, nvfp4_linear, pack_fused, pack_nvfp4
 from lumo.kernels.linear import MAX_SPLITS
 
 SHAPES = [  # (name, K, N)
@@ -77,10 +79,14 @@ def copy_bandwidth() -> dict[str, float]:
     return res
 
 
-def random_packed(n: int, k: int, copies: int):
+def random_packed(n: int, k: int, copies: int, glu: bool = False):
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda")
     s = (torch.rand(n, k // 16, device="cuda") * 300 + 0.002).to(torch.float8_e4m3fn)
-    p = pack_nvfp4(w, s, torch.tensor(0.003, device="cuda"))
+    s2 = torch.tensor(0.003, device="cuda")
+    if glu:  # an MLP's [gate | up], packed for the fused SwiGLU as the runner does
+        p = pack_fused([(w[: n // 2], s[: n // 2], s2), (w[n // 2 :], s[n // 2 :], s2)], glu=True)
+    else:
+        p = pack_nvfp4(w, s, s2)
     del w, s
     return [p] + [dataclasses.replace(p, qw=p.qw.clone(), qs=p.qs.clone()) for _ in range(copies - 1)]
 
@@ -118,20 +124,23 @@ def bench_shape(
     wbytes = n * k // 2 + n * k // 16 + n * 4
     reps = max(20, min(1000, int(2e9 / wbytes)))
     copies = min(reps, max(2, -(-L2_ROTATE_BYTES // wbytes)))
-    packs = random_packed(n, k, copies)
+    packs = random_packed(n, k, copies, glu=name.startswith("gate+up"))
+    n_out = packs[0].out_features
     bcopies = min(reps, max(2, -(-L2_ROTATE_BYTES // (n * k * 2))))
     wbs = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(bcopies)]
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(m, n_out, dtype=torch.bfloat16, device="cuda")
+        rows_ws = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")  # GLU rows of non-fusing kernels
+        bout = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
         ws = torch.empty(MAX_SPLITS, 32, n, device="cuda")  # any bf16 split count
         res = {}
         # "cfg/sS": that launch choice with S split-K slices instead of the weight's (other result bits)
         variants = [(c, {}) for c in ["dflt", *configs]]
         variants += [(f"{c}/s{s}", dict(splits=s)) for s in splits for c in ["dflt", *configs]]
         for cfg, extra in variants:
-            kw = {**config_kwargs(cfg.split("/")[0]), **extra}
+            kw = {**config_kwargs(cfg.split("/")[0]), **extra} | ({"rows": rows_ws} if n_out != n else {})
             try:
                 res[cfg] = time_graph(
                     [lambda p=p, x=x, o=out, kw=kw: nvfp4_linear(x, p, out=o, **kw) for p in packs], reps
@@ -143,11 +152,11 @@ def bench_shape(
         # (a --splits variant changes them: it asks what another choose_splits would give).
         us = res["dflt"]
         best = min(res, key=res.get)
-        t_torch = time_graph([lambda w=w, x=x, o=out: torch.matmul(x, w.t(), out=o) for w in wbs], reps)
+        t_torch = time_graph([lambda w=w, x=x, o=bout: torch.matmul(x, w.t(), out=o) for w in wbs], reps)
         t_bf16 = time_graph(
-            [lambda w=w, x=x, o=out, ws=ws: bf16_linear(x, w, out=o, workspace=ws) for w in wbs], reps
+            [lambda w=w, x=x, o=bout, ws=ws: bf16_linear(x, w, out=o, workspace=ws) for w in wbs], reps
         )
-        nbytes = wbytes + m * k * 2 + m * n * 2
+        nbytes = wbytes + m * k * 2 + m * n_out * 2
         gbs = nbytes / (us * 1e-6) / 1e9
         bf16_gbs = (n * k * 2 + m * k * 2 + m * n * 2) / (t_bf16 * 1e-6) / 1e9
         rows.append(

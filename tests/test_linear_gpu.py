@@ -200,12 +200,34 @@ def test_bf16_cluster_split_k_gives_the_partials_bits(n, k):
     clusters = torch.cuda.get_device_capability()[0] >= 9
     for m in (1, 5, 8, 9, 16, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        ref = bf16_linear(x, w, cluster=False)
+        ref = bf16_linear(x, w, cluster=False, rd=False)
         ws = torch.full((splits, 32, n), float("nan"), device=DEV)
-        y = bf16_linear(x, w, out=poisoned(m, n), workspace=ws, cluster=True)
+        y = bf16_linear(x, w, out=poisoned(m, n), workspace=ws, cluster=True, rd=False)
         assert torch.equal(y, ref), m
         if clusters:
             assert torch.isnan(ws).all(), "the cluster path writes no partials"
+
+
+# The GDN b/a, odd shapes with a short last slice / chunk, one slice (100 x 80: 2 chunks), fewer chunks
+# in a slice than KW (48 x 592: 37 chunks in 16 slices of 3), one row group of 16 tiles' worth.
+BF16_RD_SHAPES = [(96, 5120), (150, 16 * 41), (48, 16 * 37), (100, 80), (8, 16 * 9), (1000, 16 * 67)]
+
+
+@pytest.mark.parametrize("n,k", BF16_RD_SHAPES, ids=[f"N{n}-K{k}" for n, k in BF16_RD_SHAPES])
+def test_bf16_one_warp_kernel_gives_the_ring_kernels_bits(n, k):
+    """bf16_gemv_rd (one warp per m16 tile and slice, registers only) gives the bits of bf16_gemv +
+    splitk_reduce and of the cluster-reduced bf16_gemv_cl, for every M, and matches the fp32 reference."""
+    gen = torch.Generator(DEV).manual_seed(7 * n + k)
+    w = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    for m in (1, 2, 7, 8, 9, 16, 25, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        ref = bf16_linear(x, w, cluster=False, rd=False)
+        y = bf16_linear(x, w, out=poisoned(m, n), rd=True)
+        assert torch.equal(y, ref), m
+        assert rel_err(y, bf16_linear_ref(x, w)) < 5e-3, m
+        if clusters and _bf16_splits(n, k) > 1:
+            assert torch.equal(bf16_linear(x, w, cluster=True, rd=False), ref), m
 
 
 def test_fused_shards_keep_their_scales():

@@ -47,6 +47,7 @@
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=3 RD_MINB=4
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 GLU=1
 // lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
+// lumo:test-defines NT=4 KW=4 BPF=2
 
 #include <cuda_bf16.h>
 
@@ -909,6 +910,100 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
 #else
   __trap();  // clusters need sm_90; linear.py never launches this below
 #endif
+}
+#endif
+
+// Small-N bf16 weights, register direct (bf16_gemv_rd): grid (ceil(N / 16), S), block 32. One warp per
+// m16 tile and split-K slice, its operands loaded straight into registers BPF chunks ahead, no shared
+// memory: small CTAs that fit beside a concurrent GEMV's (the GDN b/a projection runs on a side stream next
+// to q/k/v/z; a bf16_gemv CTA needs a ~150 KB ring). The K order is bf16_gemv's: the slice's chunk i goes
+// to accumulator i % KW (bf16_gemv's warp i % KW takes it), the KW accumulators are summed in that order
+// (reduce_warps' a = acc_0, a += acc_w), then the tile is stored (S = 1) or written as slice partials for
+// splitk_reduce: the bits of bf16_gemv (+ splitk_reduce) and of bf16_gemv_cl.
+#ifndef BPF
+#define BPF 4  // bf16_gemv_rd: chunks in flight per warp (a divisor of KW)
+#endif
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_bf16_gemv_rd)
+extern "C" __global__ void __launch_bounds__(32)
+    bf16_gemv_rd(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
+                 float* __restrict__ partial, int M, int N, int K, int C, int cps) {
+  static_assert(KW % BPF == 0, "a ring slot is a compile-time index within each KW-chunk trip");
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int c0 = blockIdx.y * cps;
+  const int nc = max(0, min(C, c0 + cps) - c0);
+
+  uint4 wr[BPF][2][2];  // [slot][row g, g + 8][columns 16t + 8h]
+  uint4 xr[BPF][NT][2];
+  auto load_w = [&](int slot, int i) {  // chunk c0 + i: no earlier kernel writes the weights
+    const int col = (c0 + i) * 64 + 16 * t;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + g + 8 * r;
+      const bool ok = row < N && col < K;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        wr[slot][r][h] = ok ? ld_stream16(reinterpret_cast<const uint4*>(w + (size_t)row * K + col + 8 * h))
+                            : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  auto load_x = [&](int slot, int i) {  // load_x's values: rows >= M and columns >= K are zero
+    const int col = (c0 + i) * 64 + 16 * t;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int row = 8 * j + g;
+      const bool ok = row < M && col < K;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        xr[slot][j][h] = ok ? *reinterpret_cast<const uint4*>(x + (size_t)row * K + col + 8 * h)
+                            : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+
+  float acc[KW][NT][4] = {};
+#pragma unroll
+  for (int i = 0; i < BPF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (i < nc) load_w(i, i);
+  pdl_wait();
+#pragma unroll
+  for (int i = 0; i < BPF - 1; ++i)
+    if (i < nc) load_x(i, i);
+  for (int i0 = 0; i0 < nc; i0 += KW) {
+#pragma unroll
+    for (int u = 0; u < KW; ++u) {
+      const int i = i0 + u;
+      if (i < nc) {
+        const int slot = u % BPF, refill = (u + BPF - 1) % BPF;  // i0 % BPF == 0
+        if (i + BPF - 1 < nc) {
+          load_w(refill, i + BPF - 1);
+          load_x(refill, i + BPF - 1);
+        }
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {  // bf16_gemv_body's k-steps for one m16 tile
+          const u32* wg = reinterpret_cast<const u32*>(&wr[slot][0][s >> 1]);
+          const u32* wg8 = reinterpret_cast<const u32*>(&wr[slot][1][s >> 1]);
+          const int q = (s & 1) * 2;
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const u32* xw = reinterpret_cast<const u32*>(&xr[slot][j][s >> 1]);
+            mma_bf16(acc[u][j], wg[q], wg8[q], wg[q + 1], wg8[q + 1], xw[q], xw[q + 1]);
+          }
+        }
+      }
+    }
+  }
+  pdl_trigger();
+  float sum[1][NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float a = acc[0][j][e];
+#pragma unroll
+      for (int v = 1; v < KW; ++v) a += acc[v][j][e];
+      sum[0][j][e] = a;
+    }
+  store_tile<1>(sum, nullptr, out, partial, M, N, row0, lane);
 }
 #endif
 

@@ -289,10 +289,22 @@ def _launch_bf16(
     partial: torch.Tensor | None,
     splits: int,
     cluster: bool | None = None,
+    rd: bool | None = None,
 ) -> None:
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     nt = -(-m // 8)
+    if rd is None:
+        rd = rg * splits < sm_count(x.device)
+    if rd:
+        # One warp per (m16 tile, slice), no shared memory: small CTAs beside a concurrent GEMV's.
+        kern = _bf16_rd_kernel(nt)
+        part = partial if splits > 1 else out
+        cps = -(-chunks // splits)
+        kern.launch((-(-n // 16), splits), 32, [w, x, out, part, m, n, k, chunks, cps], pdl=True)
+        if splits > 1:
+            _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)
+        return
     stages = fit_stages(STAGES if nt == 1 else STAGES - 1, KW * _stage_bytes(nt, True), x.device)
     cps = -(-chunks // splits)
     shmem = KW * stages * _stage_bytes(nt, True)
@@ -310,6 +322,15 @@ def _launch_bf16(
     )
     if splits > 1:
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
+
+
+# bf16_gemv_rd's chunks in flight per warp (a divisor of KW), at M <= 8 and above.
+BF16_RD_PF = (4, 2)
+
+
+@functools.cache
+def _bf16_rd_kernel(nt: int) -> Kernel:
+    return _compile("bf16_gemv_rd", {"NT": nt, "KW": KW, "BPF": BF16_RD_PF[nt > 1]}, 0)
 
 
 @functools.cache
@@ -671,12 +692,16 @@ def bf16_linear(
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     cluster: bool | None = None,
+    rd: bool | None = None,
 ) -> torch.Tensor:
     """y = x @ w^T with the same batch-invariant small-M kernel (bf16 w [N, K], K % 16 == 0).
 
     `workspace`: [>= splits, 32, N] f32 split-K partials (made here if needed and not given; unused where
-    the slices are summed in thread-block clusters). `cluster` (a test / benchmark knob; the bits never
-    change) forces or forbids that cluster-reduced split-K (sm_90+; default: wherever it can run).
+    the slices are summed in thread-block clusters). Test / benchmark knobs (the bits never change):
+    `cluster` forces or forbids that cluster-reduced split-K (sm_90+; default: wherever it can run); `rd`
+    forces or forbids the one-warp-CTA kernel bf16_gemv_rd (default: where the shared-memory ring kernel
+    would launch fewer CTAs than the device has SMs, e.g. the GDN b/a projection), whose split-K slices
+    go through the workspace and splitk_reduce.
     """
     n, k = w.shape
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
@@ -699,7 +724,7 @@ def bf16_linear(
         or workspace.numel() < splits * m * n
     ):
         raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
-    _launch_bf16(w, x, out, workspace, splits, cluster)
+    _launch_bf16(w, x, out, workspace, splits, cluster, rd)
     return out
 
 

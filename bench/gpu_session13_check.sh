@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
-# Session 12's GPU checks; logs under $OUT.
-#   ab:    the linear GPU tests, then the 27B decode step at 1k for the code versions under exp/ (A/B,
-#          two rounds), then bench_spec.py on the working tree.
+# Session 13's GPU checks; logs under $OUT.
+#   ab:    the linear GPU tests, then the 27B decode step at 1k and bench_spec.py's 27B spans for the code
+#          versions under exp/ (A/B, two rounds), then a profiled decode step of the working tree.
 #   spec:  the speculative-engine GPU tests (~9 minutes).
-#   epi:   the linear, runner, LLM and tree-kernel GPU tests, then the decode step at 1k and bench_spec.py
-#          for the code versions under exp/ (A/B, two rounds).
-#   last:  bench_decode.py and bench_spec.py in full, then the NVFP4 greedy tree == plain tests and the
-#          27B-shaped event (a subset of `spec`, what the device time left allowed).
-#   final: the linear GPU tests, bench_decode.py and bench_spec.py in full, then the runner, LLM and
-#          tree-kernel GPU tests.
+#   final: bench_decode.py, bench_spec.py and bench_linear.py in full, then the runner, LLM and tree-kernel
+#          GPU tests.
 set -u
 export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
@@ -54,28 +50,18 @@ decode_ab() {
 SPANS="^27B (draft|verify|plain|tokens)"
 case ${1:-ab} in
 ab)
-  gpu_tests t_linear.log 200 tests/test_linear_gpu.py tests/test_norms_gpu.py
-  decode_ab 0 ${VERSIONS:-base glu both}
-  run_bench bench_spec.log 150 "^(embedded|27B|GDN)" bench/bench_spec.py
-  ;;
-epi)
-  gpu_tests t_epi.log 200 tests/test_linear_gpu.py tests/test_runner_gpu.py tests/test_llm_gpu.py \
-    tests/test_tree_kernels_gpu.py
-  decode_ab 1 ${VERSIONS:-base epi}
-  ;;
-last)
-  run_bench bench_decode.log 150 "^(decode|prefill)" bench/bench_decode.py --peer-layers 0
-  run_bench bench_spec.log 100 "$SPANS" bench/bench_spec.py
-  gpu_tests t_last.log "${SPEC_S:-150}" -s tests/test_gpu_spec_gpu.py \
-    -k "test_27b_shaped or (nvfp4 and (greedy_tree_equals_plain or accepted_logits or chain))"
+  gpu_tests t_linear.log 150 tests/test_linear_gpu.py
+  decode_ab 1 ${VERSIONS:-base new}
+  run_bench profile.log 100 "^(decode|\\| (nvfp4|rms|attn|gdn|bf16|splitk|gated|qk|conv))" bench/bench_decode.py \
+    --contexts 1024 --peer-layers 0
   ;;
 spec)
   gpu_tests t_spec.log 570 -s tests/test_gpu_spec_gpu.py
   ;;
 final)
-  gpu_tests t_linear.log 150 tests/test_linear_gpu.py
-  run_bench bench_decode.log 200 "^(decode|prefill)" bench/bench_decode.py --peer-layers 0
-  run_bench bench_spec.log 150 "$SPANS" bench/bench_spec.py
-  gpu_tests t_rest.log 250 tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py
+  run_bench bench_decode.log 150 "^(decode|prefill)" bench/bench_decode.py --peer-layers 0
+  run_bench bench_spec.log 100 "$SPANS" bench/bench_spec.py
+  run_bench bench_linear.log 200 "^\\|" bench/bench_linear.py
+  gpu_tests t_rest.log 150 tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py
   ;;
 esac
