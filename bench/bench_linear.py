@@ -95,7 +95,8 @@ def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
-    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF, "sWxMxP" the slice-activations
+    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF ("rMxPcC": its slices over
+    clusters of C CTAs), "sWxMxP" the slice-activations
     kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix "@B" sets the L2 prefetch
     budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0"."""
     if "@" in cfg:
@@ -110,8 +111,9 @@ def config_kwargs(cfg: str) -> dict:
     if cfg[0] == "c":  # "clTxR" / "cTxR": cluster-reduced / cross-CTA with T m16 tiles per warp, R row groups
         tpw, rgw = (int(v) for v in cfg[2 if cfg.startswith("cl") else 1 :].split("x"))
         return dict(rd=False, cluster=cfg.startswith("cl"), tpw=tpw, rgw=rgw)
-    if cfg.startswith("r"):
-        return dict(rd=tuple(int(v) for v in cfg[1:].split("x")))
+    if cfg.startswith("r"):  # "rMxP", "rMxPcC": C CTAs per cluster (rdcl)
+        rd, _, cl = cfg[1:].partition("c")
+        return dict(rd=tuple(int(v) for v in rd.split("x"))) | (dict(rdcl=int(cl)) if cl else {})
     if cfg.startswith("s"):  # "sWxMxP": activations in shared memory, W warps of M m16 tiles, PF P
         return dict(sx=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))

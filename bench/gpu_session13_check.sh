@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Session 13's GPU checks; logs under $OUT.
 #   ab:    the linear GPU tests, then the 27B decode step at 1k and bench_spec.py's 27B spans for the code
-#          versions under exp/ (A/B, two rounds), then a profiled decode step of the working tree.
+#          versions under exp/ (A/B, two rounds), then a profiled decode step of the working tree, and
+#          bench_linear.py with the arguments in $LINEAR_ARGS if set.
 #   spec:  the speculative-engine GPU tests (~9 minutes).
 #   final: bench_decode.py, bench_spec.py and bench_linear.py in full, then the runner, LLM and tree-kernel
-#          GPU tests.
+#          GPU tests and the NVFP4 greedy tree == plain, accepted-state, chain and 27B-shaped spec tests.
 set -u
 export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
@@ -54,6 +55,10 @@ ab)
   decode_ab 1 ${VERSIONS:-base new}
   run_bench profile.log 100 "^(decode|\\| (nvfp4|rms|attn|gdn|bf16|splitk|gated|qk|conv))" bench/bench_decode.py \
     --contexts 1024 --peer-layers 0
+  if [[ -n ${LINEAR_ARGS:-} ]]; then
+    # shellcheck disable=SC2086  # word splitting wanted
+    run_bench bench_linear_ab.log 150 "^[a-z].* (1|8) " bench/bench_linear.py $LINEAR_ARGS
+  fi
   ;;
 spec)
   gpu_tests t_spec.log 570 -s tests/test_gpu_spec_gpu.py
@@ -63,5 +68,7 @@ final)
   run_bench bench_spec.log 100 "$SPANS" bench/bench_spec.py
   run_bench bench_linear.log 200 "^\\|" bench/bench_linear.py
   gpu_tests t_rest.log 150 tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py
+  gpu_tests t_spec_nvfp4.log 200 -s tests/test_gpu_spec_gpu.py \
+    -k "test_27b_shaped or (nvfp4 and (greedy_tree_equals_plain or accepted_logits or chain))"
   ;;
 esac

@@ -167,6 +167,10 @@ def test_split_k_variants_equal_cross_cta(splits):
                 continue
             y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd)
             assert torch.equal(y, cross), (m, rd)
+            # The slices spread over a cluster of CTAs (sm_90+), summed through distributed shared memory.
+            for rdcl in [c for c in (2, 4, 8, 16) if clusters and splits % c == 0 and c <= 8]:
+                y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd, rdcl=rdcl)
+                assert torch.equal(y, cross), (m, rd, rdcl)
         # Slice activations in shared memory (nvfp4_gemv_sx): warps x tile width x prefetch, idle warps in
         # the last CTA (7 row groups), cluster-reduced and through the partials.
         for sx in ((8, 2, 3), (4, 1, 1), (2, 2, 2), (4, 4, 2), (12, 1, 4)):
@@ -257,7 +261,7 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
     assert fused.out_features == i and fused.splits == splits
     knobs = [{}, dict(rd=False, cluster=False), dict(rd=(1, 2)), dict(rd=(4, 2)), dict(sx=(8, 2, 3))]
     if torch.cuda.get_device_capability()[0] >= 9:
-        knobs.append(dict(rd=False, cluster=True))
+        knobs += [dict(rd=False, cluster=True)] + ([dict(rd=(1, 2), rdcl=2)] if splits % 2 == 0 else [])
     for m in (1, 2, 7, 9, 17, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
         want = silu_mul_ref(nvfp4_linear(x, plain))

@@ -48,6 +48,7 @@
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 GLU=1
 // lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
 // lumo:test-defines NT=4 KW=4 BPF=2
+// lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 RDCL=2 RD_MINB=5
 
 #include <cuda_bf16.h>
 
@@ -257,6 +258,23 @@ __device__ __forceinline__ float4 ld_cluster4(const float* local, u32 rank) {
   return v;
 }
 
+__device__ __forceinline__ float ld_cluster1(const float* local, u32 rank) {
+  float v = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  u32 remote, a = (u32)__cvta_generic_to_shared(local);
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+__device__ __forceinline__ u32 cluster_rank() {  // 0 outside a cluster launch
+  u32 rank = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+#endif
+  return rank;
+}
+
 // Epilogue of the cluster-reduced split-K kernels (nvfp4_gemv_cl, bf16_gemv_cl): CTA s of the cluster (slice
 // s) puts the partials p_s = acc * unscale of its W row groups (rg0 + w) in its shared memory as
 // red[w][i][j][e][lane]: warp v < W * MT / TILES holds the TILES m16 tiles from v * TILES on; after a cluster
@@ -434,17 +452,22 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #endif
 
 #ifndef KSW
-#define KSW 8  // nvfp4_gemv_rd: warps per CTA = split-K slices of the weight
+#define KSW 8  // nvfp4_gemv_rd: warps per CTA = split-K slices of the weight held by one CTA
+#endif
+#ifndef RDCL
+#define RDCL 1  // nvfp4_gemv_rd: CTAs per thread-block cluster (sm_90+); the weight has KSW * RDCL slices
 #endif
 #ifndef GLU
 #define GLU 0  // nvfp4_gemv_rd: 1 for an MLP's [gate | up] packed for the fused SwiGLU (see below)
 #endif
 
-// Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp s holds slice s's accumulators of MTW m16
-// tiles from tile0 on. Every warp puts its slice partial p_s = acc_s * 2^7 (as nvfp4_gemv stores it) in
-// shared memory; then the (tile, n8 tile) pairs are shared out among the warps (pair q to warp q % KSW),
-// and each sums its pairs over the slices in slice order (a = p_0, a += p_s: splitk_reduce's operations)
-// and stores bf16(a * gs[n]). Needs KSW * MTW * NT * 512 bytes of dynamic shared memory.
+// Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp w of cluster rank r holds slice s = r * KSW
+// + w's accumulators of MTW m16 tiles from tile0 on (RDCL = 1: one CTA, r = 0). Every warp puts its slice
+// partial p_s = acc_s * 2^7 (as nvfp4_gemv stores it) in its CTA's shared memory; then the (tile, n8 tile)
+// pairs are shared out among the cluster's warps (pair q to slice q % S), and each sums its pairs over the
+// slices in slice order (a = p_0, a += p_s: splitk_reduce's operations; another CTA's partials through
+// distributed shared memory) and stores bf16(a * gs[n]). Needs KSW * MTW * NT * 512 bytes of dynamic shared
+// memory per CTA.
 //
 // GLU: the weight is an MLP's [gate | up] packed by pack_fused(..., glu=True): rows g and g + 8 of m16
 // tile T are gate and up row 8T + g. Lane (g, t) then holds both halves of output 8T + g, rounds each to
@@ -455,8 +478,9 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
                                                 bf16* __restrict__ out, int M, int N, int tile0, int warp,
                                                 int lane) {
   extern __shared__ uint4 smem[];
-  float* red = reinterpret_cast<float*>(smem);  // [slice][tile i][n8 tile j][e][lane]
+  float* red = reinterpret_cast<float*>(smem);  // [warp][tile i][n8 tile j][e][lane]
   const int g = lane >> 2, t = lane & 3;
+  const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;
 #pragma unroll
   for (int i = 0; i < MTW; ++i)
 #pragma unroll
@@ -464,15 +488,26 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #pragma unroll
       for (int e = 0; e < 4; ++e)  // never fused with the sum below
         red[(((warp * MTW + i) * NT + j) * 4 + e) * 32 + lane] = __fmul_rn(acc[i][j][e], DQ_UNSCALE);
-  __syncthreads();
-  for (int q = warp; q < MTW * NT; q += KSW) {
+  if (RDCL > 1)
+    cluster_sync();
+  else
+    __syncthreads();
+  // Slice s's partial of entry (i, j, e): in CTA s / KSW of the cluster, warp s % KSW.
+  auto part = [&](int s, int i, int j, int e) {
+    const float* p = red + ((((s % KSW) * MTW + i) * NT + j) * 4 + e) * 32 + lane;
+    return RDCL > 1 ? ld_cluster1(p, s / KSW) : *p;
+  };
+  for (int q = slice; q < MTW * NT; q += KSW * RDCL) {
     const int i = q / NT, j = q % NT;
     float a[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) a[e] = red[((i * NT + j) * 4 + e) * 32 + lane];
-    for (int s = 1; s < KSW; ++s)
+    for (int e = 0; e < 4; ++e) a[e] = part(0, i, j, e);
+#if RDCL > 1
+#pragma unroll 4  // 16 remote loads in flight, not 4 S (registers: the kernel is bounded to five CTAs per SM)
+#endif
+    for (int s = 1; s < KSW * RDCL; ++s)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) a[e] += red[((((s * MTW + i) * NT + j) * 4 + e) * 32) + lane];
+      for (int e = 0; e < 4; ++e) a[e] += part(s, i, j, e);
 #if GLU
     const int o = (tile0 + i) * 8 + g;
     if (o >= N) continue;
@@ -497,10 +532,14 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
     }
 #endif
   }
+  if (RDCL > 1) cluster_sync();  // no CTA leaves (and frees its shared memory) while another still reads it
 }
 
-// Register-direct in-CTA split-K (nvfp4_gemv_rd, M <= 8 * NT). grid RG * MT / MTW, block 32 * KSW with
-// KSW = S: warp s walks split-K slice s (chunks [s * cps, min(C, (s + 1) * cps))) of the CTA's MTW m16 tiles.
+// Register-direct in-CTA split-K (nvfp4_gemv_rd, M <= 8 * NT). grid (RG * MT / MTW, RDCL), block 32 * KSW
+// with KSW * RDCL = S: warp w of CTA (b, r) walks split-K slice s = r * KSW + w (chunks [s * cps, min(C, (s +
+// 1) * cps))) of the CTA's MTW m16 tiles. RDCL > 1 (sm_90+): the S slices of a tile are spread over a
+// cluster of RDCL CTAs of fewer warps each (smaller CTAs fill the SMs' slots better where a whole-slice CTA
+// leaves a last wave mostly empty) and summed through distributed shared memory in the same order.
 // The packed layout already gives each lane its own 16 bytes of A fragments per m16 tile, so every lane
 // loads its weights, scale pair and B fragments (row 8j + g of x, 32 bytes per n8 tile) straight into
 // registers, PF chunks ahead (a register ring of PF slots, indexed at compile time by unrolling the loop PF
@@ -570,7 +609,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile0 = blockIdx.x * MTW;
-  const int c0 = warp * cps;
+  const int c0 = (blockIdx.y * KSW + warp) * cps;  // slice blockIdx.y * KSW + warp (grid y: the cluster)
   const int nc = max(0, min(C, c0 + cps) - c0);
   // Tile (rg, c, p) of [RG][C][MT] holds 32 lanes x 16 bytes (qw) and 32 lanes x 2 bytes (qs).
   const size_t unit = ((size_t)(tile0 / MT) * C + c0) * MT + tile0 % MT;

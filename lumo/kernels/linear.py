@@ -416,10 +416,24 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
     return min(cps, budget // (row_groups * MT * splits * 576))
 
 
+# nvfp4_gemv_rd configs launched as clusters of CTAs of fewer warps (sm_90+): (NT, MTW, PF, slices) -> (CTAs
+# per cluster, minimum resident CTAs per SM). The 27B's down projection at M = 1 (16 slices, 320 one-tile
+# CTAs of 16 warps at 54 registers, two per SM) runs 1.21 waves; as 640 CTAs of 8 warps, at most 48
+# registers (five per SM), it fits one wave. A launch choice only (same bits).
+RD_CLUSTERS = {(1, 1, 2, 16): (2, 5)}
+
+
 @functools.cache
-def _rd_kernel(nt: int, mtw: int, pf: int, splits: int, probe: int = 0, glu: bool = False) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits} | ({"GLU": 1} if glu else {})
-    minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
+def _rd_kernel(
+    nt: int, mtw: int, pf: int, splits: int, probe: int = 0, glu: bool = False, rdcl: int = 1
+) -> Kernel:
+    defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
+    if rdcl > 1:
+        cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
+        minb = minb if cl == rdcl else 1
+        defines["RDCL"] = rdcl
+    else:
+        minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
 
@@ -437,6 +451,7 @@ def nvfp4_linear(
     sx: tuple[int, int, int] | bool | None = None,
     l2pf: int | None = None,
     rows: torch.Tensor | None = None,
+    rdcl: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -450,7 +465,9 @@ def nvfp4_linear(
     MTW, PF) forces nvfp4_gemv_sx (the slice's activations in shared memory; cluster-reduced unless
     `cluster` is False; not together with `rd`), False keeps the default launch from choosing it.
     `l2pf`: bytes of the weight the register-direct and shared-activation kernels ask L2 for before they
-    wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none).
+    wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none). `rdcl`: the register-direct kernel's
+    slices spread over clusters of that many CTAs (a divisor of the slice count; > 1 needs sm_90+; default
+    RD_CLUSTERS).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -488,12 +505,18 @@ def nvfp4_linear(
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
         mtw, pf = rd
+        if rdcl is None:
+            rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0] if _clusters(x.device) else 1
+        if rdcl < 1 or splits % rdcl or (rdcl > 1 and not _clusters(x.device)):
+            raise ValueError(f"rdcl must divide the {splits} slices (and > 1 needs sm_90+), got {rdcl}")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
-        shmem = splits * mtw * nt * 512
+        ksw = splits // rdcl
+        shmem = ksw * mtw * nt * 512
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
-        kern = _rd_kernel(nt, mtw, pf, splits, probe, bool(packed.glu_n))
-        kern.launch(rg * MT // mtw, 32 * splits, args, shmem, pdl=True)
+        kern = _rd_kernel(nt, mtw, pf, splits, probe, bool(packed.glu_n), rdcl)
+        grid = (rg * MT // mtw, rdcl, 1)
+        kern.launch(grid, 32 * ksw, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
         return out
     if sx:
         ok = isinstance(sx, tuple) and len(sx) == 3 and 1 <= sx[0] <= 32 and sx[1] in (1, 2, 4) and sx[2] >= 1
