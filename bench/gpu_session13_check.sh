@@ -3,6 +3,9 @@
 #   ab:    the linear GPU tests, then the 27B decode step at 1k and bench_spec.py's 27B spans for the code
 #          versions under exp/ (A/B, two rounds), then a profiled decode step of the working tree, and
 #          bench_linear.py with the arguments in $LINEAR_ARGS if set.
+#   last:  the bf16 linear GPU tests, the decode step at 1k for the code versions under exp/ (A/B, two
+#          rounds), then bench_decode.py and bench_spec.py in full and the runner, LLM and tree-kernel GPU
+#          tests on the working tree (the JSON files and per-version logs are removed: few files come back).
 #   spec:  the speculative-engine GPU tests (~9 minutes).
 #   final: bench_decode.py, bench_spec.py and bench_linear.py in full, then the runner, LLM and tree-kernel
 #          GPU tests and the NVFP4 greedy tree == plain, accepted-state, chain and 27B-shaped spec tests.
@@ -59,6 +62,14 @@ ab)
     # shellcheck disable=SC2086  # word splitting wanted
     run_bench bench_linear_ab.log 150 "^[a-z].* (1|8) " bench/bench_linear.py $LINEAR_ARGS
   fi
+  ;;
+last)
+  gpu_tests t_bf16.log 100 tests/test_linear_gpu.py -k bf16
+  decode_ab 0 ${VERSIONS:-base new}
+  run_bench bench_decode.log 100 "^(decode|prefill)" bench/bench_decode.py --peer-layers 0
+  run_bench bench_spec.log 100 "$SPANS" bench/bench_spec.py
+  gpu_tests t_rest.log 100 tests/test_runner_gpu.py tests/test_llm_gpu.py tests/test_tree_kernels_gpu.py
+  rm -f "$out"/*.json "$out"/decode_*.log
   ;;
 spec)
   gpu_tests t_spec.log 570 -s tests/test_gpu_spec_gpu.py
