@@ -95,10 +95,12 @@ def config_kwargs(cfg: str) -> dict:
     """Launch knobs (none changes the result bits): "dflt" the library's choice, "cross" the cross-CTA
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
-    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF ("rMxPcC": its slices over
-    clusters of C CTAs), "sWxMxP" the slice-activations
-    kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix "@B" sets the L2 prefetch
-    budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0"."""
+    per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF (its slices in RD_CLUSTERS'
+    clusters where that table names the config; "rMxPcC": over clusters of C CTAs, "rMxPc1" one CTA),
+    "sWxMxP" the slice-activations kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix
+    "@B" sets the L2 prefetch budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0". On the fused gate+up only
+    the register-direct kernel applies the SwiGLU in its epilogue: the other configs' times include the
+    separate silu_mul launch."""
     if "@" in cfg:
         cfg, mib = cfg.split("@")
         return {**config_kwargs(cfg), "l2pf": int(float(mib) * (1 << 20))}

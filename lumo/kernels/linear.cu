@@ -29,10 +29,11 @@
 //       into the fp32 epilogue with gs.
 //   gs [N_pad] f32: weight_scale_2 per row (fused shards keep their own).
 //
-// In-CTA split-K (nvfp4_gemv_rd): one CTA holds every split-K slice of MTW m16 tiles, a warp per slice
-// loading its operands straight into registers, and sums the slices in slice order in shared memory with
-// the same fp32 operations as splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce, so which of the two
-// runs is a launch choice; it saves the partial buffer's round trip and the second launch.
+// In-CTA split-K (nvfp4_gemv_rd): one CTA (or a cluster of RDCL CTAs) holds every split-K slice of MTW m16
+// tiles, a warp per slice loading its operands straight into registers, and sums the slices in slice order
+// in shared memory with the same fp32 operations as splitk_reduce. Same bits as nvfp4_gemv + splitk_reduce,
+// so which of the two runs is a launch choice; it saves the partial buffer's round trip and the second
+// launch.
 //
 // Each extern "C" kernel sits in `#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_<name>)`: linear.py compiles
 // one kernel per NVRTC call (each launch configuration is its own compile), CI compiles them all.
@@ -289,10 +290,7 @@ __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const 
   extern __shared__ uint4 smem[];
   float* red = reinterpret_cast<float*>(smem);  // W * MT * NT * 512 bytes (the ring is done)
   const int S = gridDim.y;                      // the cluster: the S slices of this row-group tile
-  u32 rank = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-#endif
+  const u32 rank = cluster_rank();
   __syncthreads();  // every warp is done with the ring
   if (warp < W * MT / TILES)
 #pragma unroll
@@ -503,7 +501,7 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #pragma unroll
     for (int e = 0; e < 4; ++e) a[e] = part(0, i, j, e);
 #if RDCL > 1
-#pragma unroll 4  // 16 remote loads in flight, not 4 S (registers: the kernel is bounded to five CTAs per SM)
+#pragma unroll 4  // 4 slices' remote loads in flight: fully unrolled they took 96 registers (session 13)
 #endif
     for (int s = 1; s < KSW * RDCL; ++s)
 #pragma unroll
@@ -550,7 +548,7 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 // per chunk are the dequant). Its steady state has no branch and no bounds check: the loads address the chunk
 // by a compile-time offset from pointers moved once per PF chunks (session 8: 84 -> 72 instructions per
 // chunk; the H200's gate+up GEMV 31.3 -> 28.3 us at M = 1 and 55.1 -> 48.2 at M = 32, down 21.5 -> 17.3 at
-// M = 1). Dynamic smem: S * MTW * NT * 512 bytes.
+// M = 1). Dynamic smem: KSW * MTW * NT * 512 bytes per CTA.
 #ifndef PF
 #define PF 4  // nvfp4_gemv_rd: chunks in flight per warp
 #endif
@@ -606,6 +604,9 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     nvfp4_gemv_rd(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
                   int N, int K, int C, int cps, int npf) {
+#if RDCL > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters need sm_90; linear.py never launches an RDCL build below
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile0 = blockIdx.x * MTW;
@@ -986,7 +987,7 @@ extern "C" __global__ void __launch_bounds__(32)
                             : make_uint4(0u, 0u, 0u, 0u);
     }
   };
-  auto load_x = [&](int slot, int i) {  // load_x's values: rows >= M and columns >= K are zero
+  auto load_x = [&](int slot, int i) {  // rows >= M and columns >= K read as zero (bf16_gemv's zero fill)
     const int col = (c0 + i) * 64 + 16 * t;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {

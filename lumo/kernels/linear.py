@@ -294,8 +294,10 @@ def _launch_bf16(
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     nt = -(-m // 8)
-    if rd is None:
-        rd = rg * splits < sm_count(x.device)
+    if rd is None:  # `cluster` set: a ring-kernel benchmark / test
+        rd = cluster is None and rg * splits < sm_count(x.device)
+    if rd and cluster:
+        raise ValueError("cluster=True names the cluster-reduced ring kernel: not with rd=True")
     if rd:
         # One warp per (m16 tile, slice), no shared memory: small CTAs beside a concurrent GEMV's.
         kern = _bf16_rd_kernel(nt)
@@ -420,7 +422,21 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 # per cluster, minimum resident CTAs per SM). The 27B's down projection at M = 1 (16 slices, 320 one-tile
 # CTAs of 16 warps at 54 registers, two per SM) runs 1.21 waves; as 640 CTAs of 8 warps, at most 48
 # registers (five per SM), it fits one wave. A launch choice only (same bits).
+# (Entries with MTW > 1 would also need _rd_fit_waves to size the clustered build.)
 RD_CLUSTERS = {(1, 1, 2, 16): (2, 5)}
+
+
+def _rd_cluster_fits(
+    nt: int, mtw: int, pf: int, splits: int, rdcl: int, rg: int, probe: int, glu: bool, device: torch.device
+) -> bool:
+    """Whether the device schedules nvfp4_gemv_rd's slices in clusters of `rdcl` CTAs (1: always)."""
+    if rdcl == 1:
+        return True
+    if not _clusters(device):
+        return False
+    ksw = splits // rdcl
+    kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
+    return kern.max_cluster_size((rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * nt * 512) >= rdcl
 
 
 @functools.cache
@@ -467,7 +483,7 @@ def nvfp4_linear(
     `l2pf`: bytes of the weight the register-direct and shared-activation kernels ask L2 for before they
     wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none). `rdcl`: the register-direct kernel's
     slices spread over clusters of that many CTAs (a divisor of the slice count; > 1 needs sm_90+; default
-    RD_CLUSTERS).
+    RD_CLUSTERS, falling back to one CTA where the device cannot schedule that cluster).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -505,19 +521,26 @@ def nvfp4_linear(
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
         mtw, pf = rd
+        glu = bool(packed.glu_n)
         if rdcl is None:
-            rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0] if _clusters(x.device) else 1
-        if rdcl < 1 or splits % rdcl or (rdcl > 1 and not _clusters(x.device)):
-            raise ValueError(f"rdcl must divide the {splits} slices (and > 1 needs sm_90+), got {rdcl}")
+            rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0]
+            if not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
+                rdcl = 1  # no such cluster on this device: one CTA holds every slice
+        elif rdcl < 1 or splits % rdcl:
+            raise ValueError(f"rdcl must divide the {splits} slices, got {rdcl}")
+        elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
+            raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         ksw = splits // rdcl
         shmem = ksw * mtw * nt * 512
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
-        kern = _rd_kernel(nt, mtw, pf, splits, probe, bool(packed.glu_n), rdcl)
+        kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
         grid = (rg * MT // mtw, rdcl, 1)
         kern.launch(grid, 32 * ksw, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
         return out
+    if rdcl is not None:
+        raise ValueError("rdcl applies to the register-direct kernel only (rd)")
     if sx:
         ok = isinstance(sx, tuple) and len(sx) == 3 and 1 <= sx[0] <= 32 and sx[1] in (1, 2, 4) and sx[2] >= 1
         if not ok or (sx[0] * sx[1]) % MT:
@@ -722,9 +745,9 @@ def bf16_linear(
     `workspace`: [>= splits, 32, N] f32 split-K partials (made here if needed and not given; unused where
     the slices are summed in thread-block clusters). Test / benchmark knobs (the bits never change):
     `cluster` forces or forbids that cluster-reduced split-K (sm_90+; default: wherever it can run); `rd`
-    forces or forbids the one-warp-CTA kernel bf16_gemv_rd (default: where the shared-memory ring kernel
-    would launch fewer CTAs than the device has SMs, e.g. the GDN b/a projection), whose split-K slices
-    go through the workspace and splitk_reduce.
+    forces or forbids the one-warp-CTA kernel bf16_gemv_rd (default, unless `cluster` is given: where the
+    shared-memory ring kernel would launch fewer CTAs than the device has SMs, e.g. the GDN b/a
+    projection), whose split-K slices go through the workspace and splitk_reduce.
     """
     n, k = w.shape
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
