@@ -841,6 +841,23 @@ extern "C" __global__ void __launch_bounds__(SXW * 32)
 // in warp order; S > 1 writes fp32 partials [S, M, N] for splitk_reduce (bf16_gemv), or (bf16_gemv_cl,
 // sm_90+, launched as clusters of the S slices) sums them in distributed shared memory: the same bits
 // without the partials' round trip and the reduce launch.
+// One chunk of one m16 tile of bf16 weights: wv[r][h] = rows g + 8r, columns 16t + 8h of the chunk (a lane's
+// A fragments for the four k-steps), xv the NT n8 tiles' B fragments, as load_x lays them out.
+__device__ __forceinline__ void bf16_tile_mma(float (*acc)[4], const uint4 (&wv)[2][2],
+                                              const uint4 (*xv)[2]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const u32* wg = reinterpret_cast<const u32*>(&wv[0][s >> 1]);
+    const u32* wg8 = reinterpret_cast<const u32*>(&wv[1][s >> 1]);
+    const int q = (s & 1) * 2;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
+      mma_bf16(acc[j], wg[q], wg8[q], wg[q + 1], wg8[q + 1], xw[q], xw[q + 1]);
+    }
+  }
+}
+
 template <bool kCluster>
 __device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
                                                bf16* __restrict__ out, float* __restrict__ partial, int M,
@@ -909,19 +926,7 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const
         xv[j][h] = *reinterpret_cast<const uint4*>(st + BF16_W_BYTES + ((j * 2 + h) * 32 + lane) * 16);
     __syncwarp();
 #pragma unroll
-    for (int p = 0; p < MT; ++p) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const u32* wg = reinterpret_cast<const u32*>(&wv[p][0][s >> 1]);
-        const u32* wg8 = reinterpret_cast<const u32*>(&wv[p][1][s >> 1]);
-        const int q = (s & 1) * 2;
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
-          mma_bf16(acc[p][j], wg[q], wg8[q], wg[q + 1], wg8[q + 1], xw[q], xw[q + 1]);
-        }
-      }
-    }
+    for (int p = 0; p < MT; ++p) bf16_tile_mma(acc[p], wv[p], xv);
   }
   cp_async_wait<0>();
   pdl_trigger();
@@ -1018,17 +1023,7 @@ extern "C" __global__ void __launch_bounds__(32)
           load_w(refill, i + BPF - 1);
           load_x(refill, i + BPF - 1);
         }
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {  // bf16_gemv_body's k-steps for one m16 tile
-          const u32* wg = reinterpret_cast<const u32*>(&wr[slot][0][s >> 1]);
-          const u32* wg8 = reinterpret_cast<const u32*>(&wr[slot][1][s >> 1]);
-          const int q = (s & 1) * 2;
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const u32* xw = reinterpret_cast<const u32*>(&xr[slot][j][s >> 1]);
-            mma_bf16(acc[u][j], wg[q], wg8[q], wg[q + 1], wg8[q + 1], xw[q], xw[q + 1]);
-          }
-        }
+        bf16_tile_mma(acc[u], wr[slot], xr[slot]);
       }
     }
   }

@@ -293,7 +293,7 @@ def _launch_bf16(
 ) -> None:
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
-    nt = -(-m // 8)
+    nt, cps = -(-m // 8), -(-chunks // splits)
     if rd is None:  # `cluster` set: a ring-kernel benchmark / test
         rd = cluster is None and rg * splits < sm_count(x.device)
     if rd and cluster:
@@ -302,13 +302,11 @@ def _launch_bf16(
         # One warp per (m16 tile, slice), no shared memory: small CTAs beside a concurrent GEMV's.
         kern = _bf16_rd_kernel(nt)
         part = partial if splits > 1 else out
-        cps = -(-chunks // splits)
         kern.launch((-(-n // 16), splits), 32, [w, x, out, part, m, n, k, chunks, cps], pdl=True)
         if splits > 1:
             _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)
         return
     stages = fit_stages(STAGES if nt == 1 else STAGES - 1, KW * _stage_bytes(nt, True), x.device)
-    cps = -(-chunks // splits)
     shmem = KW * stages * _stage_bytes(nt, True)
     if splits > 1 and (_clusters(x.device) if cluster is None else cluster):
         # The slices sum in distributed shared memory (same bits, no partials, no reduce launch), where
@@ -434,9 +432,14 @@ def _rd_cluster_fits(
         return True
     if not _clusters(device):
         return False
-    ksw = splits // rdcl
     kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
-    return kern.max_cluster_size((rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * nt * 512) >= rdcl
+    return kern.max_cluster_size(*_rd_shape(rg, nt, mtw, splits, rdcl)) >= rdcl
+
+
+def _rd_shape(rg: int, nt: int, mtw: int, splits: int, rdcl: int) -> tuple[tuple[int, int, int], int, int]:
+    """nvfp4_gemv_rd's grid, block and dynamic shared memory (a CTA of splits / rdcl warps, a slice each)."""
+    ksw = splits // rdcl
+    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * nt * 512
 
 
 @functools.cache
@@ -531,13 +534,11 @@ def nvfp4_linear(
         elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
-        ksw = splits // rdcl
-        shmem = ksw * mtw * nt * 512
+        grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
         kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
-        grid = (rg * MT // mtw, rdcl, 1)
-        kern.launch(grid, 32 * ksw, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
+        kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
         return out
     if rdcl is not None:
         raise ValueError("rdcl applies to the register-direct kernel only (rd)")
