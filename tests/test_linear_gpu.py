@@ -333,3 +333,35 @@ def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):
         assert packed.partial.shape == (16, 32, n)
     finally:
         linear._sx_fits.cache_clear()
+
+
+def test_timeline_trace_records_every_cta_and_keeps_the_bits():
+    """linear.set_trace (bench/trace_step.py): the traced nvfp4_gemv_rd build appends one record per CTA
+    (stamps in order: start <= after the wait <= after the main loop <= end; the grid size; the weight
+    pointer) and gives the plain build's bits; a full buffer counts on without writing past its end."""
+    from lumo.kernels import linear
+
+    gen = torch.Generator(DEV).manual_seed(31)
+    n, k = 64 * 5 + 3, 16 * 16 * 4
+    packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=4)
+    x = torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16)
+    want = nvfp4_linear(x, packed, rd=(1, 2))
+    buf = torch.zeros(1 + 64, 8, dtype=torch.int64, device=DEV)
+    try:
+        linear.set_trace(buf[:21])  # room for 20 records
+        y = nvfp4_linear(x, packed, out=poisoned(1, n), rd=(1, 2))
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+        ctas = packed.row_groups * linear.MT  # one m16 tile per CTA (24)
+        assert buf[0, 0].item() == ctas > 20
+        rec = buf[1:21].cpu()
+        assert (
+            (rec[:, 0] <= rec[:, 1]).all()
+            and (rec[:, 1] <= rec[:, 2]).all()
+            and (rec[:, 2] <= rec[:, 3]).all()
+        )
+        assert (rec[:, 6] & 0xFFFFFFFF == ctas).all() and (rec[:, 7] == packed.qw.data_ptr()).all()
+        assert (buf[21:] == 0).all()  # nothing written past the 20 records the kernel was given
+    finally:
+        linear.set_trace(None)
+    assert torch.equal(nvfp4_linear(x, packed, rd=(1, 2)), want)

@@ -50,6 +50,7 @@
 // lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
 // lumo:test-defines NT=4 KW=4 BPF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 RDCL=2 RD_MINB=5
+// lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 
 #include <cuda_bf16.h>
 
@@ -89,6 +90,35 @@
 #define LUMO_PROBE 0
 #endif
 #define PROBE_CHUNK(c) (LUMO_PROBE == 2 ? ((c) & 1) : (c))
+
+// Timeline trace (bench/trace_step.py only; the library never sets it): LUMO_TRACE is the address of a
+// device buffer of u64 [1 + LUMO_TRACE_CAP, 8]; word 0 counts records (past the end too). nvfp4_gemv_rd's
+// thread 0 appends one per CTA: %globaltimer ns at its start, after pdl_wait, after the main loop and at its
+// end; smid << 32 | CTAs in the grid; the weight pointer (which launch). The stamps wait in shared memory,
+// not registers, so that the traced build keeps the plain build's occupancy. Other builds: nothing.
+#ifdef LUMO_TRACE
+__device__ __forceinline__ unsigned long long trace_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void trace_store(const unsigned long long* t, const void* key) {
+  unsigned long long* buf = reinterpret_cast<unsigned long long*>((unsigned long long)LUMO_TRACE);
+  unsigned smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  const unsigned long long slot = atomicAdd(buf, 1ull);
+  if (slot >= LUMO_TRACE_CAP) return;  // full: counted, not stored
+  unsigned long long* rec = buf + 8 * (1 + slot);
+  rec[0] = t[0], rec[1] = t[1], rec[2] = t[2], rec[3] = trace_ns();
+  rec[4] = 0, rec[5] = 0;
+  rec[6] = ((unsigned long long)smid << 32) | (gridDim.x * gridDim.y);
+  rec[7] = reinterpret_cast<unsigned long long>(key);
+}
+#define TRACE_AT(i) (threadIdx.x == 0 ? (void)(trace_sm[i] = trace_ns()) : (void)0)
+#else
+#define TRACE_AT(i) ((void)0)
+#endif
+
 
 typedef unsigned int u32;
 typedef __nv_bfloat16 bf16;
@@ -607,6 +637,10 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #if RDCL > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; linear.py never launches an RDCL build below
 #endif
+#ifdef LUMO_TRACE
+  __shared__ unsigned long long trace_sm[3];
+#endif
+  TRACE_AT(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile0 = blockIdx.x * MTW;
@@ -658,6 +692,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
   if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
   pdl_wait();
+  TRACE_AT(1);
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)
     if (i < nc) load_x(i, i, (c0 + i) * 64 + 16 * t < K);
@@ -681,8 +716,12 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #pragma unroll
   for (int u = 0; u < PF - 1; ++u)
     if (i0 + u < nc) step(u, i0, false);
+  TRACE_AT(2);
   pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane);
+#ifdef LUMO_TRACE
+  if (threadIdx.x == 0) trace_store(trace_sm, qw);
+#endif
 }
 #endif
 

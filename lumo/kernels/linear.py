@@ -210,11 +210,25 @@ STAGES = 4  # bf16_gemv: cp.async stages per warp for M <= 8; 3 for larger M
 FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 sweep, docs/kernels.md)
 
 
+_TRACE = [0, 0]  # bench/trace_step.py: address and records of a timeline buffer for nvfp4_gemv_rd (0: off)
+
+
+def set_trace(buf: torch.Tensor | None) -> None:
+    """Diagnostics only (bench/trace_step.py): nvfp4_gemv_rd builds compiled from now on append a record
+    per CTA to `buf` (int64 [1 + records, 8]; word 0, zeroed by the caller, counts the records, also past
+    the end; linear.cu, LUMO_TRACE), or stop doing so (None). Kernels already loaded keep their build:
+    call it before the first launch (or before building the runner whose graph should be traced)."""
+    _TRACE[:] = [0, 0] if buf is None else [buf.data_ptr(), buf.shape[0] - 1]
+    _rd_kernel.cache_clear()
+
+
 def _compile(name: str, defines: dict[str, int], probe: int) -> Kernel:
     """A linear.cu kernel, compiled alone (LUMO_ONLY: NVRTC builds just that kernel of the file; sm_90 on
     2 CPU cores: 0.06-0.45 s against 2.7 s for the whole file); `probe` != 0 builds a LUMO_PROBE
     measurement variant (bench/probe_linear.py)."""
     defines = defines | {"LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
+    if _TRACE[0] and name == "nvfp4_gemv_rd":
+        defines |= {"LUMO_TRACE": _TRACE[0], "LUMO_TRACE_CAP": _TRACE[1]}
     return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
 
 
