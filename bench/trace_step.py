@@ -1,17 +1,20 @@
 """Timeline of the NVFP4 GEMVs inside one 27B decode step (diagnostics; H200 or any sm_90+ GPU).
 
-Every CTA of `nvfp4_gemv_rd` (the decode step's NVFP4 kernel at M <= 8) records %globaltimer at its start,
-after its pdl_wait, after its main loop and at its end (linear.cu, LUMO_TRACE; `lumo.kernels.linear.
-set_trace`). One graph-replayed step at context 1k is traced; per weight shape the script prints, as
-medians over the step's launches of that shape (us):
-- span: first pdl_wait return -> last CTA end (the launch's time once its inputs are ready), its bytes /
-  span as % of the copy bandwidth measured here, and the time bytes / bandwidth would take;
-- ramp: first wait return -> the first CTA's end of main loop; CTA: a CTA's median main-loop time (wait
-  return or start, whichever later, -> end of loop); epi: median loop end -> CTA end;
-- p50 / p90 / last: when the CTAs end, from the first wait return (the tail is last - p90);
+Thread 0 of every CTA of `nvfp4_gemv_rd` (the decode step's NVFP4 kernel at M <= 8) records %globaltimer at
+the CTA's start, after its pdl_wait, after warp 0's main loop and at the end of warp 0's epilogue
+(linear.cu, LUMO_TRACE; `lumo.kernels.linear.set_trace`). One graph-replayed step at context 1k is traced.
+A launch is identified by its weight pointer (each weight runs once per step). Per weight shape the script
+prints medians over the step's launches of that shape, in us:
+- span: first pdl_wait return -> last CTA end (the launch's time once its inputs are ready), the time its
+  bytes take at the copy bandwidth measured here (ideal), and ideal / span as % of that bandwidth;
+- ramp: first wait return -> the first end of a main loop; loop: a CTA's main loop (wait return -> end of
+  loop); epi: end of loop -> end of the CTA;
+- p50 / p90: when the CTAs end, from the first wait return;
 - gap: the previous GEMV's last CTA end -> this launch's first wait return (the row kernels between them);
 - early: how long before its first wait return the launch's first CTA started (PDL, its L2 prefetch).
-Also the traced step's time against the untraced one (the trace's own cost), and the timer's resolution.
+Then, for the launch of each shape nearest the middle of the step, the CTAs running at the middle of each
+microsecond from its first wait return, and the CTAs per SM in its first microsecond. Also the traced
+replay's time against the untraced step's, and the timer's resolution.
 """
 
 from __future__ import annotations
@@ -22,40 +25,40 @@ from collections import defaultdict
 from dataclasses import fields, is_dataclass
 
 import torch
+from bench_decode import copy_bandwidth, time_decode  # same folder
 
-from bench.bench_decode import copy_bandwidth, time_decode
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
 from lumo.engine.runner import GPURunner
 from lumo.kernels import linear
 from lumo.kernels.linear import PackedNVFP4
 
-MAX_RECORDS = 1 << 20
+MAX_RECORDS = 1 << 20  # a 27B step makes ~272k
 
 
-def packed_weights(obj, path: str = "", seen=None) -> dict[int, tuple[str, int, PackedNVFP4]]:
-    """{qw address: (shape name, bytes, packed)} of every PackedNVFP4 reachable from `obj`."""
+def packed_weights(obj, seen: set[int] | None = None) -> dict[int, tuple[str, int]]:
+    """{qw address: (shape name, bytes)} of every PackedNVFP4 reachable from `obj`."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return {}
     seen.add(id(obj))
-    found = {}
     if isinstance(obj, PackedNVFP4):
         nbytes = sum(t.numel() * t.element_size() for t in (obj.qw, obj.qs, obj.gs))
-        name = f"{obj.k}->{obj.n}" + (" glu" if obj.glu_n else "")
-        return {obj.qw.data_ptr(): (name, nbytes, obj)}
+        return {obj.qw.data_ptr(): (f"{obj.k}->{obj.n}" + (" glu" if obj.glu_n else ""), nbytes)}
+    found = {}
     if is_dataclass(obj) and not isinstance(obj, type):
         for f in fields(obj):
-            found |= packed_weights(getattr(obj, f.name), f"{path}.{f.name}", seen)
+            found |= packed_weights(getattr(obj, f.name), seen)
     elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found |= packed_weights(v, f"{path}[{i}]", seen)
+        for v in obj:
+            found |= packed_weights(v, seen)
     elif isinstance(obj, dict):
-        for k, v in obj.items():
-            found |= packed_weights(v, f"{path}[{k}]", seen)
+        for v in obj.values():
+            found |= packed_weights(v, seen)
     return found
 
 
 def med(xs) -> float:
+    xs = [x for x in xs if x == x]  # without NaN (the first launch has no gap)
     return statistics.median(xs) if xs else float("nan")
 
 
@@ -68,7 +71,6 @@ def main() -> None:
     bw = copy_bandwidth()
     torch.cuda.empty_cache()
     gw = pack_weights(cfg, random_model_weights(cfg, "cuda", nvfp4=True, seed=0), "cuda")
-    weights = packed_weights(gw)
 
     plain = GPURunner(cfg, gw, args.context + 256)
     plain.capture()
@@ -78,37 +80,55 @@ def main() -> None:
 
     buf = torch.zeros(1 + MAX_RECORDS, 8, dtype=torch.int64, device="cuda")
     linear.set_trace(buf)
-    runner = GPURunner(cfg, gw, args.context + 256)
-    runner.capture()
-    traced_ms = time_decode(runner, args.context, 32)[0]
-    runner.seek(args.context)
-    runner.decode_step()
-    torch.cuda.synchronize()
-    buf.zero_()
-    runner.decode_step()
-    torch.cuda.synchronize()
-    linear.set_trace(None)
-    n = int(buf[0, 0])
+    try:
+        runner = GPURunner(cfg, gw, args.context + 256)
+        runner.capture()
+        for _ in range(3):
+            runner.seek(args.context)
+            runner.decode_step()
+        runner.seek(args.context)
+        torch.cuda.synchronize()
+        buf.zero_()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        runner.decode_step()
+        t1.record()
+        torch.cuda.synchronize()
+        traced_ms = t0.elapsed_time(t1)
+        n = int(buf[0, 0])
+        rec = buf[1 : 1 + min(n, MAX_RECORDS)].cpu().tolist()
+    finally:
+        linear.set_trace(None)
     if n > MAX_RECORDS:
         raise SystemExit(f"{n} records do not fit the buffer of {MAX_RECORDS}")
-    rec = buf[1 : 1 + n].cpu().tolist()
+    if not rec:
+        raise SystemExit("no nvfp4_gemv_rd launch was traced")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s")
-    print(f"step {plain_ms:.3f} ms, traced {traced_ms:.3f} ms; {n} CTA records")
-    report(rec, {k: (name, nbytes) for k, (name, nbytes, _) in weights.items()}, bw)
+    print(
+        f"step {plain_ms:.3f} ms (median of replays), this traced replay {traced_ms:.3f} ms; {n} CTA records"
+    )
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    report(rec, packed_weights(gw), bw, sms)
 
 
-def report(rec: list[list[int]], weights: dict[int, tuple[str, int]], bw: float) -> None:
-    """Print the per-shape table and the per-launch CTA counts of the records (see the docstring)."""
-
+def report(rec: list[list[int]], weights: dict[int, tuple[str, int]], bw: float, sms: int) -> None:
+    """Print the per-shape table and one launch per shape in detail (see the docstring)."""
     stamps = sorted({r[i] for r in rec for i in range(4)})
     steps = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > a]
-    print(f"timer: {len(stamps)} distinct stamps, smallest step {min(steps)} ns, median {med(steps):.0f} ns")
+    if steps:
+        print(
+            f"timer: {len(stamps)} distinct stamps, smallest step {min(steps)} ns, median {med(steps):.0f} ns"
+        )
 
     launches = defaultdict(list)
     for r in rec:
         launches[r[7]].append(r)
     order = sorted(launches, key=lambda k: min(r[1] for r in launches[k]))
-    t_zero = min(r[0] for r in rec)
+    short = [k for k in order if len(launches[k]) != launches[k][0][6] & 0xFFFFFFFF]
+    if short:
+        print(
+            f"warning: {len(short)} launches lack records of some CTAs (a weight run twice, or lost records)"
+        )
     rows = []
     prev_end = None
     for key in order:
@@ -116,71 +136,71 @@ def report(rec: list[list[int]], weights: dict[int, tuple[str, int]], bw: float)
         name, nbytes = weights.get(key, (f"? {key:#x}", 0))
         wait0 = min(r[1] for r in rs)
         ends = sorted(r[3] - wait0 for r in rs)
-        last = ends[-1]
-        row = {
-            "name": name,
-            "ctas": len(rs),
-            "sms": len({r[6] >> 32 for r in rs}),
-            "bytes": nbytes,
-            "start": (wait0 - t_zero) / 1e3,
-            "span": last / 1e3,
-            "ramp": (min(r[2] for r in rs) - wait0) / 1e3,
-            "cta": med([(r[2] - max(r[0], r[1])) / 1e3 for r in rs]),
-            "epi": med([(r[3] - r[2]) / 1e3 for r in rs]),
-            "p50": ends[len(ends) // 2] / 1e3,
-            "p90": ends[int(len(ends) * 0.9)] / 1e3,
-            "early": (wait0 - min(r[0] for r in rs)) / 1e3,
-            "gap": (wait0 - prev_end) / 1e3 if prev_end is not None else float("nan"),
-        }
+        rows.append(
+            {
+                "key": key,
+                "name": name,
+                "ctas": len(rs),
+                "bytes": nbytes,
+                "span": ends[-1] / 1e3,
+                "ramp": (min(r[2] for r in rs) - wait0) / 1e3,
+                "loop": med([(r[2] - r[1]) / 1e3 for r in rs]),
+                "epi": med([(r[3] - r[2]) / 1e3 for r in rs]),
+                "p50": ends[len(ends) // 2] / 1e3,
+                "p90": ends[int(len(ends) * 0.9)] / 1e3,
+                "early": (wait0 - min(r[0] for r in rs)) / 1e3,
+                "gap": (wait0 - prev_end) / 1e3 if prev_end is not None else float("nan"),
+            }
+        )
         prev_end = max(r[3] for r in rs)
-        rows.append(row)
 
-    total = (prev_end - min(min(r[1] for r in launches[k]) for k in order)) / 1e3
-    print(f"{len(order)} GEMV launches over {total:.0f} us (first wait return -> last end)")
+    first = min(r[1] for r in rec)
+    print(
+        f"{len(order)} GEMV launches over {(prev_end - first) / 1e3:.0f} us (first wait return -> last end)"
+    )
     by_shape = defaultdict(list)
     for row in rows:
         by_shape[row["name"]].append(row)
     print()
     print("medians over each shape's launches, us (see the docstring)")
-    hdr = (
-        f"{'shape':<22}{'calls':>6}{'CTAs':>6}{'MB':>7}{'ideal':>7}{'span':>7}{'%bw':>5}{'ramp':>7}{'CTA':>7}"
-        f"{'epi':>6}{'p50':>7}{'p90':>7}{'last':>7}{'gap':>7}{'early':>7}{'sum span':>9}{'sum gap':>8}"
+    cols = ["ideal", "span", "%bw", "ramp", "loop", "epi", "p50", "p90", "gap", "early"]
+    print(
+        f"{'shape':<22}{'calls':>6}{'CTAs':>6}{'MB':>7}"
+        + "".join(f"{c:>7}" for c in cols)
+        + "  sum span  sum gap"
     )
-    print(hdr)
     for name, rs in sorted(by_shape.items(), key=lambda kv: -sum(r["span"] for r in kv[1])):
-        mb = rs[0]["bytes"] / 1e6
         ideal = rs[0]["bytes"] / bw * 1e6
         span = med([r["span"] for r in rs])
+        vals = [ideal, span, 100 * ideal / span if span > 0 else float("nan")] + [
+            med([r[c] for r in rs]) for c in cols[3:]
+        ]
+        sums = f"{sum(r['span'] for r in rs):>10.0f}{sum(r['gap'] for r in rs if r['gap'] == r['gap']):>9.0f}"
         print(
-            f"{name:<22}{len(rs):>6}{rs[0]['ctas']:>6}{mb:>7.1f}{ideal:>7.1f}{span:>7.1f}"
-            f"{100 * ideal / span:>5.0f}{med([r['ramp'] for r in rs]):>7.1f}"
-            f"{med([r['cta'] for r in rs]):>7.1f}"
-            f"{med([r['epi'] for r in rs]):>6.1f}{med([r['p50'] for r in rs]):>7.1f}"
-            f"{med([r['p90'] for r in rs]):>7.1f}{span:>7.1f}{med([r['gap'] for r in rs]):>7.1f}"
-            f"{med([r['early'] for r in rs]):>7.1f}{sum(r['span'] for r in rs):>9.0f}"
-            f"{sum(r['gap'] for r in rs if r['gap'] == r['gap']):>8.0f}"
+            f"{name:<22}{len(rs):>6}{rs[0]['ctas']:>6}{rs[0]['bytes'] / 1e6:>7.1f}"
+            + "".join(f"{v:>7.1f}" for v in vals)
+            + sums
         )
-    # One launch of each shape in detail: CTAs running per 1 us from its first wait return.
     print()
-    print("CTAs past their wait and not yet ended, per us from the first wait return (one launch per shape,")
-    print("the one nearest the middle of the step); '|' marks the p90 end")
-    for name in by_shape:
-        keys = [k for k in order if weights.get(k, ("",))[0] == name]
-        recs = launches[keys[len(keys) // 2]]
+    print(
+        "CTAs running at the middle of each us from the first wait return (the launch of each shape nearest"
+    )
+    print("the middle of the step); '|' marks the p90 end; then CTAs per SM in the first us (min-max)")
+    for name, rs in by_shape.items():
+        recs = launches[rs[len(rs) // 2]["key"]]
         wait0 = min(r[1] for r in recs)
         ends = sorted(r[3] for r in recs)
         p90 = int((ends[int(len(ends) * 0.9)] - wait0) / 1e3)
         cells = []
         for b in range(int((ends[-1] - wait0) / 1e3) + 1):
-            lo, hi = wait0 + b * 1000, wait0 + (b + 1) * 1000
-            c = sum(1 for r in recs if max(r[0], r[1]) < hi and r[3] > lo)
-            cells.append(f"{c}" + ("|" if b == p90 else ""))
-        per_sm = defaultdict(int)
+            mid = wait0 + b * 1000 + 500
+            running = sum(1 for r in recs if r[1] <= mid < r[3])
+            cells.append(f"{running}" + ("|" if b == p90 else ""))
+        per_sm = [0] * sms
         for r in recs:
-            if max(r[0], r[1]) < wait0 + 1000:
+            if r[1] < wait0 + 1000 and (r[6] >> 32) < sms:
                 per_sm[r[6] >> 32] += 1
-        cells.append(f"(first us: {min(per_sm.values())}-{max(per_sm.values())} CTAs per SM)")
-        print(f"{name:<22} " + " ".join(cells))
+        print(f"{name:<22} " + " ".join(cells) + f" ({min(per_sm)}-{max(per_sm)} per SM)")
 
 
 if __name__ == "__main__":

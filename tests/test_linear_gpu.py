@@ -341,6 +341,8 @@ def test_timeline_trace_records_every_cta_and_keeps_the_bits():
     pointer) and gives the plain build's bits; a full buffer counts on without writing past its end."""
     from lumo.kernels import linear
 
+    with pytest.raises(ValueError, match="trace buffer"):
+        linear.set_trace(torch.zeros(4, 7, dtype=torch.int64, device=DEV))
     gen = torch.Generator(DEV).manual_seed(31)
     n, k = 64 * 5 + 3, 16 * 16 * 4
     packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=4)
@@ -352,9 +354,11 @@ def test_timeline_trace_records_every_cta_and_keeps_the_bits():
         y = nvfp4_linear(x, packed, out=poisoned(1, n), rd=(1, 2))
         torch.cuda.synchronize()
         assert torch.equal(y, want)
-        ctas = packed.row_groups * linear.MT  # one m16 tile per CTA (24)
+        grid, _, _ = linear._rd_shape(packed.row_groups, 1, 1, packed.splits, 1)  # one m16 tile per CTA
+        ctas = grid[0] * grid[1]
         assert buf[0, 0].item() == ctas > 20
         rec = buf[1:21].cpu()
+        assert (rec[:, 0] > 0).all()  # stamped
         assert (
             (rec[:, 0] <= rec[:, 1]).all()
             and (rec[:, 1] <= rec[:, 2]).all()

@@ -49,9 +49,6 @@
 #include "mma.cuh"
 #include "pdl.cuh"
 
-#ifndef TRIGGER_FIRST
-#define TRIGGER_FIRST 1  // merge kernels: pdl_begin_early (pdl.cuh); attention.py: MERGE_TRIGGER_FIRST
-#endif
 #ifndef D
 #define D 256  // head dim
 #endif
@@ -399,11 +396,7 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
                                            const bf16* __restrict__ gate, long long gate_rs, int gate_hs,
                                            bf16* __restrict__ out, int nh, int nch, int use_gate) {
   __shared__ float gm[MERGE_GROUPS][2], ga[MERGE_GROUPS][32 * PER];
-#if TRIGGER_FIRST
   pdl_begin_early();  // the out-projection's CTAs prefetch its weights while the chunk kernel runs
-#else
-  pdl_begin();
-#endif
   const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31, k0 = blockIdx.y * 32 * PER;
   const int t = blockIdx.x / nh;
   const int n = *length + __popcll((u64)mask[t]);

@@ -36,14 +36,9 @@ def check_heads(nh: int, nkv: int, d: int) -> None:
         )
 
 
-# The merge kernels let the next kernel (the attention out-projection) launch before they wait for the
-# chunk kernel (pdl.cuh pdl_begin_early; the same bits either way). False: wait first.
-MERGE_TRIGGER_FIRST = True
-
-
 @functools.cache
 def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel]:
-    defines = {"D": d, "G": g, "TRIGGER_FIRST": int(MERGE_TRIGGER_FIRST)}
+    defines = {"D": d, "G": g}
     return (
         compile_kernel("attention.cu", "attn_decode_chunk", defines),
         compile_kernel("attention.cu", "attn_decode_merge", defines),

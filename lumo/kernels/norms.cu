@@ -131,9 +131,6 @@ extern "C" __global__ void __launch_bounds__(NT)
 // o [T, nv, DV] f32 or bf16 with row stride o_rs (elements); z [T, nv, DV] bf16 with row stride z_rs;
 // w [DV] bf16; y [T, nv * DV] bf16 contiguous.
 #define EPL (DV / 32)  // values per lane (lane L owns L*EPL .. L*EPL + EPL-1)
-#ifndef TRIGGER_FIRST
-#define TRIGGER_FIRST 1  // pdl_begin_early (pdl.cuh); norms.py passes GATED_TRIGGER_FIRST
-#endif
 #if O_F32
 typedef float o_t;
 #else
@@ -146,11 +143,7 @@ extern "C" __global__ void __launch_bounds__(32 * GWARPS)
   const int lane = threadIdx.x & 31;
   float ov[EPL], zv[EPL], wv[EPL], out[EPL];
   ld_bf16<EPL>(w + lane * EPL, wv);  // the norm weight, before the wait (no kernel writes it)
-#if TRIGGER_FIRST
   pdl_begin_early();  // the out-projection's CTAs prefetch its weights while the GDN kernels run
-#else
-  pdl_begin();
-#endif
   const long long item = (long long)blockIdx.x * GWARPS + (threadIdx.x >> 5);
   if (item >= (long long)T * nv) return;
   const int t = (int)(item / nv), hd = (int)(item % nv);

@@ -25,15 +25,9 @@ def rms_threads(h: int) -> int:
     return 32 if h <= 256 else min(1024, -(-h // 256) * 32)
 
 
-# gated_rmsnorm lets the next kernel (the GDN out-projection) launch before it waits for the GDN kernels
-# (pdl.cuh pdl_begin_early; the same bits either way). False: wait first, as every other row kernel does.
-GATED_TRIGGER_FIRST = True
-
-
 @functools.cache
 def _kernel(name: str, hid: int = 5120, dv: int = 128, o_f32: int = 1) -> Kernel:
-    defines = {"HID": hid, "NT": rms_threads(hid), "DV": dv, "O_F32": o_f32}
-    return compile_kernel("norms", name, defines | {"TRIGGER_FIRST": int(GATED_TRIGGER_FIRST)})
+    return compile_kernel("norms", name, {"HID": hid, "NT": rms_threads(hid), "DV": dv, "O_F32": o_f32})
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:

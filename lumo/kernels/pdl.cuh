@@ -47,8 +47,9 @@ __device__ __forceinline__ void pdl_begin() {
 // the GEMV's CTAs are placed while this kernel still waits, and their L2 prefetch of its weights overlaps
 // the kernels before it (H200, 27B decode step at 1k: 5.354 -> 5.320 ms for the gated norm, session 14).
 // The chain stays transitive (this kernel completes only after its predecessor: it waits before any
-// write); the GEMV reads nothing before its own pdl_wait but its weights. Before every GEMV it is slower
-// (rmsnorm1p_residual: 5.354 -> 5.467 ms): the GEMV's prefetch then competes with the previous GEMV's tail.
+// write); the GEMV reads nothing before its own pdl_wait but its weights. In rmsnorm1p_residual (before
+// the other GEMVs) it was slower, 5.354 -> 5.467 ms: there the GEMV's prefetch competes with the previous
+// GEMV's tail.
 __device__ __forceinline__ void pdl_begin_early() {
   pdl_trigger();
   pdl_wait();
