@@ -39,7 +39,7 @@ from bench_decode import (  # same folder: one floor, one profile
 
 from lumo.config import FULL, TreeConfig
 from lumo.corpus import split_documents, stdlib_documents
-from lumo.engine.draft_vocab import draft_vocab_ids
+from lumo.engine.draft_vocab import MIN_DRAFT_VOCAB, draft_vocab_ids
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import config_27b, pack_draft_head, pack_weights, random_model_weights
@@ -277,8 +277,11 @@ def big(layers: int, context: int, events: int, draft_vocab: int) -> dict:
     gw = pack_weights(cfg, w, "cuda", mtp=True)
     # The same weights with a draft vocabulary of the draft_vocab lowest ids (the ids do not matter to the
     # time on random weights): the draft head's rows of the lm_head.
-    if not 8 <= draft_vocab <= cfg.vocab_size:
-        raise SystemExit(f"--draft-vocab: the 27B size must lie in [8, {cfg.vocab_size}], got {draft_vocab}")
+    if not MIN_DRAFT_VOCAB <= draft_vocab <= cfg.vocab_size:
+        raise SystemExit(
+            f"--draft-vocab: the 27B size must lie in [{MIN_DRAFT_VOCAB}, {cfg.vocab_size}], "
+            f"got {draft_vocab}"
+        )
     head, ids = pack_draft_head(w.lm_head, torch.arange(draft_vocab), "cuda")
     gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=ids))
     del w

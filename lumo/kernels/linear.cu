@@ -94,8 +94,9 @@
 // Timeline trace (bench/trace_step.py only; the library never sets it): LUMO_TRACE is the address of a
 // device buffer of u64 [1 + LUMO_TRACE_CAP, 8]; word 0 counts records (past the end too). nvfp4_gemv_rd's
 // thread 0 appends one per CTA: %globaltimer ns at its start, after pdl_wait, after the main loop and at its
-// end; smid << 32 | CTAs in the grid; the weight pointer (which launch). The stamps wait in shared memory,
-// not registers, so that the traced build keeps the plain build's occupancy. Other builds: nothing.
+// end (words 0-3; words 4-5 are zero, unused); smid << 32 | CTAs in the grid; the weight pointer (which
+// launch). The stamps wait in shared memory, not registers, so that the traced build keeps the plain
+// build's occupancy. Other builds: nothing.
 #ifdef LUMO_TRACE
 __device__ __forceinline__ unsigned long long trace_ns() {
   unsigned long long t;
@@ -118,7 +119,6 @@ __device__ __forceinline__ void trace_store(const unsigned long long* t, const v
 #else
 #define TRACE_AT(i) ((void)0)
 #endif
-
 
 typedef unsigned int u32;
 typedef __nv_bfloat16 bf16;
