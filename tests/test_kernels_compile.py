@@ -116,8 +116,10 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 
 
 def test_register_direct_launch_choice():
-    """choose_rd: every 27B shape runs the register-direct kernel at M <= 8; the cluster-reduced kernel
-    takes 16 slices from M = 9 and 8 slices from M = 17 on."""
+    """choose_rd: every 27B shape runs the register-direct kernel at M <= 32 but the 16-slice down
+    projection, which takes the cluster-reduced kernel from M = 9 on; 8 slices above M = 16 run two-tile
+    CTAs in clusters of two (RD_CLUSTERS)."""
+    from lumo.kernels import linear
     from lumo.kernels.linear import choose_rd, choose_splits
 
     shapes = [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]
@@ -126,11 +128,13 @@ def test_register_direct_launch_choice():
         splits = choose_splits(n, k)
         for m in range(1, 33):
             rd = choose_rd(splits, m)
-            if m > 16 and splits >= 8 or m > 8 and splits == 16:
+            if m > 8 and splits == 16:
                 assert rd is None, (n, k, m)
                 continue
             mtw, pf = rd
             assert mtw in (1, 2, 4) and pf >= 2, (n, k, m)
+            if m > 16 and splits == 8:
+                assert (mtw, pf) == (2, 2) and linear.RD_CLUSTERS[(-(-m // 8), 2, 2, 8)][0] == 2, (n, k, m)
 
 
 def test_l2_prefetch_budget():

@@ -142,7 +142,7 @@ def test_wave_fitted_tile_width_keeps_the_bits():
         assert torch.equal(nvfp4_linear(x, packed, out=poisoned(m, n), rd=fitted), cross), (m, fitted)
 
 
-@pytest.mark.parametrize("splits", [2, 5, 16])
+@pytest.mark.parametrize("splits", [2, 5, 8, 16])
 def test_split_k_variants_equal_cross_cta(splits):
     """The register-direct in-CTA split-K kernel (a warp per slice, slices summed in shared memory) and the
     cluster-reduced one (sm_90+: the S CTAs of a tile sum in distributed shared memory) give the bits of
@@ -161,7 +161,7 @@ def test_split_k_variants_equal_cross_cta(splits):
             for st, rgw, tpw in ((None, None, None), (2, 1, None), (3, 8, None), (3, 2, 1), (None, 4, 2)):
                 y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, tpw=tpw, cluster=True)
                 assert torch.equal(y, cross), (m, st, rgw, tpw)
-        rds = ((1, 1), (1, 2), (1, 4), (2, 3), (4, 2), (2, 6)) if m <= 8 else ((1, 2), (4, 2))
+        rds = ((1, 1), (1, 2), (1, 4), (2, 3), (4, 2), (2, 6)) if m <= 8 else ((1, 2), (2, 2), (4, 2))
         for rd in rds:  # register-direct: any tile width and prefetch depth that fits shared memory
             if splits * rd[0] * -(-m // 8) * 512 > smem_limit(x.device):
                 continue

@@ -8,8 +8,10 @@
 // with gdn_step.cuh's per-token code (the code gdn_recurrent runs, with the same DVT, so the same lane
 // layout and reduction trees):
 //   - a plain item steps the path's tile S in registers (a node of the path, root first);
-//   - a FORK item copies S into a temporary tile and steps the copy, then drops it: S stays the state after
-//     the fork's parent, which the path owns and has just stepped;
+//   - a FORK item steps S and then restores it from shared memory (saved before the first fork of a run):
+//     S stays the state after the fork's parent, which the path owns and has just stepped, and the fork's
+//     o is that of stepping a copy, bit for bit (a register copy cost 64 registers and halved the warps an
+//     SM holds);
 //   - a WRITE item writes o[node]. Every real node is written by exactly one item (walking nodes shared
 //     by several paths by the first of them, forks by the owner of their parent); padding rows never.
 // A node's o is thus gdn_step applied to the state after its own root-to-node path: bitwise what plain
@@ -77,6 +79,10 @@ extern "C" __global__ void __launch_bounds__(32)
   const int* item = items + (size_t)p * item_stride;
   float4 S[GDN_R];  // [GDN_R rows][4 columns] of the committed state tile, private to this path
   gdn_load_state(state + gdn_state_offset(h, j0, lane), S);
+  // A fork steps S itself and then takes it back from `keep` (saved once per run of forks): the bits of
+  // stepping a copy, without a second tile in registers (222 -> 154 registers at the 27B shape).
+  __shared__ float4 keep[GDN_R][32];
+  bool saved = false;
 
   GdnRaw next;
   int it = item[0];
@@ -94,14 +100,18 @@ extern "C" __global__ void __launch_bounds__(32)
     }
     GdnToken tok;
     gdn_prepare(raw, A, dtb, tok);
-    float4 y;
-    if (cur & GDN_FORK) {  // warp-uniform branch: the same gdn_step on a copy, S left as it was
-      float4 F[GDN_R];
+    const bool fork = cur & GDN_FORK;  // warp-uniform
+    if (fork && !saved) {
 #pragma unroll
-      for (int m = 0; m < GDN_R; ++m) F[m] = S[m];
-      y = gdn_step(F, tok);
+      for (int m = 0; m < GDN_R; ++m) keep[m][lane] = S[m];
+      saved = true;
+    }
+    const float4 y = gdn_step(S, tok);
+    if (fork) {  // back to the state after the fork's parent
+#pragma unroll
+      for (int m = 0; m < GDN_R; ++m) S[m] = keep[m][lane];
     } else {
-      y = gdn_step(S, tok);
+      saved = false;
     }
     if (lane < GDN_CQ && (cur & GDN_WRITE))
       gdn_write_o(o + ((size_t)(cur & GDN_NODE) * NV + h) * DV + j0 + 4 * lane, y);

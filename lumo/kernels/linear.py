@@ -376,11 +376,15 @@ def _clusters(device: torch.device) -> bool:
 # 169.7 us against 177 with PF 4 (sessions 8 and 9, bench_linear_session9_l2pf.log). At M = 1 one tile
 # and PF 2 for 4 and 8 slices (session 12: gate+up 29.5 -> 27.7 us, attention q/k/v 14.9 -> 13.9, GDN
 # q/k/v/z 16.5 -> 15.7, bench_linear_session12_spw_xs.log; the 27B decode step at 1k 5.66 -> 5.54 ms).
+# At 16 < M <= 32 with 8 slices two tiles and PF 2, in clusters of two CTAs (RD_CLUSTERS), replaced
+# nvfp4_gemv_sx (session 15, bench_linear_session15_m32.log, us at M = 24 / 32): 6144 -> 5120 14.1 -> 12.6 /
+# 15.5 -> 12.9, attention q/k/v 24.2 -> 20.6 / 27.4 -> 26.5, 5120 -> 6144 12.6 -> 12.1 / 14.2 -> 11.1,
+# 5120 -> 10240 20.3 -> 17.5 / 19.5 -> 19.0.
 RD_CHOICE = (
     (1, {1: (2, 3), 2: (1, 2), 4: (1, 2), 8: (1, 2), 16: (1, 2)}),
     (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
     (16, {1: (2, 2), 2: (2, 2), 4: (2, 2), 8: (2, 2)}),
-    (SMALL_M, {1: (2, 2), 2: (2, 2), 4: (4, 2)}),
+    (SMALL_M, {1: (2, 2), 2: (2, 2), 4: (4, 2), 8: (2, 2)}),
 )
 
 
@@ -414,9 +418,13 @@ def _rd_fit_waves(
         return rd
     sms = sm_count(device)
 
-    def fill(w: int) -> float:
-        per_sm = _rd_kernel(nt, w, pf, splits, glu=glu).blocks_per_sm(32 * splits, splits * w * nt * 512)
-        return wave_fill(tiles // w, per_sm, sms)
+    def fill(w: int) -> float:  # the build RD_CLUSTERS names for width w
+        cl = RD_CLUSTERS.get((nt, w, pf, splits), (1, 1))[0]
+        if not _rd_cluster_fits(nt, w, pf, splits, cl, tiles // MT, 0, glu, device):
+            cl = 1
+        grid, block, shmem = _rd_shape(tiles // MT, nt, w, splits, cl)
+        per_sm = _rd_kernel(nt, w, pf, splits, glu=glu, rdcl=cl).blocks_per_sm(block, shmem)
+        return wave_fill(grid[0] * cl, per_sm, sms)
 
     return (mtw // 2, pf) if fill(mtw // 2) > fill(mtw) + WAVE_MARGIN else rd
 
@@ -448,9 +456,10 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 # nvfp4_gemv_rd configs launched as clusters of CTAs of fewer warps (sm_90+): (NT, MTW, PF, slices) -> (CTAs
 # per cluster, minimum resident CTAs per SM). The 27B's down projection at M = 1 (16 slices, 320 one-tile
 # CTAs of 16 warps at 54 registers, two per SM) runs 1.21 waves; as 640 CTAs of 8 warps, at most 48
-# registers (five per SM), it fits one wave. A launch choice only (same bits).
-# (Entries with MTW > 1 would also need _rd_fit_waves to size the clustered build.)
-RD_CLUSTERS = {(1, 1, 2, 16): (2, 5)}
+# registers (five per SM), it fits one wave. At 16 < M <= 32 the 8-slice weights run two-tile CTAs of four
+# warps in pairs (RD_CHOICE above): at NT = 4 a CTA of all eight slices needs ~40K registers, one per SM.
+# A launch choice only (same bits).
+RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (3, 2, 2, 8): (2, 1), (4, 2, 2, 8): (2, 1)}
 
 
 def _rd_cluster_fits(
