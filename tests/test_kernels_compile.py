@@ -118,9 +118,8 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 def test_register_direct_launch_choice():
     """choose_rd: every 27B shape runs the register-direct kernel at M <= 32 but the 16-slice down
     projection, which takes the cluster-reduced kernel from M = 9 on; 8 slices above M = 16 run two-tile
-    CTAs in clusters of two (RD_CLUSTERS)."""
-    from lumo.kernels import linear
-    from lumo.kernels.linear import choose_rd, choose_splits
+    CTAs, above M = 24 in clusters of two (RD_CLUSTERS)."""
+    from lumo.kernels.linear import RD_CLUSTERS, choose_rd, choose_splits
 
     shapes = [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]
     shapes += [(34816, 5120), (5120, 17408), (248320, 5120)]
@@ -134,7 +133,55 @@ def test_register_direct_launch_choice():
             mtw, pf = rd
             assert mtw in (1, 2, 4) and pf >= 2, (n, k, m)
             if m > 16 and splits == 8:
-                assert (mtw, pf) == (2, 2) and linear.RD_CLUSTERS[(-(-m // 8), 2, 2, 8)][0] == 2, (n, k, m)
+                cl = RD_CLUSTERS.get((-(-m // 8), 2, 2, 8), (1, 1))[0]
+                assert (mtw, pf, cl) == (2, 2, 2 if m > 24 else 1), (n, k, m)
+
+
+def test_wave_fit_sizes_the_clustered_build(monkeypatch):
+    """linear._rd_fit_waves: four-tile warps narrow to two where that fills the waves better, two-tile
+    ones never narrow at NT >= 3, and a width is judged by the build it would launch: the clustered one
+    that RD_CLUSTERS names (CTAs of splits / rdcl warps, rdcl per tile group), or one CTA where the device
+    refuses that cluster. Occupancy from an sm_90 register-file model with the builds' register counts
+    (cuobjdump -res-usage of the NVRTC cubins; the four-tile clustered count is made up), 132 SMs."""
+    import math
+
+    from lumo.kernels import linear
+
+    regs = {(4, 2, 2): 155, (4, 2, 1): 155, (4, 4, 1): 212, (4, 4, 2): 200, (3, 2, 1): 127}  # (NT, MTW, rdcl)
+    asked = []
+
+    class Fake:
+        def __init__(self, nt, mtw, rdcl):
+            self.key = (nt, mtw, rdcl)
+
+        def blocks_per_sm(self, block, shmem):
+            asked.append((*self.key, block, shmem))
+            per_warp = math.ceil(regs[self.key] * 32 / 256) * 256
+            return min(65536 // (per_warp * (block // 32)), 64 // (block // 32), 32)
+
+    def kernel(nt, mtw, pf, splits, probe=0, glu=False, rdcl=1):
+        return Fake(nt, mtw, rdcl)
+
+    monkeypatch.setattr(linear, "_rd_kernel", kernel)
+    monkeypatch.setattr(linear, "sm_count", lambda device: 132)
+    fit = linear._rd_fit_waves.__wrapped__  # uncached: the fakes must not stay in the cache
+    cpu = torch.device("cpu")
+    # gate+up at M = 32 (4 slices): 544 four-tile CTAs fill 69% of three waves' slots, 1088 two-tile ones
+    # 92% of three: two tiles (session 6: 68.6 -> 54.6 us)
+    monkeypatch.setattr(linear, "_rd_cluster_fits", lambda *a: a[4] == 1)
+    assert fit((4, 2), 34816 // 16, 4, 4, cpu) == (2, 2)
+    # 8 slices at NT 3 and 4 (the verify's out-projections and attention q/k/v; 5120 -> 10240, where one
+    # tile would fill three waves better than two tiles fill two but measured slower): two tiles
+    for n, nt in ((5120, 4), (14336, 4), (10240, 3), (10240, 4)):
+        assert fit((2, 2), n // 16, nt, 8, cpu) == (2, 2), (n, nt)
+    # A clustered four-tile entry (none is in the table today): its 2-warp CTAs, or one CTA if refused
+    monkeypatch.setitem(linear.RD_CLUSTERS, (4, 4, 2, 4), (2, 1))
+    for clusters in (True, False):
+        monkeypatch.setattr(linear, "_rd_cluster_fits", lambda *a, c=clusters: c or a[4] == 1)
+        asked.clear()
+        fit((4, 2), 34816 // 16, 4, 4, cpu)
+        block = 64 if clusters else 128
+        assert (4, 4, 2 if clusters else 1, block, block // 32 * 4 * 4 * 512) in asked, asked
 
 
 def test_l2_prefetch_budget():

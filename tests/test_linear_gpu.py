@@ -157,6 +157,15 @@ def test_split_k_variants_equal_cross_cta(splits):
         cross = nvfp4_linear(x, packed, rd=False, cluster=False)
         assert rel_err(cross, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
         assert torch.equal(nvfp4_linear(x, packed, out=poisoned(m, n)), cross), m  # the default launch
+        if splits == 8 and m > 16:  # the default is the register-direct kernel, in pairs of CTAs at NT 4
+            from lumo.kernels import linear
+
+            nt = -(-m // 8)
+            rd = linear._rd_fit_waves(linear.choose_rd(8, m), packed.row_groups * linear.MT, nt, 8, x.device)
+            cl = linear.RD_CLUSTERS.get((nt, *rd, 8), (1, 1))[0]
+            assert rd == (2, 2) and cl == (2 if m > 24 else 1), (m, rd, cl)
+            fits = linear._rd_cluster_fits(nt, 2, 2, 8, cl, packed.row_groups, 0, False, x.device)
+            assert fits == (cl == 1 or clusters), m
         if clusters:
             for st, rgw, tpw in ((None, None, None), (2, 1, None), (3, 8, None), (3, 2, 1), (None, 4, 2)):
                 y = nvfp4_linear(x, packed, out=poisoned(m, n), stages=st, rgw=rgw, tpw=tpw, cluster=True)
@@ -167,8 +176,9 @@ def test_split_k_variants_equal_cross_cta(splits):
                 continue
             y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd)
             assert torch.equal(y, cross), (m, rd)
-            # The slices spread over a cluster of CTAs (sm_90+), summed through distributed shared memory.
-            for rdcl in [c for c in (2, 4, 8) if clusters and splits % c == 0]:
+            # The slices spread over a cluster of CTAs (sm_90+), summed through distributed shared memory;
+            # rdcl = 1: one CTA even where RD_CLUSTERS names a cluster (a device that refuses it).
+            for rdcl in [c for c in (1, 2, 4, 8) if c == 1 or clusters and splits % c == 0]:
                 y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd, rdcl=rdcl)
                 assert torch.equal(y, cross), (m, rd, rdcl)
         # Slice activations in shared memory (nvfp4_gemv_sx): warps x tile width x prefetch, idle warps in

@@ -10,8 +10,8 @@
 //   - a plain item steps the path's tile S in registers (a node of the path, root first);
 //   - a FORK item steps S and then restores it from shared memory (saved before the first fork of a run):
 //     S stays the state after the fork's parent, which the path owns and has just stepped, and the fork's
-//     o is that of stepping a copy, bit for bit (a register copy cost 64 registers and halved the warps an
-//     SM holds);
+//     o is that of stepping a copy, bit for bit (a register copy took 68 registers more: 8 of these CTAs
+//     per SM instead of 12);
 //   - a WRITE item writes o[node]. Every real node is written by exactly one item (walking nodes shared
 //     by several paths by the first of them, forks by the owner of their parent); padding rows never.
 // A node's o is thus gdn_step applied to the state after its own root-to-node path: bitwise what plain

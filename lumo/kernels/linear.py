@@ -371,15 +371,16 @@ def _clusters(device: torch.device) -> bool:
 # (MTW, PF) of the register-direct in-CTA split-K kernel by split-K slice count, for M up to the first
 # number; a missing entry runs nvfp4_gemv (one slice) or the cluster-reduced nvfp4_gemv_cl. From the H200
 # sweeps of bench/bench_linear.py (docs/kernels.md): at M <= 8 it won at every slice count (the lm_head's
-# one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 up to 8 slices; at M = 32
-# up to 4 (5120 -> 10240, 8 slices: 19.4 us in clusters against 32.5). The lm_head at M = 1 takes PF 3:
+# one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 and M = 32 up to 8 slices
+# (below). The lm_head at M = 1 takes PF 3:
 # 169.7 us against 177 with PF 4 (sessions 8 and 9, bench_linear_session9_l2pf.log). At M = 1 one tile
 # and PF 2 for 4 and 8 slices (session 12: gate+up 29.5 -> 27.7 us, attention q/k/v 14.9 -> 13.9, GDN
 # q/k/v/z 16.5 -> 15.7, bench_linear_session12_spw_xs.log; the 27B decode step at 1k 5.66 -> 5.54 ms).
-# At 16 < M <= 32 with 8 slices two tiles and PF 2, in clusters of two CTAs (RD_CLUSTERS), replaced
-# nvfp4_gemv_sx (session 15, bench_linear_session15_m32.log, us at M = 24 / 32): 6144 -> 5120 14.1 -> 12.6 /
-# 15.5 -> 12.9, attention q/k/v 24.2 -> 20.6 / 27.4 -> 26.5, 5120 -> 6144 12.6 -> 12.1 / 14.2 -> 11.1,
-# 5120 -> 10240 20.3 -> 17.5 / 19.5 -> 19.0.
+# At 16 < M <= 32 with 8 slices two tiles and PF 2 replaced nvfp4_gemv_sx (session 15,
+# bench_linear_session15_m32.log, us): at M = 32 in clusters of two CTAs (RD_CLUSTERS) 6144 -> 5120 15.5 ->
+# 12.9, attention q/k/v 27.4 -> 26.5, 5120 -> 6144 14.2 -> 11.1, 5120 -> 10240 19.5 -> 19.0; at M = 24 in
+# one CTA 14.1 -> 11.9, 24.2 -> 18.6, 12.6 -> 10.7, 20.3 -> 15.8 (there the clusters ran 12.6, 20.6, 12.1,
+# 17.5).
 RD_CHOICE = (
     (1, {1: (2, 3), 2: (1, 2), 4: (1, 2), 8: (1, 2), 16: (1, 2)}),
     (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
@@ -412,9 +413,13 @@ def _rd_fit_waves(
     better by WAVE_MARGIN: twice the CTAs of fewer registers can fill whole waves where the wide tile leaves
     a last wave mostly empty (session 6, H200, M = 32, 4 slices: gate+up's 544 four-tile CTAs at 2 per SM
     ran 68.6 us, its 1088 two-tile CTAs at 3 per SM 54.6; GDN q/k/v/z, 256 four-tile CTAs, stays: 27.4 us
-    against 32.8). A launch choice only (same bits)."""
+    against 32.8). At NT >= 3 never below two tiles: a one-tile warp reads as many bytes of activations as
+    a two-tile one for half the weights, and every one-tile build measured there lost whatever its wave fill
+    (session 15, bench_linear_session15_m32.log: 5120 -> 10240 at M = 24, 8 slices, 20.7 us against 15.7 for
+    two tiles; at M = 32 gate+up 72.9 against 47.2, 6144 -> 5120 19.8 against 15.5). A launch choice only
+    (same bits)."""
     mtw, pf = rd
-    if mtw == 1:
+    if mtw == 1 or (mtw == 2 and nt >= 3):
         return rd
     sms = sm_count(device)
 
@@ -456,10 +461,11 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 # nvfp4_gemv_rd configs launched as clusters of CTAs of fewer warps (sm_90+): (NT, MTW, PF, slices) -> (CTAs
 # per cluster, minimum resident CTAs per SM). The 27B's down projection at M = 1 (16 slices, 320 one-tile
 # CTAs of 16 warps at 54 registers, two per SM) runs 1.21 waves; as 640 CTAs of 8 warps, at most 48
-# registers (five per SM), it fits one wave. At 16 < M <= 32 the 8-slice weights run two-tile CTAs of four
-# warps in pairs (RD_CHOICE above): at NT = 4 a CTA of all eight slices needs ~40K registers, one per SM.
+# registers (five per SM), it fits one wave. At 24 < M <= 32 the 8-slice weights run two-tile CTAs of four
+# warps in pairs (RD_CHOICE above): at NT = 4 a CTA of all eight slices needs ~40K registers (one per SM),
+# a pair's CTA 20K (three). At NT = 3 (128 registers, two CTAs of eight warps per SM) one CTA was faster.
 # A launch choice only (same bits).
-RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (3, 2, 2, 8): (2, 1), (4, 2, 2, 8): (2, 1)}
+RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (4, 2, 2, 8): (2, 1)}
 
 
 def _rd_cluster_fits(
