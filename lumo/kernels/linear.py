@@ -423,10 +423,8 @@ def _rd_fit_waves(
         return rd
     sms = sm_count(device)
 
-    def fill(w: int) -> float:  # the build RD_CLUSTERS names for width w
-        cl = RD_CLUSTERS.get((nt, w, pf, splits), (1, 1))[0]
-        if not _rd_cluster_fits(nt, w, pf, splits, cl, tiles // MT, 0, glu, device):
-            cl = 1
+    def fill(w: int) -> float:  # the build the default launch would run at width w
+        cl = _rd_default_cluster(nt, w, pf, splits, tiles // MT, 0, glu, device)
         grid, block, shmem = _rd_shape(tiles // MT, nt, w, splits, cl)
         per_sm = _rd_kernel(nt, w, pf, splits, glu=glu, rdcl=cl).blocks_per_sm(block, shmem)
         return wave_fill(grid[0] * cl, per_sm, sms)
@@ -478,6 +476,15 @@ def _rd_cluster_fits(
         return False
     kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
     return kern.max_cluster_size(*_rd_shape(rg, nt, mtw, splits, rdcl)) >= rdcl
+
+
+def _rd_default_cluster(
+    nt: int, mtw: int, pf: int, splits: int, rg: int, probe: int, glu: bool, device: torch.device
+) -> int:
+    """CTAs per cluster of nvfp4_gemv_rd's default launch: RD_CLUSTERS' entry, or 1 where the device cannot
+    schedule that cluster (one CTA holds every slice)."""
+    rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0]
+    return rdcl if _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, device) else 1
 
 
 def _rd_shape(rg: int, nt: int, mtw: int, splits: int, rdcl: int) -> tuple[tuple[int, int, int], int, int]:
@@ -570,9 +577,7 @@ def nvfp4_linear(
         mtw, pf = rd
         glu = bool(packed.glu_n)
         if rdcl is None:
-            rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0]
-            if not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
-                rdcl = 1  # no such cluster on this device: one CTA holds every slice
+            rdcl = _rd_default_cluster(nt, mtw, pf, splits, rg, probe, glu, x.device)
         elif rdcl < 1 or splits % rdcl:
             raise ValueError(f"rdcl must divide the {splits} slices, got {rdcl}")
         elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
