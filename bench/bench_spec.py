@@ -12,7 +12,9 @@
 3. GDN tree step at 27B shapes, ours (gdn_tree over the rows, leaves forked off their parents, + gdn_decode
    replay of the accepted path) vs the design other engines use (every node's full state computed from its
    parent's and stored: gdn_decode(state_out=...) per node, then the accepted node's state copied in):
-   goal ours >= 3x faster.
+   goal ours >= 3x faster. Ours reads the rows' normalised q and k, made like the rows themselves before the
+   timed region (in the verify the conv writes them: conv_gather_qk); a second line times ours with a
+   standalone gdn_qk launch per layer as well.
 One table, printed last; JSON beside it in $OUT or bench/results/bench_spec.json.
 Run: python bench/bench_spec.py [--layers 64] [--context 1024] [--events 40] [--prompts 12]
 """
@@ -48,7 +50,7 @@ from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import chain_config
 from lumo.kernels.gdn import gdn_decode
-from lumo.kernels.gdn_tree import gdn_tree
+from lumo.kernels.gdn_tree import gdn_qk, gdn_tree
 from lumo.tokenizer import Tokenizer
 from lumo.weights import load_model
 
@@ -210,10 +212,28 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
 
     per_path = [tb.gdn_items.cuda(), tb.gdn_items_len.cuda()]
 
-    def ours(items=(engine.gdn_items, engine.gdn_items_len)) -> None:
+    # The rows' normalised q and k, as the verify's conv (conv_gather_qk) leaves them beside `mixed`: like
+    # mixed itself, made before the timed region (neither design's conv is timed). `with_qk` also times
+    # them as a standalone gdn_qk launch per layer.
+    heads = (cfg.linear_num_key_heads, nv, dk, dv)
+    qks = [gdn_qk(m, heads) for m in engine.gdn_mixed]
+
+    def ours(items=(engine.gdn_items, engine.gdn_items_len), with_qk: bool = False) -> None:
         for i, g in enumerate(gdn):
             mixed, ba = engine.gdn_mixed[i], engine.gdn_ba[i]
-            gdn_tree(mixed, ba[:, nv:], ba[:, :nv], g.A_log, g.dt_bias, states[i], *items, out=engine.gdn_o)
+            if with_qk:
+                gdn_qk(mixed, heads, out=qks[i])
+            gdn_tree(
+                mixed,
+                ba[:, nv:],
+                ba[:, :nv],
+                g.A_log,
+                g.dt_bias,
+                states[i],
+                *items,
+                out=engine.gdn_o,
+                qk=qks[i],
+            )
             gdn_decode(
                 mixed,
                 ba[:, nv:],
@@ -245,8 +265,10 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
 
     ms_ours, ms_other = graph_ms(ours), graph_ms(per_node)
     ms_per_path = graph_ms(lambda: ours(per_path))
+    ms_with_qk = graph_ms(lambda: ours(with_qk=True))
     return {
         "ours_ms": ms_ours,
+        "ours_with_qk_launch_ms": ms_with_qk,
         "per_node_ms": ms_other,
         "speedup": ms_other / ms_ours,
         "per_node_state_bytes": len(gdn) * n * nv * dk * dv * 4,
@@ -396,6 +418,11 @@ def main() -> None:
                 "GDN tree step ms: ours / per-node states",
                 f"{g['ours_ms']:.3f} / {g['per_node_ms']:.3f}",
                 f"{g['speedup']:.1f}x (goal >= 3x); rows' items {g['gdn_tree_items']}",
+            ),
+            (
+                "GDN tree step ms, ours with a gdn_qk launch per layer",
+                f"{g['ours_with_qk_launch_ms']:.3f}",
+                f"{g['per_node_ms'] / g['ours_with_qk_launch_ms']:.1f}x (the verify's conv does it)",
             ),
             (
                 "GDN tree step ms, one warp per walking path",

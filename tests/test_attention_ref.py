@@ -12,6 +12,7 @@ from lumo.kernels.attention import (
     attn_prefill,
     attn_prefill_ref,
     check_heads,
+    chunk_slots,
 )
 from lumo.model import attention
 
@@ -91,3 +92,13 @@ def test_decode_kernel_shared_memory_fits_a_gb10():
     """sm_120-family parts (the GB10) let a CTA opt into 99 KB of shared memory: the chunk kernel's
     sub-partials and staged query tiles must fit that for every head size it serves."""
     assert all(_shmem(d) <= 99 * 1024 for d in HEAD_DIMS)
+
+
+@pytest.mark.parametrize("sms,nkv", [(132, 4), (48, 4), (48, 5), (20, 8)])
+def test_chunk_slots_fill_one_wave(sms, nkv):
+    """One resident chunk CTA per SM: the slots of all kv heads fit one wave; one row never gets more slots
+    than the cache has chunks, tree rows keep them all (they split a short prefix's query tiles)."""
+    per = chunk_slots(nkv, 10**6, sms)
+    assert per * nkv <= sms < (per + 1) * nkv or per == 1
+    assert chunk_slots(nkv, 3, sms) == min(3, per)
+    assert chunk_slots(nkv, 3, sms, rows=32) == per

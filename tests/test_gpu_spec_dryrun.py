@@ -82,6 +82,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(norms, "_kernel", lambda *a, **k: factory(a[0]))
     monkeypatch.setattr(rope_kv, "_kernel", named("qk_norm_rope_kv"))
     monkeypatch.setattr(conv, "_kernel", lambda *a, **k: factory(a[0]))
+    monkeypatch.setattr(conv, "_qk_kernel", lambda *a, **k: factory("conv_gather_qk"))
     monkeypatch.setattr(gdn, "_kernel", named("gdn_recurrent"))
     monkeypatch.setattr(gdn_tree, "_kernel", named("gdn_tree"))
     monkeypatch.setattr(tree_ops, "_kernel", lambda *a, **k: factory(a[0]))
@@ -144,7 +145,7 @@ def test_one_event_dry_run(stubbed, tree):
         assert per_event["gdn_tree"] == n_gdn and per_event["gdn_recurrent"] == n_gdn  # verify + replay
         assert per_event["tree_accept"] == 1 and per_event["kv_remap"] == 1
         assert per_event["topk_final"] == tree.depth  # one candidate selection per depth
-        assert per_event["conv_state_commit"] == n_gdn and per_event["conv_gather"] == n_gdn
+        assert per_event["conv_state_commit"] == n_gdn and per_event["conv_gather_qk"] == n_gdn
     assert dec.stats.events == 3 and sum(dec.stats.accepted) == total - 3
     assert dec.engine.extra_bytes() > 0
 
@@ -160,7 +161,7 @@ def _emulated_ops():
     from lumo.kernels.attention import attn_decode_ref
     from lumo.kernels.conv import conv_gather_ref, conv_pred_chain, conv_prefill_ref, conv_state_commit_ref
     from lumo.kernels.gdn import gdn_decode_ref
-    from lumo.kernels.gdn_tree import gdn_tree_ref, gdn_tree_written
+    from lumo.kernels.gdn_tree import gdn_qk_ref, gdn_tree_ref, gdn_tree_written
     from lumo.kernels.linear import unpack_nvfp4
     from lumo.kernels.norms import gated_rmsnorm_ref, rmsnorm1p_ref, silu_mul_ref
     from lumo.kernels.sampling import sample_tokens_ref
@@ -233,6 +234,10 @@ def _emulated_ops():
         out = torch.empty(x.shape[0], x.shape[1], dtype=bf) if out is None else out
         return out.copy_(y)
 
+    def conv_gather_qk(x, w, state, pred, heads, out=None, qk=None):
+        y = conv_gather(x, w, state, pred, out)
+        return y, qk.copy_(gdn_qk_ref(y, heads))
+
     def conv_prefill(x, w, state, out=None):
         y, s = conv_prefill_ref(x, w, state)
         state.copy_(s)
@@ -267,7 +272,10 @@ def _emulated_ops():
     def gdn_prefill(mixed, a, b, A_log, dt_bias, state, out=None, state_out=None, out_dtype=bf):
         return gdn_decode(mixed, a, b, A_log, dt_bias, state, out, state_out, out_dtype)
 
-    def gdn_tree(mixed, a, b, A_log, dt_bias, state, items, items_len, out=None, out_dtype=bf):
+    def gdn_tree(mixed, a, b, A_log, dt_bias, state, items, items_len, out=None, out_dtype=bf, qk=None):
+        nk, dk = (mixed.shape[1] - state.shape[0] * state.shape[2]) // (2 * state.shape[1]), state.shape[1]
+        # the engine hands over the qk of this layer's rows (a stale or another layer's qk fails here)
+        assert qk is not None and torch.equal(qk, gdn_qk_ref(mixed, (nk, state.shape[0], dk, state.shape[2])))
         o = gdn_tree_ref(mixed, a, b, A_log, dt_bias, state, items, items_len)
         keep = gdn_tree_written(items, items_len, mixed.shape[0])[:, None, None]
         return out.copy_(torch.where(keep, o.to(bf), out))

@@ -9,8 +9,9 @@ import torch
 
 from lumo.config import TreeConfig
 from lumo.engine.tree import TreeBuffers, build_tree, chain_config, gdn_schedule
+from lumo.kernels.conv import conv_gather, conv_gather_qk, conv_pred
 from lumo.kernels.gdn import gdn_decode
-from lumo.kernels.gdn_tree import gdn_tree, gdn_tree_ref, gdn_tree_rows
+from lumo.kernels.gdn_tree import gdn_qk, gdn_qk_ref, gdn_tree, gdn_tree_ref, gdn_tree_rows
 from lumo.kernels.sampling import sample_tokens, sample_tokens_ref
 from lumo.kernels.tree_ops import (
     accept_buffers,
@@ -120,6 +121,38 @@ GENERAL = [[-1], [-1, 0, 0, 0], [-1, 0, 1, 1, 0, 4, 4, 2, 5, 5, 3], random_paren
 @pytest.mark.parametrize("nk,nv,dk,dv,pbf16", [SHAPES[0], SHAPES[2]], ids=[SHAPE_IDS[0], SHAPE_IDS[2]])
 def test_gdn_tree_general_trees(nk, nv, dk, dv, pbf16, parent, max_rows):
     check_tree(parent, len(parent) + 3, nk, nv, dk, dv, pbf16, max_rows)
+
+
+# + one head per CTA; a CTA holding k heads and v channels; eight heads per CTA
+QK_SHAPES = [s[:4] for s in SHAPES] + [(1, 2, 256, 64), (3, 3, 32, 24), (5, 5, 16, 16)]
+
+
+@pytest.mark.parametrize(
+    "nk,nv,dk,dv", QK_SHAPES, ids=[f"nk{a}-nv{b}-dk{c}-dv{d}" for a, b, c, d in QK_SHAPES]
+)
+def test_normalised_qk(nk, nv, dk, dv):
+    """conv_gather_qk: y bitwise conv_gather's, qk bitwise gdn_qk's of y and within f32 noise of the fp32
+    l2norm; gdn_tree given that qk writes bitwise what it computes with qk=None (its own gdn_qk launch)."""
+    heads, C, K = (nk, nv, dk, dv), 2 * nk * dk + nv * dv, 4
+    gen = torch.Generator(DEV).manual_seed(dk * 7 + nv)
+    parent = build_tree(TreeConfig(depth=4, topk=3, budget=9, rows=13)).parent.tolist()
+    R = len(parent)
+    x = torch.randn(R, C + 5, generator=gen, device=DEV).to(torch.bfloat16)[:, 2 : 2 + C]  # a strided view
+    w = (torch.randn(C, K, generator=gen, device=DEV) * 0.5).to(torch.bfloat16)
+    state = torch.randn(C, K - 1, generator=gen, device=DEV).to(torch.bfloat16)
+    pred = conv_pred(parent, K).to(DEV)
+    qk_nan = torch.full((R, 2 * nk * dk), float("nan"), device=DEV)
+    y, qk = conv_gather_qk(x, w, state, pred, heads, qk=qk_nan)
+    assert torch.equal(y, conv_gather(x, w, state, pred))
+    assert torch.equal(qk, gdn_qk(y, heads)), "fused and standalone normalisation differ"
+    assert rel(qk, gdn_qk_ref(y.cpu(), heads)) < 1e-6
+    if dk > 128:  # (gdn_tree's state tile would not fit its registers)
+        return
+    inp = gdn_inputs(R, nk, nv, dk, dv, False, seed=dk + nv)
+    inp["mixed"] = y
+    items = {k: v.to(DEV) for k, v in zip(("items", "items_len"), gdn_schedule(parent, 2), strict=True)}
+    o_own = gdn_tree(**inp, **items, out_dtype=torch.float32)
+    assert torch.equal(gdn_tree(**inp, **items, out_dtype=torch.float32, qk=qk), o_own)
 
 
 def test_gdn_tree_rows_fit_one_wave():

@@ -4,9 +4,10 @@
 launch sequences, each capturable as a CUDA graph (every per-event value lives in a device buffer):
   draft          the MTP head walks the spine (D - 1 one-row steps); after each step `topk_select` writes
                  the spine token and its siblings into the tree's token buffer (draft_node_table);
-  verify         one target forward over the R tree rows (linears at M = R, conv_gather over conv_pred,
-                 gdn_tree, attention with ancestor masks), final norm + lm_head for all rows, then
-                 sample_tokens per row at absolute position len + depth + 1;
+  verify         one target forward over the R tree rows (linears at M = R, conv_gather_qk over conv_pred,
+                 which also normalises q and k once per row and head, gdn_tree, attention with ancestor
+                 masks), final norm + lm_head for all rows, then sample_tokens per row at absolute
+                 position len + depth + 1;
   accept+commit  tree_accept -> GDN replay (gdn_decode rows/count over the recorded operands) ->
                  conv_state_commit -> kv_remap (reads the old len) -> MTP fed the accepted pairs
                  (its K/V and the next event's first draft logits) -> len += count, pending -> root.
@@ -25,7 +26,7 @@ import torch
 
 from ..config import FULL, TreeConfig
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill
-from ..kernels.conv import conv_gather, conv_pred, conv_state_commit
+from ..kernels.conv import conv_gather_qk, conv_pred, conv_state_commit
 from ..kernels.gdn import gdn_decode
 from ..kernels.gdn_tree import gdn_tree, gdn_tree_rows
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
@@ -130,6 +131,8 @@ class GPUSpecEngine:
         self.gdn_ba = torch.zeros(n_gdn, R, 2 * nv, dtype=bf, device=dev)  # [b | a]
         self.gdn_mixed = torch.zeros(n_gdn, R, C, dtype=bf, device=dev)  # post-conv rows (replay input)
         self.gdn_o = torch.zeros(R, nv, dv, dtype=bf, device=dev)
+        nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        self.gdn_qk = torch.zeros(R, 2 * nk * dk, dtype=f32, device=dev)  # normalised q, k (any layer's)
         self.gdn_y = torch.zeros(R, nv * dv, dtype=bf, device=dev)
         self.replay_o = torch.zeros(self.cap, nv, dv, dtype=bf, device=dev)
         self.logits_bf16 = torch.zeros(R, V, dtype=bf, device=dev)
@@ -420,6 +423,7 @@ class GPUSpecEngine:
         cfg, w, v, eps = self.cfg, self.w, self.tr, self.cfg.rms_norm_eps
         r, L = self.runner, self.runner.pos
         C, nv, dv = cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        heads = (cfg.linear_num_key_heads, nv, cfg.linear_key_head_dim, dv)
         torch.add(self.depth, L, out=v.positions)  # logical position len + depth
         torch.add(self.slot_off, L, out=v.slots)  # tree slot len + i (padding: negative, not written)
         self.len64.copy_(L)
@@ -438,7 +442,9 @@ class GPUSpecEngine:
                 with beside(r.side):  # a parallel branch beside q/k/v/z and the conv (GPURunner)
                     g.ba(v.x, out=ba)
                 g.qkvz(v.x, out=proj)
-                conv_gather(proj[:, :C], g.conv1d, r.conv_state[i_gdn], self.pred, out=mixed)
+                conv_gather_qk(
+                    proj[:, :C], g.conv1d, r.conv_state[i_gdn], self.pred, heads, mixed, self.gdn_qk
+                )
                 join(r.side)
                 gdn_tree(
                     mixed,
@@ -450,6 +456,7 @@ class GPUSpecEngine:
                     self.gdn_items,
                     self.gdn_items_len,
                     out=self.gdn_o,
+                    qk=self.gdn_qk,
                 )
                 z = proj[:, C:].view(self.R, nv, dv)
                 gated_rmsnorm(self.gdn_o, z, g.norm, eps, out=self.gdn_y)

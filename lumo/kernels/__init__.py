@@ -20,6 +20,7 @@ from .conv import (
     conv_commit_rows,
     conv_decode,
     conv_gather,
+    conv_gather_qk,
     conv_gather_ref,
     conv_pred,
     conv_pred_chain,
@@ -29,7 +30,7 @@ from .conv import (
     conv_state_commit_ref,
 )
 from .gdn import gdn_decode, gdn_decode_ref, gdn_dvt, gdn_prefill, gdn_prefill_ref
-from .gdn_tree import gdn_tree, gdn_tree_ref
+from .gdn_tree import gdn_qk, gdn_qk_ref, gdn_tree, gdn_tree_ref
 from .linear import (
     PackedNVFP4,
     bf16_linear,
@@ -84,6 +85,7 @@ __all__ = [
     "conv_commit_rows",
     "conv_decode",
     "conv_gather",
+    "conv_gather_qk",
     "conv_gather_ref",
     "conv_pred",
     "conv_pred_chain",
@@ -98,6 +100,8 @@ __all__ = [
     "gdn_dvt",
     "gdn_prefill",
     "gdn_prefill_ref",
+    "gdn_qk",
+    "gdn_qk_ref",
     "qk_norm_rope_kv",
     "qk_norm_rope_kv_ref",
     "rmsnorm1p",

@@ -13,12 +13,19 @@
 //                row of the first token tile also writes the new state (it alone reads the old one).
 // conv_gather:   grid (ceil(C / CT), T), block CT; window of row t: pred[t][j] >= 0 is row pred[t][j] of x,
 //                pred[t][j] < 0 is state column -1 - pred[t][j]; j = 0 .. KC-2 oldest first, then x[t].
+// conv_gather_qk (compiled with the GDN head shape NK NV DK DV DVT): conv_gather in blocks of QT channels,
+//                and the blocks of the q / k channels also write the rows' normalised q and k for gdn_tree
+//                (gdn_step.cuh's gdn_qk_store on this row's bf16 outputs: the bits gdn_prepare computes).
 // conv_state_commit: grid ceil(C / CT), block CT; appends x[rows[0]], x[rows[1]], ... (stops at the first
 //                negative entry: a fixed-size, -1-padded rows buffer replays in a CUDA graph) to the state.
 // conv_decode:   grid ceil(C / CT), block CT; one new token x[0]: conv_gather of the state's window, then
 //                conv_state_commit of row 0, in one launch (the plain decode step; the same bits).
 //
 // lumo:test-defines KC=4
+// lumo:test-defines KC=4 NK=16 NV=48 DK=128 DV=128 DVT=16
+// lumo:test-defines KC=4 NK=2 NV=6 DK=32 DV=24 DVT=8
+// lumo:test-defines KC=4 NK=3 NV=9 DK=96 DV=48 DVT=16 QT=192
+// lumo:test-defines KC=3 NK=1 NV=2 DK=256 DV=64 DVT=16
 
 #include <cuda_bf16.h>
 
@@ -157,3 +164,47 @@ extern "C" __global__ void __launch_bounds__(CT)
   for (int j = 0; j < KC - 2; ++j) st[j] = keep[j + 1];
   st[KC - 2] = xin;
 }
+
+#ifdef DVT
+#include "gdn_step.cuh"
+
+#ifndef QT
+#define QT (DK > CT ? DK : CT)  // conv_gather_qk's channels per CTA (conv.py: multiple of 32 and DK, >= CT)
+#endif
+static_assert(QT % DK == 0 && QT % 32 == 0, "conv_gather_qk blocks must hold whole warps and whole heads");
+
+// qk [T, GDN_QK] f32; C >= GDN_QK (the q / k channels come first). Heads never straddle a block (QT % DK
+// == 0), so the block's warps normalise the QT / DK heads in it (those below GDN_QK) in turn.
+extern "C" __global__ void __launch_bounds__(QT)
+    conv_gather_qk(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w,
+                   const bf16* __restrict__ state, const int* __restrict__ pred, bf16* __restrict__ y,
+                   float* __restrict__ qk, int C) {
+  __shared__ __nv_bfloat162 ys[QT / 2];  // this row's outputs of the block's channels (q / k blocks)
+  const int c0 = blockIdx.x * QT, c = c0 + threadIdx.x, t = blockIdx.y;
+  float wv[KC], win[KC - 1];
+  if (c < C) load_w(w, c, wv);  // before the wait: no kernel writes the conv weight
+  pdl_begin();
+  if (c < C) {
+#pragma unroll
+    for (int j = 0; j < KC - 1; ++j) {
+      const int p = pred[t * (KC - 1) + j];
+      win[j] = p >= 0 ? ldf(x + p * x_rs + c) : ldf(state + (size_t)c * (KC - 1) + (-1 - p));
+    }
+    const bf16 out = __float2bfloat16_rn(conv_silu(win, ldf(x + t * x_rs + c), wv));
+    y[(size_t)t * C + c] = out;
+    reinterpret_cast<bf16*>(ys)[threadIdx.x] = out;
+  }
+  if (c0 >= GDN_QK) return;  // block-uniform: no q / k head in this block
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int hb = threadIdx.x >> 5; hb < QT / DK; hb += QT / 32) {  // warp-uniform
+    const int head = c0 / DK + hb;
+    if (head >= 2 * NK) break;
+    __nv_bfloat162 in[GDN_R / 2];
+    const __nv_bfloat162* src = ys + (hb * DK + (lane / GDN_CQ) * GDN_R) / 2;
+#pragma unroll
+    for (int i = 0; i < GDN_R / 2; ++i) in[i] = src[i];
+    gdn_qk_store(in, head < NK, qk + (size_t)t * GDN_QK + head * DK, lane);
+  }
+}
+#endif

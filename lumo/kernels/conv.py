@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -135,6 +136,64 @@ def conv_gather(
         return out
     _kernel("conv_gather", K).launch((-(-C // CT), T), CT, [x, _rs(x), w, state, pred, out, C], pdl=True)
     return out
+
+
+def _qk_block(dk: int) -> int:
+    """conv_gather_qk's channels per CTA: whole warps and whole q / k heads, at least CT."""
+    unit = math.lcm(dk, 32)
+    return unit * -(-CT // unit)
+
+
+@functools.cache
+def _qk_kernel(k: int, nk: int, nv: int, dk: int, dv: int) -> Kernel:
+    from .gdn import gdn_dvt
+
+    defines = {"KC": k, "NK": nk, "NV": nv, "DK": dk, "DV": dv, "DVT": gdn_dvt(dk, dv), "QT": _qk_block(dk)}
+    return compile_kernel("conv", "conv_gather_qk", defines)
+
+
+def conv_gather_qk(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    state: torch.Tensor,
+    pred: torch.Tensor,
+    heads: tuple[int, int, int, int],
+    out: torch.Tensor | None = None,
+    qk: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv_gather of a GDN layer's conv, which also writes the rows' normalised q and k for gdn_tree.
+
+    heads = (nk, nv, dk, dv); x's channels are [q (nk*dk) | k (nk*dk) | v (nv*dv)]. Returns (y [T, C] bf16,
+    qk [T, 2*nk*dk] f32: l2norm(q) * dk^-0.5 and l2norm(k) of y's rows, bitwise what the GDN kernels compute
+    for them; gdn_tree(qk=...) reads it instead of normalising in every warp of a head).
+    """
+    C, K = _check_wstate(w, state)
+    _check_x(x, C)
+    nk, nv, dk, dv = heads
+    if C != 2 * nk * dk + nv * dv:
+        raise ValueError(f"conv width {C} is not 2*{nk}*{dk} + {nv}*{dv}")
+    T = x.shape[0]
+    if pred.dtype != torch.int32 or tuple(pred.shape) != (T, K - 1) or not pred.is_contiguous():
+        raise ValueError(f"pred must be contiguous int32 [{T}, {K - 1}], got {pred.dtype} {list(pred.shape)}")
+    out = _out(out, T, C, x.device)
+    qk = _qk_out(qk, T, 2 * nk * dk, x.device)
+    if T == 0:
+        return out, qk
+    qt = _qk_block(dk)
+    _qk_kernel(K, nk, nv, dk, dv).launch(
+        (-(-C // qt), T), qt, [x, _rs(x), w, state, pred, out, qk, C], pdl=True
+    )
+    return out, qk
+
+
+def _qk_out(qk: torch.Tensor | None, T: int, n: int, device: torch.device) -> torch.Tensor:
+    if qk is None:
+        return torch.empty(T, n, dtype=torch.float32, device=device)
+    if qk.dtype != torch.float32 or tuple(qk.shape) != (T, n) or not qk.is_contiguous() or qk.data_ptr() % 16:
+        raise ValueError(
+            f"qk must be contiguous 16-byte aligned f32 [{T}, {n}], got {qk.dtype} {list(qk.shape)}"
+        )
+    return qk
 
 
 def conv_state_commit(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:

@@ -125,6 +125,75 @@ __device__ __forceinline__ void gdn_prepare(const GdnRaw& raw, float A_log, floa
   gdn_gate(raw.a, raw.b, A_log, dt_bias, tok.decay, tok.beta);
 }
 
+// ---- q and k normalised once per (token, k head) instead of in each of the head's NV / NK * DV / DVT warps
+// (the tree verifier; docs/kernels-tree.md). The normalised row qk [2 * NK * DK] f32 holds q (times DK^-0.5)
+// then k, head by head in dk order. A warp in this file's lane layout writes one head with gdn_l2norm, so
+// every value is bitwise the one gdn_prepare computes for that lane.
+#define GDN_QK (2 * NK * DK)  // floats per normalised row
+
+// `in`: this lane's GDN_R raw values (rows rg * GDN_R ..) of q head (is_q) or k head; dst: that head's DK
+// floats of the normalised row. One lane per row group stores (the group's lanes hold the same values).
+__device__ __forceinline__ void gdn_qk_store(const __nv_bfloat162 (&in)[GDN_R / 2], bool is_q, float* dst,
+                                             int lane) {
+  float x[GDN_R];
+  gdn_l2norm(in, x, is_q);
+  if (lane % GDN_CQ != 0) return;
+  dst += (lane / GDN_CQ) * GDN_R;
+#pragma unroll
+  for (int m = 0; m < GDN_R; m += 2) *reinterpret_cast<float2*>(dst + m) = make_float2(x[m], x[m + 1]);
+}
+
+// Operands of one token for the tree verifier: q, k already normalised (a row of qk), the rest raw.
+struct GdnNormed {
+  float q[GDN_R];
+  float k[GDN_R];
+  __nv_bfloat162 v[2];
+  float a, b;
+};
+
+// qk_row: the token's normalised row; row: its post-conv mixed row (only v is read); a, b as gdn_fetch.
+__device__ __forceinline__ void gdn_fetch_normed(const float* qk_row, const __nv_bfloat16* row, int h, int j0,
+                                                 int lane, float a, float b, GdnNormed& raw) {
+  const int rg = lane / GDN_CQ, cq = lane % GDN_CQ, kh = h / (NV / NK);
+  const float* q = qk_row + kh * DK + rg * GDN_R;
+  const float* k = qk_row + NK * DK + kh * DK + rg * GDN_R;
+#if GDN_R % 4 == 0
+#pragma unroll
+  for (int m = 0; m < GDN_R; m += 4) {  // 16-byte aligned: DK % 4 == 0 and the launcher checks qk's base
+    const float4 qv = __ldg(reinterpret_cast<const float4*>(q + m));
+    const float4 kv = __ldg(reinterpret_cast<const float4*>(k + m));
+    raw.q[m] = qv.x, raw.q[m + 1] = qv.y, raw.q[m + 2] = qv.z, raw.q[m + 3] = qv.w;
+    raw.k[m] = kv.x, raw.k[m + 1] = kv.y, raw.k[m + 2] = kv.z, raw.k[m + 3] = kv.w;
+  }
+#else
+#pragma unroll
+  for (int m = 0; m < GDN_R; m += 2) {  // 8-byte aligned (GDN_R is even)
+    const float2 qv = __ldg(reinterpret_cast<const float2*>(q + m));
+    const float2 kv = __ldg(reinterpret_cast<const float2*>(k + m));
+    raw.q[m] = qv.x, raw.q[m + 1] = qv.y;
+    raw.k[m] = kv.x, raw.k[m + 1] = kv.y;
+  }
+#endif
+  uint2 w = *reinterpret_cast<const uint2*>(row + 2 * NK * DK + h * DV + j0 + 4 * cq);
+  raw.v[0] = *reinterpret_cast<__nv_bfloat162*>(&w.x);
+  raw.v[1] = *reinterpret_cast<__nv_bfloat162*>(&w.y);
+  raw.a = a;
+  raw.b = b;
+}
+
+// gdn_prepare for already normalised q, k: the same GdnToken bits.
+__device__ __forceinline__ void gdn_prepare_normed(const GdnNormed& raw, float A_log, float dt_bias,
+                                                   GdnToken& tok) {
+#pragma unroll
+  for (int m = 0; m < GDN_R; ++m) {
+    tok.q[m] = raw.q[m];
+    tok.k[m] = raw.k[m];
+  }
+  const float2 v0 = __bfloat1622float2(raw.v[0]), v1 = __bfloat1622float2(raw.v[1]);
+  tok.v = make_float4(v0.x, v0.y, v1.x, v1.y);
+  gdn_gate(raw.a, raw.b, A_log, dt_bias, tok.decay, tok.beta);
+}
+
 // One token: S *= decay; u = S^T k; delta = beta (v - u); S += k delta^T; returns o = S^T q (4 columns).
 __device__ __forceinline__ float4 gdn_step(float4 (&S)[GDN_R], const GdnToken& t) {
   float4 u = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -21,7 +21,9 @@
 // close together and share it through L2.
 //
 // Inputs: mixed [R, C] post-conv [q | k | v] bf16 rows of the tree (row stride in elements, 16-byte aligned
-// rows), a / b [R, NV] raw bf16 (any row stride), A_log / dt_bias [NV], state [NV, DK, DV] f32 (read only),
+// rows; only v is read), qk [R, GDN_QK] f32 the rows' normalised q and k (gdn_step.cuh: written by
+// conv_gather_qk or gdn_qk below, once per (row, k head) instead of in each of the head's warps: the same
+// bits), a / b [R, NV] raw bf16 (any row stride), A_log / dt_bias [NV], state [NV, DK, DV] f32 (read only),
 // items [P', item_stride] int32 node id | GDN_FORK | GDN_WRITE (-1 past the end), items_len [P'].
 // Output o [R, NV, DV] (f32, or bf16 with OUT_BF16=1); rows no item writes are untouched.
 //
@@ -64,11 +66,37 @@
 
 typedef __nv_bfloat16 bf16;
 
+// One item on the path's tile S with its prepared operands `raw`. A fork first saves S to `keep` (once per
+// run of forks: `saved`), steps S itself and takes it back: the bits of stepping a copy, without a second
+// tile in registers (222 -> 154 registers at the 27B shape in session 15).
+__device__ __forceinline__ void gdn_item(float4 (&S)[GDN_R], float4 (*keep)[32], bool& saved, int cur,
+                                         const GdnNormed& raw, float A, float dtb, int h, int j0, int lane,
+                                         gdn_out_t* __restrict__ o) {
+  GdnToken tok;
+  gdn_prepare_normed(raw, A, dtb, tok);
+  const bool fork = cur & GDN_FORK;  // warp-uniform
+  if (fork && !saved) {
+#pragma unroll
+    for (int m = 0; m < GDN_R; ++m) keep[m][lane] = S[m];
+    saved = true;
+  }
+  const float4 y = gdn_step(S, tok);
+  if (fork) {  // back to the state after the fork's parent
+#pragma unroll
+    for (int m = 0; m < GDN_R; ++m) S[m] = keep[m][lane];
+  } else {
+    saved = false;
+  }
+  if (lane < GDN_CQ && (cur & GDN_WRITE))
+    gdn_write_o(o + ((size_t)(cur & GDN_NODE) * NV + h) * DV + j0 + 4 * lane, y);
+}
+
 extern "C" __global__ void __launch_bounds__(32)
-    gdn_tree(const bf16* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ a, int a_stride,
-             const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
-             const gdn_param_t* __restrict__ dt_bias, const float* __restrict__ state, gdn_out_t* __restrict__ o,
-             const int* __restrict__ items, int item_stride, const int* __restrict__ items_len) {
+    gdn_tree(const bf16* __restrict__ mixed, int mixed_stride, const float* __restrict__ qk,
+             const bf16* __restrict__ a, int a_stride, const bf16* __restrict__ b, int b_stride,
+             const gdn_param_t* __restrict__ A_log, const gdn_param_t* __restrict__ dt_bias,
+             const float* __restrict__ state, gdn_out_t* __restrict__ o, const int* __restrict__ items,
+             int item_stride, const int* __restrict__ items_len) {
   const int p = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * DVT, lane = threadIdx.x;
   // Before the wait: the gate parameters (no kernel writes them) and an L2 request for the state tile.
   const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
@@ -79,41 +107,37 @@ extern "C" __global__ void __launch_bounds__(32)
   const int* item = items + (size_t)p * item_stride;
   float4 S[GDN_R];  // [GDN_R rows][4 columns] of the committed state tile, private to this path
   gdn_load_state(state + gdn_state_offset(h, j0, lane), S);
-  // A fork steps S itself and then takes it back from `keep` (saved once per run of forks): the bits of
-  // stepping a copy, without a second tile in registers (222 -> 154 registers at the 27B shape).
   __shared__ float4 keep[GDN_R][32];
   bool saved = false;
 
-  GdnRaw next;
-  int it = item[0];
-  size_t u = it & GDN_NODE;
-  gdn_fetch(mixed + u * mixed_stride, h, j0, lane, __bfloat162float(a[u * a_stride + h]),
-            __bfloat162float(b[u * b_stride + h]), next);
-  for (int i = 0; i < n; ++i) {
-    const GdnRaw raw = next;
-    const int cur = it;
-    if (i + 1 < n) {  // prefetch the next item's node while this one is computed
-      it = item[i + 1];
-      u = it & GDN_NODE;
-      gdn_fetch(mixed + u * mixed_stride, h, j0, lane, __bfloat162float(a[u * a_stride + h]),
-                __bfloat162float(b[u * b_stride + h]), next);
-    }
-    GdnToken tok;
-    gdn_prepare(raw, A, dtb, tok);
-    const bool fork = cur & GDN_FORK;  // warp-uniform
-    if (fork && !saved) {
-#pragma unroll
-      for (int m = 0; m < GDN_R; ++m) keep[m][lane] = S[m];
-      saved = true;
-    }
-    const float4 y = gdn_step(S, tok);
-    if (fork) {  // back to the state after the fork's parent
-#pragma unroll
-      for (int m = 0; m < GDN_R; ++m) S[m] = keep[m][lane];
-    } else {
-      saved = false;
-    }
-    if (lane < GDN_CQ && (cur & GDN_WRITE))
-      gdn_write_o(o + ((size_t)(cur & GDN_NODE) * NV + h) * DV + j0 + 4 * lane, y);
+  // Operands are fetched one item ahead into two buffers taken in turn (the loop runs two items per trip,
+  // so neither buffer is copied into the other).
+  auto fetch = [&](int it, GdnNormed& raw) {
+    const size_t u = it & GDN_NODE;
+    gdn_fetch_normed(qk + u * GDN_QK, mixed + u * mixed_stride, h, j0, lane,
+                     __bfloat162float(a[u * a_stride + h]), __bfloat162float(b[u * b_stride + h]), raw);
+  };
+  GdnNormed even, odd;
+  int cur = item[0];
+  fetch(cur, even);
+  for (int i = 0; i < n; i += 2) {
+    const int nxt = i + 1 < n ? item[i + 1] : 0;
+    if (i + 1 < n) fetch(nxt, odd);
+    gdn_item(S, keep, saved, cur, even, A, dtb, h, j0, lane, o);
+    if (i + 1 >= n) break;
+    cur = i + 2 < n ? item[i + 2] : 0;
+    if (i + 2 < n) fetch(cur, even);
+    gdn_item(S, keep, saved, nxt, odd, A, dtb, h, j0, lane, o);
   }
+}
+
+// qk [R, GDN_QK] of mixed's R rows, for callers without conv_gather_qk (tests, benchmarks). Grid (R, 2 * NK),
+// one warp: head y < NK is q head y, else k head y - NK.
+extern "C" __global__ void __launch_bounds__(32)
+    gdn_qk(const bf16* __restrict__ mixed, int mixed_stride, float* __restrict__ qk) {
+  const int r = blockIdx.x, head = blockIdx.y, lane = threadIdx.x;
+  pdl_begin();
+  __nv_bfloat162 in[GDN_R / 2];
+  gdn_load_rows(mixed + (size_t)r * mixed_stride + head * DK + (lane / GDN_CQ) * GDN_R, in);
+  gdn_qk_store(in, head < NK, qk + (size_t)r * GDN_QK + head * DK, lane);
 }

@@ -46,6 +46,7 @@ def gdn_tree(
     items_len: torch.Tensor,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    qk: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GDN outputs of the R tree rows; the state is only read.
 
@@ -53,8 +54,10 @@ def gdn_tree(
     raw in_proj_a / in_proj_b outputs; A_log, dt_bias [nv] (both f32 or both bf16); state [nv, dk, dv] f32
     (the committed state, never written); items [P', L'] int32 node id | GDN_FORK | GDN_WRITE per schedule
     row (-1 past the end), items_len [P'] int32 (TreeBuffers.gdn_items / gdn_items_len, on the device;
-    node ids < R, not checked). Returns o [R, nv, dv] (`out`, or out_dtype): rows no WRITE item names are
-    left as they were. Never syncs; allocates only when `out` is None.
+    node ids < R, not checked). qk [R, 2*nk*dk] f32: the rows' normalised q and k (conv_gather_qk's second
+    output, or gdn_qk); None computes it here with gdn_qk (one launch more). Returns o [R, nv, dv] (`out`,
+    or out_dtype): rows no WRITE item names are left as they were. Never syncs; allocates only when `out`
+    (or qk) is None.
     """
     nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
     R = mixed.shape[0]
@@ -67,11 +70,62 @@ def gdn_tree(
     if R == 0 or P == 0 or L == 0:
         return out
     param_bf16, out_bf16 = A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16
+    qk = gdn_qk(mixed, (nk, nv, dk, dv)) if qk is None else _check_qk(qk, R, 2 * nk * dk, mixed.device)
     kern = _kernel("gdn_tree", "gdn_tree", nk, nv, dk, dv, param_bf16, out_bf16)
-    args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, out]
+    args = [mixed, mixed.stride(0), qk, a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, out]
     args += [items, L, items_len]
     kern.launch((P, nv, dv // gdn_dvt(dk, dv)), 32, args, pdl=True)
     return out
+
+
+def _check_qk(qk: torch.Tensor, R: int, n: int, device: torch.device) -> torch.Tensor:
+    if (
+        qk.dtype != torch.float32
+        or tuple(qk.shape) != (R, n)
+        or not qk.is_contiguous()
+        or qk.device != device
+        or qk.data_ptr() % 16
+    ):
+        raise ValueError(
+            f"qk must be contiguous 16-byte aligned f32 [{R}, {n}] on {device}, got "
+            f"{qk.dtype} {tuple(qk.shape)}"
+        )
+    return qk
+
+
+def gdn_qk(
+    mixed: torch.Tensor, heads: tuple[int, int, int, int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """qk [R, 2*nk*dk] f32 of mixed's post-conv rows: l2norm(q) * dk^-0.5 and l2norm(k), one warp per (row,
+    head) in the GDN kernels' lane layout (the bits they compute; conv_gather_qk fuses this into the conv).
+    heads = (nk, nv, dk, dv)."""
+    nk, nv, dk, dv = heads
+    R = mixed.shape[0]
+    if mixed.dtype != torch.bfloat16 or mixed.dim() != 2 or mixed.shape[1] != 2 * nk * dk + nv * dv:
+        raise ValueError(
+            f"mixed must be bf16 [R, {2 * nk * dk + nv * dv}], got {mixed.dtype} {tuple(mixed.shape)}"
+        )
+    if R and (mixed.stride(1) != 1 or mixed.stride(0) % 8 or mixed.data_ptr() % 16):
+        raise ValueError("mixed rows must be contiguous and 16-byte aligned (row stride % 8 == 0)")
+    out = (
+        _check_qk(out, R, 2 * nk * dk, mixed.device)
+        if out is not None
+        else torch.empty(R, 2 * nk * dk, dtype=torch.float32, device=mixed.device)
+    )
+    if R:
+        kern = _kernel("gdn_tree", "gdn_qk", nk, nv, dk, dv, False, True)
+        kern.launch((R, 2 * nk), 32, [mixed, mixed.stride(0), out], pdl=True)
+    return out
+
+
+def gdn_qk_ref(mixed: torch.Tensor, heads: tuple[int, int, int, int]) -> torch.Tensor:
+    """fp32 reference of gdn_qk / conv_gather_qk's qk [R, 2*nk*dk]: lumo.model's l2norm(q) * dk^-0.5 and
+    l2norm(k)."""
+    from ..model import l2norm
+
+    nk, _, dk, _ = heads
+    q, k = mixed.float()[:, : 2 * nk * dk].reshape(-1, 2, nk, dk).unbind(1)
+    return torch.stack([l2norm(q) * dk**-0.5, l2norm(k)], 1).reshape(-1, 2 * nk * dk)
 
 
 def gdn_tree_written(items: torch.Tensor, items_len: torch.Tensor, R: int) -> torch.Tensor:
