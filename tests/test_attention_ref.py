@@ -94,11 +94,18 @@ def test_decode_kernel_shared_memory_fits_a_gb10():
     assert all(_shmem(d) <= 99 * 1024 for d in HEAD_DIMS)
 
 
-@pytest.mark.parametrize("sms,nkv", [(132, 4), (48, 4), (48, 5), (20, 8)])
-def test_chunk_slots_fill_one_wave(sms, nkv):
-    """One resident chunk CTA per SM: the slots of all kv heads fit one wave; one row never gets more slots
-    than the cache has chunks, tree rows keep them all (they split a short prefix's query tiles)."""
-    per = chunk_slots(nkv, 10**6, sms)
-    assert per * nkv <= sms < (per + 1) * nkv or per == 1
-    assert chunk_slots(nkv, 3, sms) == min(3, per)
-    assert chunk_slots(nkv, 3, sms, rows=32) == per
+@pytest.mark.parametrize(
+    "nkv,nch,ctas,rows,slots",
+    [
+        (4, 1026, 132, 1, 33),  # 27B on an H200 (one chunk CTA per SM at d = 256), a 128k cache
+        (4, 23, 132, 1, 23),  # one row: no more slots than chunks
+        (4, 23, 132, 32, 33),  # tree rows: all of them (they split a short prefix's query tiles)
+        (5, 1000, 48, 1, 9),  # never more than the device holds at once: 45 of 48 CTAs
+        (2, 1000, 264, 1, 132),  # two resident CTAs per SM (d = 64)
+        (8, 1000, 4, 32, 1),
+        (4, 0, 132, 1, 1),
+    ],
+)
+def test_chunk_slots(nkv, nch, ctas, rows, slots):
+    """The chunk kernel's slots per kv head: one wave of the CTAs the device holds (session 16's sweep)."""
+    assert chunk_slots(nkv, nch, ctas, rows) == slots

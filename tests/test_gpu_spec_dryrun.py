@@ -38,6 +38,9 @@ class StubKernel:
     def __init__(self, name: str, log: Counter, gen: torch.Generator, V: int):
         self.name, self.log, self.gen, self.V = name, log, gen, V
 
+    def blocks_per_sm(self, block: int, shmem: int) -> int:
+        return 1
+
     def launch(self, grid, block, args, shmem: int = 0, pdl: bool = False) -> None:
         self.log[self.name] += 1
         if self.name == "topk_final":  # [workspace, nb, k, out, tokens, nodes]

@@ -132,15 +132,15 @@ QK_SHAPES = [s[:4] for s in SHAPES] + [(1, 2, 256, 64), (3, 3, 32, 24), (5, 5, 1
 )
 def test_normalised_qk(nk, nv, dk, dv):
     """conv_gather_qk: y bitwise conv_gather's, qk bitwise gdn_qk's of y and within f32 noise of the fp32
-    l2norm; gdn_tree given that qk writes bitwise what it computes with qk=None (its own gdn_qk launch)."""
+    l2norm; gdn_tree reading that qk gives every node bitwise the plain decoding of its root-to-node path."""
     heads, C, K = (nk, nv, dk, dv), 2 * nk * dk + nv * dv, 4
     gen = torch.Generator(DEV).manual_seed(dk * 7 + nv)
-    parent = build_tree(TreeConfig(depth=4, topk=3, budget=9, rows=13)).parent.tolist()
-    R = len(parent)
+    tb = build_tree(TreeConfig(depth=4, topk=3, budget=9, rows=13))
+    R, parent = tb.parent.shape[0], tb.parent[: tb.n_nodes].tolist()
     x = torch.randn(R, C + 5, generator=gen, device=DEV).to(torch.bfloat16)[:, 2 : 2 + C]  # a strided view
     w = (torch.randn(C, K, generator=gen, device=DEV) * 0.5).to(torch.bfloat16)
     state = torch.randn(C, K - 1, generator=gen, device=DEV).to(torch.bfloat16)
-    pred = conv_pred(parent, K).to(DEV)
+    pred = conv_pred(tb.parent.tolist(), K).to(DEV)
     qk_nan = torch.full((R, 2 * nk * dk), float("nan"), device=DEV)
     y, qk = conv_gather_qk(x, w, state, pred, heads, qk=qk_nan)
     assert torch.equal(y, conv_gather(x, w, state, pred))
@@ -150,9 +150,12 @@ def test_normalised_qk(nk, nv, dk, dv):
         return
     inp = gdn_inputs(R, nk, nv, dk, dv, False, seed=dk + nv)
     inp["mixed"] = y
-    items = {k: v.to(DEV) for k, v in zip(("items", "items_len"), gdn_schedule(parent, 2), strict=True)}
-    o_own = gdn_tree(**inp, **items, out_dtype=torch.float32)
-    assert torch.equal(gdn_tree(**inp, **items, out_dtype=torch.float32, qk=qk), o_own)
+    items, items_len = gdn_schedule(parent, 2)
+    o = gdn_tree(**inp, items=items.to(DEV), items_len=items_len.to(DEV), out_dtype=torch.float32, qk=qk)
+    for leaf in (u for u in range(len(parent)) if u not in parent):
+        nodes = ancestry(tb, leaf)
+        o_plain, _ = decode_path(inp, nodes, torch.float32)
+        assert torch.equal(o[nodes], o_plain), f"root-to-leaf path {nodes}: tree o != plain decoding"
 
 
 def test_gdn_tree_rows_fit_one_wave():

@@ -51,16 +51,16 @@ def _shmem(d: int) -> int:
     return 4 * _NSUB * _QROWS * (d + 2) + 2 * 16 * (d + 8) * 2
 
 
-def chunk_slots(nkv: int, nch: int, sms: int, rows: int = 1) -> int:
+def chunk_slots(nkv: int, nch: int, ctas: int, rows: int = 1) -> int:
     """CTAs per kv head along the chunks below the committed length (launch choice only: a CTA walks
     chunks z, z + slots, ..., or where at most half as many chunks as slots lie below the length takes
-    one (chunk, query tiles) item). One CTA per SM in all: the chunk kernel holds one resident CTA per SM
-    at d = 256, so the slot CTAs are one wave and the rows' tail CTAs the next. (H200, session 16: two
-    per SM was up to 15% slower for 32 rows, and 40-50 per kv head at 132 SMs up to 1.6x slower for one
-    row at long caches.) Tree rows keep all the slots where the cache has fewer chunks: there the slots
-    split the rows' query tiles of a short prefix."""
-    per = max(1, sms // nkv)
-    return per if rows > 1 else min(nch, per)
+    one (chunk, query tiles) item). As many in all as the device holds at once (`ctas`: SMs x resident
+    chunk CTAs per SM, one at d = 128 and 256), so the slot CTAs are one wave and the rows' tail CTAs the
+    next. (H200, d = 256, session 16: twice that was up to 15% slower for 32 rows, and 40-50 per kv head at
+    132 SMs up to 1.6x slower for one row at long caches.) Tree rows keep all the slots where the cache
+    has fewer chunks: there the slots split the rows' query tiles of a short prefix."""
+    per = max(1, ctas // nkv)
+    return per if rows > 1 else max(1, min(nch, per))
 
 
 def attn_decode_workspace(
@@ -117,7 +117,8 @@ def attn_decode(
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
     chunk_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
-    slots = chunk_slots(nkv, nch, sm_count(q.device), T)
+    ctas = sm_count(q.device) * max(1, chunk_k.blocks_per_sm(THREADS, _shmem(d)))
+    slots = chunk_slots(nkv, nch, ctas, T)
     chunk_k.launch(
         (nkv, slots + T),
         THREADS,

@@ -175,11 +175,15 @@ def conv_gather_qk(
     T = x.shape[0]
     if pred.dtype != torch.int32 or tuple(pred.shape) != (T, K - 1) or not pred.is_contiguous():
         raise ValueError(f"pred must be contiguous int32 [{T}, {K - 1}], got {pred.dtype} {list(pred.shape)}")
+    qt = _qk_block(dk)
+    if qt > 1024:
+        raise ValueError(
+            f"conv_gather_qk: a CTA of whole q / k heads of dk = {dk} needs {qt} threads (> 1024)"
+        )
     out = _out(out, T, C, x.device)
     qk = _qk_out(qk, T, 2 * nk * dk, x.device)
     if T == 0:
         return out, qk
-    qt = _qk_block(dk)
     _qk_kernel(K, nk, nv, dk, dv).launch(
         (-(-C // qt), T), qt, [x, _rs(x), w, state, pred, out, qk, C], pdl=True
     )
@@ -187,13 +191,11 @@ def conv_gather_qk(
 
 
 def _qk_out(qk: torch.Tensor | None, T: int, n: int, device: torch.device) -> torch.Tensor:
-    if qk is None:
-        return torch.empty(T, n, dtype=torch.float32, device=device)
-    if qk.dtype != torch.float32 or tuple(qk.shape) != (T, n) or not qk.is_contiguous() or qk.data_ptr() % 16:
-        raise ValueError(
-            f"qk must be contiguous 16-byte aligned f32 [{T}, {n}], got {qk.dtype} {list(qk.shape)}"
-        )
-    return qk
+    from .gdn_tree import _check_qk  # lazy, like gdn_dvt above
+
+    return (
+        torch.empty(T, n, dtype=torch.float32, device=device) if qk is None else _check_qk(qk, T, n, device)
+    )
 
 
 def conv_state_commit(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:

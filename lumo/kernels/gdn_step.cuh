@@ -143,17 +143,17 @@ __device__ __forceinline__ void gdn_qk_store(const __nv_bfloat162 (&in)[GDN_R / 
   for (int m = 0; m < GDN_R; m += 2) *reinterpret_cast<float2*>(dst + m) = make_float2(x[m], x[m + 1]);
 }
 
-// Operands of one token for the tree verifier: q, k already normalised (a row of qk), the rest raw.
+// Operands of one token for the tree verifier: q, k already normalised (a row of qk), v raw. (Its gates,
+// gdn_gate of the token's a and b, come separately: gdn_tree computes 32 tokens' at a time.)
 struct GdnNormed {
   float q[GDN_R];
   float k[GDN_R];
   __nv_bfloat162 v[2];
-  float a, b;
 };
 
-// qk_row: the token's normalised row; row: its post-conv mixed row (only v is read); a, b as gdn_fetch.
+// qk_row: the token's normalised row; row: its post-conv mixed row (only v is read).
 __device__ __forceinline__ void gdn_fetch_normed(const float* qk_row, const __nv_bfloat16* row, int h, int j0,
-                                                 int lane, float a, float b, GdnNormed& raw) {
+                                                 int lane, GdnNormed& raw) {
   const int rg = lane / GDN_CQ, cq = lane % GDN_CQ, kh = h / (NV / NK);
   const float* q = qk_row + kh * DK + rg * GDN_R;
   const float* k = qk_row + NK * DK + kh * DK + rg * GDN_R;
@@ -177,12 +177,10 @@ __device__ __forceinline__ void gdn_fetch_normed(const float* qk_row, const __nv
   uint2 w = *reinterpret_cast<const uint2*>(row + 2 * NK * DK + h * DV + j0 + 4 * cq);
   raw.v[0] = *reinterpret_cast<__nv_bfloat162*>(&w.x);
   raw.v[1] = *reinterpret_cast<__nv_bfloat162*>(&w.y);
-  raw.a = a;
-  raw.b = b;
 }
 
-// gdn_prepare for already normalised q, k: the same GdnToken bits.
-__device__ __forceinline__ void gdn_prepare_normed(const GdnNormed& raw, float A_log, float dt_bias,
+// gdn_prepare for already normalised q, k and gates already computed (gdn_gate): the same GdnToken bits.
+__device__ __forceinline__ void gdn_prepare_normed(const GdnNormed& raw, float decay, float beta,
                                                    GdnToken& tok) {
 #pragma unroll
   for (int m = 0; m < GDN_R; ++m) {
@@ -191,7 +189,8 @@ __device__ __forceinline__ void gdn_prepare_normed(const GdnNormed& raw, float A
   }
   const float2 v0 = __bfloat1622float2(raw.v[0]), v1 = __bfloat1622float2(raw.v[1]);
   tok.v = make_float4(v0.x, v0.y, v1.x, v1.y);
-  gdn_gate(raw.a, raw.b, A_log, dt_bias, tok.decay, tok.beta);
+  tok.decay = decay;
+  tok.beta = beta;
 }
 
 // One token: S *= decay; u = S^T k; delta = beta (v - u); S += k delta^T; returns o = S^T q (4 columns).

@@ -66,14 +66,14 @@
 
 typedef __nv_bfloat16 bf16;
 
-// One item on the path's tile S with its prepared operands `raw`. A fork first saves S to `keep` (once per
-// run of forks: `saved`), steps S itself and takes it back: the bits of stepping a copy, without a second
-// tile in registers (222 -> 154 registers at the 27B shape in session 15).
+// One item on the path's tile S with its fetched operands `raw` and its gates (decay, beta). A fork first
+// saves S to `keep` (once per run of forks: `saved`), steps S itself and takes it back: the bits of
+// stepping a copy, without a second tile in registers (222 -> 154 registers at the 27B shape in session 15).
 __device__ __forceinline__ void gdn_item(float4 (&S)[GDN_R], float4 (*keep)[32], bool& saved, int cur,
-                                         const GdnNormed& raw, float A, float dtb, int h, int j0, int lane,
-                                         gdn_out_t* __restrict__ o) {
+                                         const GdnNormed& raw, float decay, float beta, int h, int j0,
+                                         int lane, gdn_out_t* __restrict__ o) {
   GdnToken tok;
-  gdn_prepare_normed(raw, A, dtb, tok);
+  gdn_prepare_normed(raw, decay, beta, tok);
   const bool fork = cur & GDN_FORK;  // warp-uniform
   if (fork && !saved) {
 #pragma unroll
@@ -110,24 +110,36 @@ extern "C" __global__ void __launch_bounds__(32)
   __shared__ float4 keep[GDN_R][32];
   bool saved = false;
 
-  // Operands are fetched one item ahead into two buffers taken in turn (the loop runs two items per trip,
-  // so neither buffer is copied into the other).
+  // The gates of 32 items at a time, lane l computing item i0 + l's (one MUFU chain per 32 items, off the
+  // items' dependent chain; gdn_gate has no cross-lane step, so any lane gives the same bits); an item
+  // takes its pair by shuffle. q, k and v are fetched one item ahead into two buffers taken in turn (the
+  // loop runs two items per trip, so neither buffer is copied into the other).
+  float g_decay = 0.f, g_beta = 0.f;
+  auto gates32 = [&](int i0) {
+    if (i0 + lane < n) {
+      const size_t u = item[i0 + lane] & GDN_NODE;
+      gdn_gate(__bfloat162float(a[u * a_stride + h]), __bfloat162float(b[u * b_stride + h]), A, dtb, g_decay,
+               g_beta);
+    }
+  };
   auto fetch = [&](int it, GdnNormed& raw) {
     const size_t u = it & GDN_NODE;
-    gdn_fetch_normed(qk + u * GDN_QK, mixed + u * mixed_stride, h, j0, lane,
-                     __bfloat162float(a[u * a_stride + h]), __bfloat162float(b[u * b_stride + h]), raw);
+    gdn_fetch_normed(qk + u * GDN_QK, mixed + u * mixed_stride, h, j0, lane, raw);
   };
   GdnNormed even, odd;
   int cur = item[0];
   fetch(cur, even);
   for (int i = 0; i < n; i += 2) {
+    if (i % 32 == 0) gates32(i);  // (i is even, so it meets every multiple of 32)
     const int nxt = i + 1 < n ? item[i + 1] : 0;
     if (i + 1 < n) fetch(nxt, odd);
-    gdn_item(S, keep, saved, cur, even, A, dtb, h, j0, lane, o);
+    gdn_item(S, keep, saved, cur, even, __shfl_sync(0xffffffffu, g_decay, i & 31),
+             __shfl_sync(0xffffffffu, g_beta, i & 31), h, j0, lane, o);
     if (i + 1 >= n) break;
     cur = i + 2 < n ? item[i + 2] : 0;
     if (i + 2 < n) fetch(cur, even);
-    gdn_item(S, keep, saved, nxt, odd, A, dtb, h, j0, lane, o);
+    gdn_item(S, keep, saved, nxt, odd, __shfl_sync(0xffffffffu, g_decay, (i + 1) & 31),
+             __shfl_sync(0xffffffffu, g_beta, (i + 1) & 31), h, j0, lane, o);
   }
 }
 
