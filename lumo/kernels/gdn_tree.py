@@ -6,6 +6,11 @@ steps the path's state, a fork item (a leaf) steps a copy of it; WRITE items wri
 written. So every node's o is bitwise what `gdn_decode` gives when the node's root-to-node path is decoded
 token by token from the same state. Commit replays the accepted rows with `gdn_decode(rows=accepted,
 count=n)` on the persistent state (tree_ops.tree_accept makes both).
+
+The rows' q and k arrive normalised (`qk`: written once per row and k head by the verify's conv,
+conv.conv_gather_qk, or by `gdn_qk` here), and each warp computes its items' gates 32 at a time: the
+same values the decode kernel's gdn_prepare computes, so the same bits, without repeating that work in
+every warp of a head and on every item's critical path (docs/kernels-tree.md, session 16).
 """
 
 from __future__ import annotations
