@@ -223,28 +223,9 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
             mixed, ba = engine.gdn_mixed[i], engine.gdn_ba[i]
             if with_qk:
                 gdn_qk(mixed, heads, out=qks[i])
-            gdn_tree(
-                mixed,
-                ba[:, nv:],
-                ba[:, :nv],
-                g.A_log,
-                g.dt_bias,
-                states[i],
-                *items,
-                out=engine.gdn_o,
-                qk=qks[i],
-            )
-            gdn_decode(
-                mixed,
-                ba[:, nv:],
-                ba[:, :nv],
-                g.A_log,
-                g.dt_bias,
-                states[i],
-                out=engine.replay_o,
-                rows=accepted,
-                count=count,
-            )
+            operands = (mixed, ba[:, nv:], ba[:, :nv], g.A_log, g.dt_bias, states[i])  # b, a; the state
+            gdn_tree(*operands, *items, out=engine.gdn_o, qk=qks[i])
+            gdn_decode(*operands, out=engine.replay_o, rows=accepted, count=count)
 
     def per_node() -> None:
         for i, g in enumerate(gdn):

@@ -310,6 +310,12 @@ class GPUSpecEngine:
     # ------------------------------------------------------------------------------------------
     # Shared pieces.
 
+    def _gdn_operands(self, g: GPUGDN, i_gdn: int) -> tuple[torch.Tensor, ...]:
+        """GDN layer i_gdn's verify rows and committed state as gdn_tree and the commit's gdn_decode replay
+        take them: (mixed, b, a, A_log, dt_bias, state)."""
+        ba, nv = self.gdn_ba[i_gdn], self.cfg.linear_num_value_heads
+        return self.gdn_mixed[i_gdn], ba[:, nv:], ba[:, :nv], g.A_log, g.dt_bias, self.runner.gdn_state[i_gdn]
+
     def _mlp(self, lw: GPULayer, rows: _Rows) -> None:
         """rows.x -> rows.delta; the runner's arithmetic (silu rounded to bf16, then the product)."""
         swiglu(lw.gate_up, rows.x, act=rows.act, scratch=rows.mlp_scratch)
@@ -447,12 +453,7 @@ class GPUSpecEngine:
                 )
                 join(r.side)
                 gdn_tree(
-                    mixed,
-                    ba[:, nv:],
-                    ba[:, :nv],
-                    g.A_log,
-                    g.dt_bias,
-                    r.gdn_state[i_gdn],
+                    *self._gdn_operands(g, i_gdn),
                     self.gdn_items,
                     self.gdn_items_len,
                     out=self.gdn_o,
@@ -481,7 +482,7 @@ class GPUSpecEngine:
 
     def _accept_commit(self) -> None:
         cfg, r = self.cfg, self.runner
-        C, nv = cfg.conv_dim, cfg.linear_num_value_heads
+        C = cfg.conv_dim
         tree_accept(
             self.tokens, self.choice, self.parent, self.tb.n_nodes, self.accepted, self.result, self.cap
         )
@@ -490,18 +491,8 @@ class GPUSpecEngine:
         for kind, lw in zip(cfg.layer_types, self.w.layers, strict=True):
             if kind == FULL:
                 continue
-            g: GPUGDN = lw.mixer
-            ba = self.gdn_ba[i_gdn]
             gdn_decode(
-                self.gdn_mixed[i_gdn],
-                ba[:, nv:],
-                ba[:, :nv],
-                g.A_log,
-                g.dt_bias,
-                r.gdn_state[i_gdn],
-                out=self.replay_o,
-                rows=self.accepted,
-                count=count,
+                *self._gdn_operands(lw.mixer, i_gdn), out=self.replay_o, rows=self.accepted, count=count
             )
             conv_state_commit(r.conv_state[i_gdn], self.gdn_proj[i_gdn][:, :C], self.accepted)
             i_gdn += 1

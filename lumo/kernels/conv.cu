@@ -58,6 +58,19 @@ __device__ __forceinline__ void load_w(const bf16* __restrict__ w, int c, float 
   for (int j = 0; j < KC; ++j) wv[j] = ldf(w + (size_t)c * KC + j);
 }
 
+// Row t's output for channel c over its window through `pred` (conv_gather's rule), rounded to bf16.
+__device__ __forceinline__ bf16 gathered_conv(const bf16* __restrict__ x, long long x_rs,
+                                              const bf16* __restrict__ state, const int* __restrict__ pred, int t,
+                                              int c, const float (&wv)[KC]) {
+  float win[KC - 1];
+#pragma unroll
+  for (int j = 0; j < KC - 1; ++j) {
+    const int p = pred[t * (KC - 1) + j];
+    win[j] = p >= 0 ? ldf(x + p * x_rs + c) : ldf(state + (size_t)c * (KC - 1) + (-1 - p));
+  }
+  return __float2bfloat16_rn(conv_silu(win, ldf(x + t * x_rs + c), wv));
+}
+
 extern "C" __global__ void __launch_bounds__(CT)
     conv_prefill(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w, bf16* __restrict__ state,
                  bf16* __restrict__ y, int T, int C) {
@@ -107,17 +120,12 @@ extern "C" __global__ void __launch_bounds__(CT)
     conv_gather(const bf16* __restrict__ x, long long x_rs, const bf16* __restrict__ w,
                 const bf16* __restrict__ state, const int* __restrict__ pred, bf16* __restrict__ y, int C) {
   const int c = blockIdx.x * CT + threadIdx.x;
-  float wv[KC], win[KC - 1];
+  float wv[KC];
   if (c < C) load_w(w, c, wv);  // before the wait: no kernel writes the conv weight
   pdl_begin();
   if (c >= C) return;
   const int t = blockIdx.y;
-#pragma unroll
-  for (int j = 0; j < KC - 1; ++j) {
-    const int p = pred[t * (KC - 1) + j];
-    win[j] = p >= 0 ? ldf(x + p * x_rs + c) : ldf(state + (size_t)c * (KC - 1) + (-1 - p));
-  }
-  y[(size_t)t * C + c] = __float2bfloat16_rn(conv_silu(win, ldf(x + t * x_rs + c), wv));
+  y[(size_t)t * C + c] = gathered_conv(x, x_rs, state, pred, t, c, wv);
 }
 
 extern "C" __global__ void __launch_bounds__(CT)
@@ -181,16 +189,11 @@ extern "C" __global__ void __launch_bounds__(QT)
                    float* __restrict__ qk, int C) {
   __shared__ __nv_bfloat162 ys[QT / 2];  // this row's outputs of the block's channels (q / k blocks)
   const int c0 = blockIdx.x * QT, c = c0 + threadIdx.x, t = blockIdx.y;
-  float wv[KC], win[KC - 1];
+  float wv[KC];
   if (c < C) load_w(w, c, wv);  // before the wait: no kernel writes the conv weight
   pdl_begin();
   if (c < C) {
-#pragma unroll
-    for (int j = 0; j < KC - 1; ++j) {
-      const int p = pred[t * (KC - 1) + j];
-      win[j] = p >= 0 ? ldf(x + p * x_rs + c) : ldf(state + (size_t)c * (KC - 1) + (-1 - p));
-    }
-    const bf16 out = __float2bfloat16_rn(conv_silu(win, ldf(x + t * x_rs + c), wv));
+    const bf16 out = gathered_conv(x, x_rs, state, pred, t, c, wv);
     y[(size_t)t * C + c] = out;
     reinterpret_cast<bf16*>(ys)[threadIdx.x] = out;
   }

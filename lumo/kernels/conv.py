@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .compile import Kernel, compile_kernel
+from .gdn import gdn_dvt
+from .gdn_tree import _qk_rows
 
 CT = 128  # channels per CTA (conv.cu)
 TT = 64  # conv_prefill tokens per thread (conv.cu)
@@ -146,8 +148,6 @@ def _qk_block(dk: int) -> int:
 
 @functools.cache
 def _qk_kernel(k: int, nk: int, nv: int, dk: int, dv: int) -> Kernel:
-    from .gdn import gdn_dvt
-
     defines = {"KC": k, "NK": nk, "NV": nv, "DK": dk, "DV": dv, "DVT": gdn_dvt(dk, dv), "QT": _qk_block(dk)}
     return compile_kernel("conv", "conv_gather_qk", defines)
 
@@ -181,21 +181,13 @@ def conv_gather_qk(
             f"conv_gather_qk: a CTA of whole q / k heads of dk = {dk} needs {qt} threads (> 1024)"
         )
     out = _out(out, T, C, x.device)
-    qk = _qk_out(qk, T, 2 * nk * dk, x.device)
+    qk = _qk_rows(qk, T, 2 * nk * dk, x.device)
     if T == 0:
         return out, qk
     _qk_kernel(K, nk, nv, dk, dv).launch(
         (-(-C // qt), T), qt, [x, _rs(x), w, state, pred, out, qk, C], pdl=True
     )
     return out, qk
-
-
-def _qk_out(qk: torch.Tensor | None, T: int, n: int, device: torch.device) -> torch.Tensor:
-    from .gdn_tree import _check_qk  # lazy, like gdn_dvt above
-
-    return (
-        torch.empty(T, n, dtype=torch.float32, device=device) if qk is None else _check_qk(qk, T, n, device)
-    )
 
 
 def conv_state_commit(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> None:

@@ -99,14 +99,19 @@ def _check_operands(mixed, a, b, A_log, dt_bias, state) -> tuple[int, int, int, 
     """The per-token operands every GDN launcher reads; returns (nk, nv, dk, dv)."""
     nk, nv, dk, dv = _heads(mixed, state)
     R = mixed.shape[0]
-    _check_rows(mixed, R, mixed.shape[1], "mixed")
-    if R and (mixed.stride(0) % 8 or mixed.data_ptr() % 16):
-        raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
+    _check_mixed(mixed, mixed.shape[1])
     _check_rows(a, R, nv, "a")
     _check_rows(b, R, nv, "b")
     _check_gates(A_log, dt_bias, nv)
     _check_state(state, (nv, dk, dv), "state")
     return nk, nv, dk, dv
+
+
+def _check_mixed(mixed: torch.Tensor, C: int) -> None:
+    """mixed [R, C] bf16 post-conv rows, 16-byte aligned (the kernels read q / k as 16-byte vectors)."""
+    _check_rows(mixed, mixed.shape[0], C, "mixed")
+    if mixed.shape[0] and (mixed.stride(0) % 8 or mixed.data_ptr() % 16):
+        raise ValueError("mixed rows must be 16-byte aligned (row stride % 8 == 0)")
 
 
 def _check_rows(x: torch.Tensor, t: int, n: int, what: str) -> None:

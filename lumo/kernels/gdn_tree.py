@@ -19,7 +19,7 @@ import torch
 
 from ..engine.tree import GDN_FORK, GDN_NODE, GDN_WRITE
 from .compile import sm_count
-from .gdn import _check_operands, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
+from .gdn import _check_mixed, _check_operands, _kernel, _out_rows, gdn_decode_ref, gdn_dvt
 
 
 def _check_index(x: torch.Tensor, shape: tuple[int, ...], what: str, device: torch.device) -> None:
@@ -98,6 +98,13 @@ def _check_qk(qk: torch.Tensor, R: int, n: int, device: torch.device) -> torch.T
     return qk
 
 
+def _qk_rows(qk: torch.Tensor | None, R: int, n: int, device: torch.device) -> torch.Tensor:
+    """The qk buffer [R, n] f32: allocated when not given, checked when given."""
+    return (
+        torch.empty(R, n, dtype=torch.float32, device=device) if qk is None else _check_qk(qk, R, n, device)
+    )
+
+
 def gdn_qk(
     mixed: torch.Tensor, heads: tuple[int, int, int, int], out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -106,17 +113,8 @@ def gdn_qk(
     heads = (nk, nv, dk, dv)."""
     nk, nv, dk, dv = heads
     R = mixed.shape[0]
-    if mixed.dtype != torch.bfloat16 or mixed.dim() != 2 or mixed.shape[1] != 2 * nk * dk + nv * dv:
-        raise ValueError(
-            f"mixed must be bf16 [R, {2 * nk * dk + nv * dv}], got {mixed.dtype} {tuple(mixed.shape)}"
-        )
-    if R and (mixed.stride(1) != 1 or mixed.stride(0) % 8 or mixed.data_ptr() % 16):
-        raise ValueError("mixed rows must be contiguous and 16-byte aligned (row stride % 8 == 0)")
-    out = (
-        _check_qk(out, R, 2 * nk * dk, mixed.device)
-        if out is not None
-        else torch.empty(R, 2 * nk * dk, dtype=torch.float32, device=mixed.device)
-    )
+    _check_mixed(mixed, 2 * nk * dk + nv * dv)
+    out = _qk_rows(out, R, 2 * nk * dk, mixed.device)
     if R:
         kern = _kernel("gdn_tree", "gdn_qk", nk, nv, dk, dv, False, True)
         kern.launch((R, 2 * nk), 32, [mixed, mixed.stride(0), out], pdl=True)
