@@ -4,6 +4,8 @@ Every linear is one of three leaves (DenseLinear, NVFP4Linear, FP8Linear) with `
 the reference model multiplies by the dequantised matrix, the GPU kernels read the packed form.
 `load_model` reads a local directory or hub id (safetensors, single or sharded) and decides each linear's
 format from its stored dtypes and scales, cross-checked with hf_quant_config.json / quantization_config.
+NVFP4 comes in two checkpoint conventions, NVIDIA ModelOpt's and compressed-tensors' (llm-compressor, vLLM);
+both load into the same NVFP4Linear, in ModelOpt's convention.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class DenseLinear:
 
 @dataclass
 class NVFP4Linear:
-    """ModelOpt NVFP4: two E2M1 codes per byte (even column in the low nibble), one e4m3 scale per 16."""
+    """NVFP4 in ModelOpt's convention: two E2M1 codes per byte (even column in the low nibble), one e4m3
+    scale per 16, W = e2m1 * weight_scale * weight_scale_2 (compressed-tensors' checkpoints are converted)."""
 
     weight: torch.Tensor  # [N, K/2] uint8
     weight_scale: torch.Tensor  # [N, K/16] float8_e4m3fn
@@ -347,7 +350,7 @@ class _Checkpoint:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """What the checkpoint's quantisation config declares (hf_quant_config.json or quantization_config)."""
+    """What a ModelOpt quantisation config declares (hf_quant_config.json or quantization_config)."""
 
     algo: str | None = None  # None (unquantised), one of QUANT_ALGOS, or "MIXED_PRECISION"
     exclude: tuple[str, ...] = ()  # fnmatch patterns of modules left unquantised
@@ -363,7 +366,25 @@ class QuantSpec:
         return self.algo
 
 
-def read_quant_spec(root: Path, config: dict) -> QuantSpec:
+@dataclass(frozen=True)
+class CompressedTensorsSpec:
+    """A compressed-tensors quantization_config (llm-compressor, vLLM) whose config groups are all NVFP4."""
+
+    groups: tuple[tuple[tuple[str, ...], str], ...] = ()  # (targets, "NVFP4" | "W4A16_NVFP4") per group
+    ignore: tuple[str, ...] = ()  # module names, or "re:" + a regex matched at the start of the name
+    source: str = "config.json quantization_config"
+
+    def declared(self, module: str) -> str | None:
+        """The algorithm of the group that quantises `module`, or None (unquantised): ignored, or no
+        group's targets match. A target naming the module wins over the class "Linear" (every linear)."""
+        if any(_ct_match(module, p) for p in self.ignore):
+            return None
+        by_name = [algo for targets, algo in self.groups if any(_ct_match(module, t) for t in targets)]
+        by_class = [algo for targets, algo in self.groups if "Linear" in targets]
+        return (by_name + by_class + [None])[0]
+
+
+def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSpec:
     hf = root / "hf_quant_config.json"
     if hf.is_file():
         try:
@@ -373,10 +394,13 @@ def read_quant_spec(root: Path, config: dict) -> QuantSpec:
         source, exclude = hf.name, q.get("exclude_modules")
     elif q := config.get("quantization_config"):
         method = q.get("quant_method")
+        if method == "compressed-tensors":
+            return _compressed_tensors_spec(q, "config.json quantization_config")
         if method != "modelopt":
             raise WeightError(
                 f"unknown quantisation: quantization_config has quant_method {method!r}; lumo loads ModelOpt "
-                f"({', '.join(QUANT_ALGOS)}, MIXED_PRECISION) and unquantised checkpoints"
+                f"({', '.join(QUANT_ALGOS)}, MIXED_PRECISION), compressed-tensors NVFP4 and unquantised "
+                "checkpoints"
             )
         source, exclude = "config.json quantization_config", q.get("ignore", q.get("exclude_modules"))
     else:
@@ -397,12 +421,109 @@ def read_quant_spec(root: Path, config: dict) -> QuantSpec:
     return QuantSpec(algo, tuple(exclude or ()), layers, source)
 
 
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors (llm-compressor, vLLM): quant_method "compressed-tensors". lumo loads the config groups
+# whose format is "nvfp4-pack-quantized" with NVFP4 weights (W4A16), optionally NVFP4 activations (W4A4).
+
+CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
+# NVFP4 QuantizationArgs (compressed-tensors' NVFP4 / NVFP4A16 presets): key -> (required, default if absent)
+_CT_NVFP4_ARGS = {
+    "num_bits": (4, 8),
+    "type": ("float", "int"),
+    "strategy": ("tensor_group", None),
+    "group_size": (16, None),
+    "symmetric": (True, True),
+}
+# "weight" / "static" activation ordering changes only the calibration; "group" / "dynamic" / true stores a
+# column permutation (weight_g_idx) that NVFP4 kernels do not apply
+_CT_ACTORDER_OK = (None, False, "weight", "static")
+
+
+def _ct_match(module: str, pattern: str) -> bool:
+    """compressed-tensors' name match: "re:" + a regex matched at the start (re.match), else equality."""
+    return re.match(pattern[3:], module) is not None if pattern.startswith("re:") else pattern == module
+
+
+def _lower(v: object) -> object:
+    return v.lower() if isinstance(v, str) else v
+
+
+def _ct_check_nvfp4(args: dict, what: str, where: str) -> None:
+    for key, (want, default) in _CT_NVFP4_ARGS.items():
+        if _lower(found := args.get(key, default)) != want:
+            raise WeightError(
+                f"unknown quantisation: {what} {key} {found!r} in {where}; lumo loads NVFP4 ({key} {want!r})"
+            )
+    if _lower(args.get("actorder")) not in _CT_ACTORDER_OK:
+        raise WeightError(
+            f"unknown quantisation: {what} actorder {args['actorder']!r} in {where}; lumo loads NVFP4 "
+            "without a column permutation (actorder null or 'weight')"
+        )
+    if what == "weights" and args.get("dynamic") not in (None, False):
+        raise WeightError(f"unknown quantisation: weights dynamic {args['dynamic']!r} in {where}")
+
+
+def _compressed_tensors_spec(q: dict, source: str) -> CompressedTensorsSpec:
+    """Every config group must be NVFP4 in the nvfp4-pack-quantized format; anything else raises."""
+    for key in ("sparsity_config", "transform_config"):
+        if q.get(key):
+            raise WeightError(f"unknown quantisation: {source} has a {key}; lumo loads plain NVFP4")
+    groups = []
+    for name, g in (q.get("config_groups") or {}).items():
+        where = f"config group {name!r} of {source}"
+        if not isinstance(g, dict):
+            raise WeightError(f"unknown quantisation: {where} is {g!r}, not a quantisation scheme")
+        fmt = g.get("format") or q.get("format")  # a group's own format overrides the global one
+        if fmt != CT_NVFP4_FORMAT:
+            raise WeightError(
+                f"unknown quantisation: compressed-tensors format {fmt!r} in {where}; "
+                f"lumo loads {CT_NVFP4_FORMAT!r}"
+            )
+        _ct_check_nvfp4(g.get("weights") or {}, "weights", where)
+        if acts := g.get("input_activations"):
+            _ct_check_nvfp4(acts, "input_activations", where)
+        if g.get("output_activations"):
+            raise WeightError(f"unknown quantisation: output_activations in {where}")
+        groups.append((tuple(g.get("targets") or ()), "NVFP4" if acts else "W4A16_NVFP4"))
+    spec = CompressedTensorsSpec(tuple(groups), tuple(q.get("ignore") or ()), source)
+    for p in spec.ignore + tuple(t for targets, _ in spec.groups for t in targets):
+        if not isinstance(p, str):
+            raise WeightError(f"{source} has a target or ignore entry {p!r} that is not a string")
+        if p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except re.error as e:
+                raise WeightError(f"{source} has an invalid regular expression {p!r} ({e})") from None
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# Building each linear from the checkpoint.
+
+
+@dataclass(frozen=True)
+class _NVFP4Names:
+    """Where a checkpoint convention keeps an NVFP4 linear's tensors (both name the block scales
+    `weight_scale`, F8_E4M3 [N, K/16])."""
+
+    codes: str  # U8 [N, K/2]
+    global_scale: str  # F32 [] or [1]
+    input_scale: str  # F32 [] or [1], W4A4 only
+    # compressed-tensors stores both global scales as divisors, W = e2m1 * (weight_scale / global_scale) with
+    # global_scale = 448 * 6 / amax: their fp32 reciprocals are ModelOpt's weight_scale_2 and input_scale
+    divisors: bool = False
+
+
+_MODELOPT_NVFP4 = _NVFP4Names("weight", "weight_scale_2", "input_scale")
+_CT_NVFP4 = _NVFP4Names("weight_packed", "weight_global_scale", "input_global_scale", divisors=True)
+
+
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.float().reshape(())
 
 
 def _quantized_linear_builder(
-    ckpt: _Checkpoint, spec: QuantSpec, device: torch.device, dtype: torch.dtype
+    ckpt: _Checkpoint, spec: QuantSpec | CompressedTensorsSpec, device: torch.device, dtype: torch.dtype
 ) -> LinearBuilder:
     """Decide each linear's format from its stored dtypes and scales, cross-checked with the config."""
 
@@ -420,8 +541,35 @@ def _quantized_linear_builder(
             raise WeightError(f"tensor {name} has shape {found}, expected {shape} ({what})")
         return ckpt.read(name)
 
-    def build(prefix: str, shape: tuple[int, int]) -> Linear:
-        N, K = shape
+    def dense(name: str, N: int, K: int) -> Linear:
+        return DenseLinear(tensor(name, tuple(_DENSE), [N, K], "dense").to(device=device, dtype=dtype))
+
+    def nvfp4(prefix: str, N: int, K: int, names: _NVFP4Names, declared: str | None) -> Linear:
+        if K % 16:
+            raise WeightError(
+                f"tensor {prefix}.{names.codes} is NVFP4 but the input dim {K} is not a multiple of 16"
+            )
+        what = f"NVFP4 packing of [{N}, {K}]"
+        w = tensor(f"{prefix}.{names.codes}", ("U8",), [N, K // 2], what)
+        ws = tensor(f"{prefix}.weight_scale", ("F8_E4M3",), [N, K // 16], what)
+        ws2 = _scalar(
+            tensor(f"{prefix}.{names.global_scale}", ("F32", "BF16", "F16"), [], "NVFP4 global scale")
+        )
+        inp = f"{prefix}.{names.input_scale}"
+        xs = _scalar(tensor(inp, ("F32", "BF16", "F16"), [], "NVFP4")) if ckpt.info(inp) else None
+        if names.divisors:
+            ws2, xs = 1.0 / ws2, None if xs is None else 1.0 / xs
+        # W4A4 needs the calibrated activation scale; without it (or declared W4A16) use BF16 activations.
+        acts = "nvfp4" if xs is not None and declared != "W4A16_NVFP4" else "bf16"
+        return NVFP4Linear(
+            weight=w.to(device),
+            weight_scale=ws.to(device),
+            weight_scale_2=ws2.to(device),
+            input_scale=None if xs is None else xs.to(device),
+            activations=acts,
+        )
+
+    def modelopt(prefix: str, N: int, K: int) -> Linear:
         name = f"{prefix}.weight"
         info = ckpt.info(name)
         if info is None:
@@ -445,8 +593,7 @@ def _quantized_linear_builder(
             )
 
         if kind == "DENSE":
-            w = tensor(name, tuple(_DENSE), [N, K], "dense")
-            return DenseLinear(w.to(device=device, dtype=dtype))
+            return dense(name, N, K)
         if kind == "FP8":
             w = tensor(name, ("F8_E4M3",), [N, K], "FP8")
             ws = tensor(f"{prefix}.weight_scale", ("F32", "BF16", "F16"), [], "FP8 per-tensor scale")
@@ -455,23 +602,33 @@ def _quantized_linear_builder(
             return FP8Linear(
                 w.to(device), _scalar(ws).to(device), None if xs is None else _scalar(xs).to(device)
             )
-        if K % 16:
-            raise WeightError(f"tensor {name} is NVFP4 but the input dim {K} is not a multiple of 16")
-        what = f"NVFP4 packing of [{N}, {K}]"
-        w = tensor(name, ("U8",), [N, K // 2], what)
-        ws = tensor(f"{prefix}.weight_scale", ("F8_E4M3",), [N, K // 16], what)
-        ws2 = tensor(f"{prefix}.weight_scale_2", ("F32", "BF16", "F16"), [], "NVFP4 global scale")
-        inp = ckpt.info(f"{prefix}.input_scale")
-        xs = tensor(f"{prefix}.input_scale", ("F32", "BF16", "F16"), [], "NVFP4") if inp else None
-        # W4A4 needs the calibrated activation scale; without it (or declared W4A16) use BF16 activations.
-        acts = "nvfp4" if xs is not None and declared != "W4A16_NVFP4" else "bf16"
-        return NVFP4Linear(
-            weight=w.to(device),
-            weight_scale=ws.to(device),
-            weight_scale_2=_scalar(ws2).to(device),
-            input_scale=None if xs is None else _scalar(xs).to(device),
-            activations=acts,
-        )
+        return nvfp4(prefix, N, K, _MODELOPT_NVFP4, declared)
+
+    def compressed_tensors(prefix: str, N: int, K: int) -> Linear:
+        declared = spec.declared(prefix)
+        packed = f"{prefix}.{_CT_NVFP4.codes}"
+        if ckpt.info(packed) is not None:
+            if declared is None:
+                raise WeightError(
+                    f"tensor {packed} is stored as nvfp4 but {spec.source} leaves {prefix} unquantised "
+                    "(it is in `ignore` or matches no config group's targets)"
+                )
+            return nvfp4(prefix, N, K, _CT_NVFP4, declared)
+        name = f"{prefix}.weight"
+        info = ckpt.info(name)
+        if info is None:
+            raise WeightError(f"missing tensor {packed if declared else name}")
+        if info[0] not in _DENSE:
+            raise WeightError(
+                f"unknown quantisation: tensor {name} is {info[0]}; compressed-tensors NVFP4 stores {packed}"
+            )
+        # A dense weight under a group's targets is accepted: transformers never loads `mtp.*`, so
+        # llm-compressor leaves the MTP head unquantised without listing it in `ignore`.
+        return dense(name, N, K)
+
+    def build(prefix: str, shape: tuple[int, int]) -> Linear:
+        N, K = shape
+        return (compressed_tensors if isinstance(spec, CompressedTensorsSpec) else modelopt)(prefix, N, K)
 
     return build
 

@@ -1,10 +1,12 @@
-"""Checkpoint loading: layouts (flat / wrapper / sharded), formats (BF16, F32, NVFP4, W4A16, FP8, mixed),
-the hub cache, and the one-line errors for user mistakes."""
+"""Checkpoint loading: layouts (flat / wrapper / sharded), formats (BF16, F32, NVFP4, W4A16, FP8, mixed;
+ModelOpt's and compressed-tensors' NVFP4), the hub cache, and the one-line errors for user mistakes."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lumo.config import ConfigError, ModelConfig
+from lumo.model import forward
 from lumo.quant import fp8_quantize, nvfp4_dequantize, nvfp4_quantize
 from lumo.testing import make_tiny_checkpoint
 from lumo.weights import (
@@ -23,6 +26,7 @@ from lumo.weights import (
     build_weights,
     dense_linear_builder,
     load_model,
+    read_quant_spec,
     resolve_model_path,
 )
 
@@ -363,3 +367,215 @@ def test_offline_hub_id_from_cache(tmp_path, monkeypatch):
     assert resolve_model_path("lumo-tests/tiny") == snap
     cfg, w = load_model("lumo-tests/tiny", progress=False)
     assert cfg.num_layers == 4 and w.mtp is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed-tensors NVFP4 (llm-compressor, vLLM): the same weights in the other checkpoint convention.
+
+CT_NVFP4_ARGS = {
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "symmetric": True,
+    "dynamic": False,
+    "actorder": None,
+    "block_structure": None,
+    "observer": "minmax",
+    "observer_kwargs": {},
+    "scale_dtype": "torch.float8_e4m3fn",
+    "zp_dtype": None,
+}
+CT_NVFP4_ACTS = {**CT_NVFP4_ARGS, "dynamic": "local", "observer": "static_minmax"}
+
+
+def ct_group(targets: list[str], w4a4: bool, **weights) -> dict:
+    """A config group as compressed-tensors serialises one (its NVFP4 / NVFP4A16 presets)."""
+    return {
+        "targets": targets,
+        "weights": {**CT_NVFP4_ARGS, **weights},
+        "input_activations": dict(CT_NVFP4_ACTS) if w4a4 else None,
+        "output_activations": None,
+        "format": "nvfp4-pack-quantized",
+    }
+
+
+def write_ct_config(d: Path, groups: dict, ignore: list[str], **extra) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        **extra,
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def to_compressed_tensors(q: dict[str, torch.Tensor], algos: dict[str, str]) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4 tensors renamed and rescaled as compressed-tensors' ModelOpt converter does: weight ->
+    weight_packed, and the global scales stored as divisors, F32 [1]: weight_global_scale =
+    1 / weight_scale_2, input_global_scale = 1 / input_scale. weight_scale (e4m3 block scales) is kept."""
+    divisors = {"weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}
+    out = {}
+    for name, t in q.items():
+        module, _, suffix = name.rpartition(".")
+        if module in algos and suffix == "weight":
+            out[f"{module}.weight_packed"] = t
+        elif module in algos and suffix in divisors:
+            out[f"{module}.{divisors[suffix]}"] = (1.0 / t.float()).reshape(1)
+        else:
+            out[name] = t
+    return out
+
+
+def check_like_modelopt(ct: ModelWeights, mo: ModelWeights) -> None:
+    """Every linear of the compressed-tensors load equals the ModelOpt load of the same weights: packed codes,
+    block scales and dense weights bitwise. lumo keeps fl32(1 / weight_global_scale), and two fp32 reciprocals
+    round twice, so weight_scale_2 (and input_scale) may be one ulp off ModelOpt's (~14% of random values are)
+    and the dequantised weights agree to rtol 2^-22 (that ulp plus the product's rounding), not bitwise."""
+    mo_linears = named_linears(mo)
+    for module, c in named_linears(ct).items():
+        m = mo_linears[module]
+        assert type(c) is type(m), module
+        if isinstance(m, DenseLinear):
+            assert_same(c, m, module)
+            continue
+        assert torch.equal(c.weight, m.weight) and torch.equal(c.weight_scale, m.weight_scale), module
+        assert c.weight_scale_2.shape == () and c.weight_scale_2.dtype == torch.float32, module
+        for a, b in ((c.weight_scale_2, m.weight_scale_2), (c.input_scale, m.input_scale)):
+            assert (a is None) == (b is None), module
+            if a is not None:
+                assert torch.equal(a, 1.0 / (1.0 / b)) and (a - b).abs() <= b * 2.0**-23, module
+        assert torch.equal(c.dequantize(), nvfp4_dequantize(m.weight, m.weight_scale, c.weight_scale_2))
+        torch.testing.assert_close(c.dequantize(), m.dequantize(), rtol=2.0**-22, atol=0, msg=module)
+        assert c.activations == m.activations, module
+
+
+@pytest.mark.parametrize("algo", ["NVFP4", "W4A16_NVFP4"])
+def test_compressed_tensors_nvfp4_equals_modelopt(tmp_path, algo):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    q, algos = quantize_tensors(raw, default_algo(algo))
+    if algo == "NVFP4":  # calibrated-looking activation scales, not powers of two
+        for i, m in enumerate(algos):
+            q[f"{m}.input_scale"] = torch.tensor(0.0123 * (1 + i / 7))
+    mo_dir = shutil.copytree(d, tmp_path / "modelopt")
+    resave(mo_dir, q)
+    excl = ["lm_head", "*in_proj_a", "*in_proj_b", "mtp*"]
+    write_quant_config(mo_dir, {"quant_algo": algo, "group_size": 16, "exclude_modules": excl})
+    resave(d, to_compressed_tensors(q, algos))
+    ignore = ["lm_head", r"re:.*\.in_proj_[ab]$"]  # mtp.* is not listed: transformers never loads it
+    write_ct_config(d, {"group_0": ct_group(["Linear"], w4a4=algo == "NVFP4")}, ignore)
+
+    _, mo = load_model(mo_dir, progress=False)
+    cfg, ct = load_model(d, progress=False)
+    linears = named_linears(ct)
+    assert {m for m, x in linears.items() if isinstance(x, NVFP4Linear)} == set(algos) and ct.mtp is not None
+    assert {linears[m].activations for m in algos} == {"nvfp4" if algo == "NVFP4" else "bf16"}
+    check_like_modelopt(ct, mo)
+    ids = torch.tensor([[3, 17, 101, 250, 42, 7]])
+    logits_ct, logits_mo = forward(cfg, ct, ids)[0], forward(cfg, mo, ids)[0]
+    # weights within two fp32 ulps of each other: the float32 logits agree to a few ulps of their size
+    torch.testing.assert_close(logits_ct, logits_mo, rtol=1e-6, atol=1e-6)
+
+
+def test_compressed_tensors_ignore_and_targets(tmp_path):
+    """`ignore` entries and targets are exact names or "re:" regexes matched at the start of the module name
+    (re.match); an ignored or untargeted module loads dense, and one stored packed anyway is an error."""
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    trunk_mlp = r"re:model\.layers\.\d+\.mlp\.(gate|up|down)_proj$"
+    o_proj = "model.layers.3.self_attn.o_proj"
+
+    def algo_of(m: str):  # the trunk's MLPs but layer 1's, and one attention o_proj
+        mlp = re.match(trunk_mlp[3:], m) and not m.startswith("model.layers.1.")
+        return "W4A16_NVFP4" if mlp or m == o_proj else None
+
+    q, algos = quantize_tensors(raw, algo_of)
+    resave(d, to_compressed_tensors(q, algos))
+    # actorder "weight" orders the GPTQ calibration only, the stored format is the same
+    groups = {"group_0": ct_group([trunk_mlp, o_proj], w4a4=False, actorder="weight")}
+    write_ct_config(d, groups, ignore=["lm_head", r"re:model\.layers\.1\.mlp\."])
+    spec = read_quant_spec(d, json.loads((d / "config.json").read_text()))
+    assert spec.declared("model.layers.0.mlp.down_proj") == "W4A16_NVFP4"  # regex target
+    assert spec.declared(o_proj) == "W4A16_NVFP4"  # exact-name target
+    assert spec.declared("model.layers.1.mlp.up_proj") is None  # regex ignore
+    assert spec.declared("model.layers.3.self_attn.q_proj") is None  # targeted by no group
+    assert spec.declared("lm_head") is None  # exact-name ignore
+    # re.match anchors at the start: a pattern for the middle of the name matches nothing
+    assert dataclasses.replace(spec, ignore=(r"re:layers\.0\.",)).declared("model.layers.0.mlp.up_proj")
+    # a target naming the module wins over the class "Linear", whatever the order of the groups
+    w4a4_first = dataclasses.replace(spec, groups=((("Linear",), "NVFP4"), *spec.groups))
+    assert w4a4_first.declared(o_proj) == "W4A16_NVFP4" and w4a4_first.declared("mtp.fc") == "NVFP4"
+
+    _, w = load_model(d, progress=False)
+    linears = named_linears(w)
+    assert {m for m, x in linears.items() if isinstance(x, NVFP4Linear)} == set(algos)
+    for m in ("model.layers.1.mlp.up_proj", "model.layers.3.self_attn.q_proj", "lm_head"):
+        assert torch.equal(linears[m].weight, raw[f"{m}.weight"].float()), m
+
+    # ignoring a module that is stored packed contradicts the tensors
+    write_ct_config(d, groups, ignore=["lm_head", r"re:model\.layers\.[01]\.mlp\."])
+    msg = r"tensor model\.layers\.0\.mlp\.gate_proj\.weight_packed is stored as nvfp4 but .* unquantised"
+    with pytest.raises(WeightError, match=msg):
+        load_model(d, progress=False)
+    # a quantised module without its global scale names the missing tensor
+    write_ct_config(d, groups, ignore=["lm_head", r"re:model\.layers\.1\.mlp\."])
+    ct = load_file(d / "model.safetensors")
+    resave(d, {n: t for n, t in ct.items() if n != "model.layers.0.mlp.up_proj.weight_global_scale"})
+    with pytest.raises(
+        WeightError, match=r"^missing tensor model\.layers\.0\.mlp\.up_proj\.weight_global_scale"
+    ):
+        load_model(d, progress=False)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        # int4 W4A16 (GPTQ / AWQ style): pack-quantized
+        (
+            {"format": "pack-quantized", "weights": {"type": "int", "strategy": "group", "group_size": 128}},
+            "compressed-tensors format 'pack-quantized' in config group 'group_0'",
+        ),
+        # FP8 per channel / per block
+        (
+            {
+                "format": "float-quantized",
+                "weights": {"num_bits": 8, "strategy": "channel", "group_size": None},
+            },
+            "format 'float-quantized'",
+        ),
+        (
+            {
+                "format": "float-quantized",
+                "weights": {"num_bits": 8, "strategy": "block", "group_size": None},
+            },
+            "format 'float-quantized'",
+        ),
+        (
+            {"weights": {"group_size": 32}},
+            r"weights group_size 32 in config group 'group_0' .*\(group_size 16\)",
+        ),
+        ({"weights": {"symmetric": False}}, "weights symmetric False"),
+        ({"weights": {"actorder": "group"}}, "weights actorder 'group'"),
+        ({"weights": {"strategy": "group"}}, "weights strategy 'group'"),
+        ({"input_activations": {**CT_NVFP4_ACTS, "num_bits": 8}}, "input_activations num_bits 8"),
+        ({"config": {"sparsity_config": {"format": "sparse-24-bitmask"}}}, "has a sparsity_config"),
+        ({"targets": ["re:model.(layers"]}, r"invalid regular expression 're:model\.\(layers'"),
+    ],
+    ids="int4-pack fp8-channel fp8-block group32 asym actorder group a8 sparse regex".split(),
+)
+def test_compressed_tensors_unsupported(tmp_path, change, words):
+    d = tiny(tmp_path)
+    group = ct_group(["Linear"], w4a4=True)
+    group |= {k: v for k, v in change.items() if k in ("format", "input_activations", "targets")}
+    group["weights"] |= change.get("weights", {})
+    write_ct_config(d, {"group_0": group}, ["lm_head"], **change.get("config", {}))
+    with pytest.raises(WeightError, match=words) as e:
+        load_model(d, progress=False)
+    assert "\n" not in str(e.value)
