@@ -287,6 +287,7 @@ def main() -> None:
     ap.add_argument("--peer-layers", type=int, default=64, help="0: no peer; else its depth (BF16)")
     ap.add_argument("--peer-tokens", type=int, default=16)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--bf16-head", action="store_true", help="a bf16 lm_head (as ModelOpt ships it)")
     args = ap.parse_args()
 
     cfg = config_27b(num_layers=args.layers)
@@ -294,7 +295,7 @@ def main() -> None:
     bw = copy_bandwidth()
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
-    w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0)
+    w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0, dense_head=args.bf16_head)
     gw = pack_weights(cfg, w, "cuda")
     torch.cuda.synchronize()
     t_pack = time.perf_counter() - t0
@@ -341,7 +342,8 @@ def main() -> None:
         peer = {"layers": n, **p, "ours_ms_per_token": ours_ms, "speedup": p["ms_per_token"] / ours_ms}
 
     # ---- the table ----
-    print(f"\n## bench_decode: {dev}, 27B config ({cfg.num_layers} layers), random NVFP4 weights")
+    head = ", bf16 lm_head" if args.bf16_head else ""
+    print(f"\n## bench_decode: {dev}, 27B config ({cfg.num_layers} layers), random NVFP4 weights{head}")
     wgb = linear_weight_bytes(cfg) / GB
     print(f"copy bandwidth {bw / GB:.0f} GB/s (read + write); linear weights {wgb:.2f} GB\n")
     print("| context | step ms (graph) | floor ms | x floor | e2e ms | tokens/s |")

@@ -32,6 +32,7 @@ SHAPES = [  # (name, K, N)
     # the 27B's other decode shapes: a GDN layer's fused q/k/v/z and an attention layer's fused q(+gate)/k/v
     ("gdn qkvz 5120->16384", 5120, 16384),
     ("attn qkv 5120->14336", 5120, 14336),
+    ("mtp fc 10240->5120", 10240, 5120),  # the MTP head's fc (BF16 in ModelOpt checkpoints, like mtp.*)
 ]
 L2_ROTATE_BYTES = 512 << 20  # rotate through at least this many weight bytes (L2 is 60 MB)
 
@@ -122,8 +123,26 @@ def config_kwargs(cfg: str) -> dict:
     return dict(stages=st, rgw=rgw, cluster=False)
 
 
+def bf16_config_kwargs(cfg: str) -> dict:
+    """BF16 launch knobs (none changes the result bits): "dflt" the library's choice, "rd" the one-warp
+    kernel, "gMxPxX" bf16_gemv with M m16 tiles per warp, P weight and X activation chunks in flight."""
+    if cfg == "dflt":
+        return {}
+    if cfg == "rd":
+        return dict(rd=True)
+    return dict(reg=tuple(int(v) for v in cfg[1:].split("x")))
+
+
 def bench_shape(
-    name: str, k: int, n: int, ms: list[int], bw: float, configs: list[str], splits: list[int] = ()
+    name: str,
+    k: int,
+    n: int,
+    ms: list[int],
+    bw: float,
+    configs: list[str],
+    splits: list[int] = (),
+    bf16_configs: list[str] = (),
+    nvfp4: bool = True,
 ) -> list[dict]:
     wbytes = n * k // 2 + n * k // 16 + n * 4
     reps = max(20, min(1000, int(2e9 / wbytes)))
@@ -143,7 +162,7 @@ def bench_shape(
         # "cfg/sS": that launch choice with S split-K slices instead of the weight's (other result bits)
         variants = [(c, {}) for c in ["dflt", *configs]]
         variants += [(f"{c}/s{s}", dict(splits=s)) for s in splits for c in ["dflt", *configs]]
-        for cfg, extra in variants:
+        for cfg, extra in variants if nvfp4 else [("dflt", {})]:
             kw = {**config_kwargs(cfg.split("/")[0]), **extra} | ({"rows": rows_ws} if n_out != n else {})
             try:
                 res[cfg] = time_graph(
@@ -157,9 +176,13 @@ def bench_shape(
         us = res["dflt"]
         best = min(res, key=res.get)
         t_torch = time_graph([lambda w=w, x=x, o=bout: torch.matmul(x, w.t(), out=o) for w in wbs], reps)
-        t_bf16 = time_graph(
-            [lambda w=w, x=x, o=bout, ws=ws: bf16_linear(x, w, out=o, workspace=ws) for w in wbs], reps
-        )
+        bf16_res = {}
+        for cfg in ["dflt", *bf16_configs]:
+            kw = bf16_config_kwargs(cfg)
+            kw["workspace"] = ws
+            fns = [lambda w=w, x=x, o=bout, kw=kw: bf16_linear(x, w, out=o, **kw) for w in wbs]
+            bf16_res[cfg] = time_graph(fns, reps)
+        t_bf16 = bf16_res["dflt"]
         nbytes = wbytes + m * k * 2 + m * n_out * 2
         gbs = nbytes / (us * 1e-6) / 1e9
         bf16_gbs = (n * k * 2 + m * k * 2 + m * n * 2) / (t_bf16 * 1e-6) / 1e9
@@ -180,7 +203,10 @@ def bench_shape(
                 speedup_vs_torch=t_torch / us,
                 bf16_us=t_bf16,
                 bf16_pct_bw=100 * bf16_gbs / bw,
+                bf16_vs_torch=t_torch / t_bf16,
                 config_sweep=res,
+                bf16_sweep=bf16_res,
+                bf16_bytes=n * k * 2 + m * k * 2 + m * n * 2,
             )
         )
     del packs, wbs
@@ -194,6 +220,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="*", default=[], help="launch variants timed besides the default")
     ap.add_argument("--only", nargs="*", default=[], help="shapes whose name contains one of these")
     ap.add_argument("--splits", type=int, nargs="*", default=[], help="also time each config with S slices")
+    ap.add_argument("--bf16-configs", nargs="*", default=[], help="BF16 launch variants (bf16_config_kwargs)")
+    ap.add_argument("--no-nvfp4", action="store_true", help="time the NVFP4 default only (BF16 sweeps)")
     args = ap.parse_args()
     torch.manual_seed(0)
     bws = copy_bandwidth()
@@ -203,7 +231,9 @@ def main() -> None:
     for name, k, n in SHAPES:
         if args.only and not any(o in name for o in args.only):
             continue
-        rows += bench_shape(name, k, n, args.m, bw, args.configs, args.splits)
+        rows += bench_shape(
+            name, k, n, args.m, bw, args.configs, args.splits, args.bf16_configs, not args.no_nvfp4
+        )
         print(f"done {name}", flush=True)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -221,9 +251,18 @@ def main() -> None:
                 for c, us in r["config_sweep"].items()
             ]
             print(f"{r['shape']:22} {r['m']:3d}  " + "  ".join(cells))
+    if args.bf16_configs:
+        print("\nBF16 sweep: us per launch (median, graph replay) and % of copy bandwidth by launch variant")
+        for r in rows:
+            cells = [
+                f"{c} {us:.1f} ({100 * r['bf16_bytes'] / (us * 1e-6) / 1e9 / bw:.0f}%)"
+                for c, us in r["bf16_sweep"].items()
+            ]
+            print(f"{r['shape']:22} {r['m']:3d}  cuBLAS {r['torch_us']:.1f}  " + "  ".join(cells))
     print(f"\n{dev}: device copy {bw:.0f} GB/s (read+write); NVFP4 W4A16, times in us (median, graph replay)")
     hdr = f"{'shape':22} {'M':>3} {'S':>2} {'us':>8} {'MB':>8} {'GB/s':>6} {'%bw':>5} "
-    hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'best':>5} {'cfg':>7}"
+    hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'bf16x':>5} "
+    hdr += f"{'best':>5} {'cfg':>7}"
     print(hdr)
     m1 = {r["shape"]: r["us"] for r in rows if r["m"] == 1}
     for r in rows:
@@ -232,7 +271,8 @@ def main() -> None:
             f"{r['shape']:22} {r['m']:3d} {r['splits']:2d} {r['us']:8.1f} "
             f"{r['bytes'] / 1e6:8.1f} {r['gbs']:6.0f} {r['pct_bw']:5.1f} {rel:5.2f} {r['torch_us']:9.1f} "
             f"{r['speedup_vs_torch']:7.2f} "
-            f"{r['bf16_us']:8.1f} {r['bf16_pct_bw']:7.1f} {r['best_us']:5.1f} {r['best_cfg']:>7}"
+            f"{r['bf16_us']:8.1f} {r['bf16_pct_bw']:7.1f} {r['bf16_vs_torch']:5.2f} "
+            f"{r['best_us']:5.1f} {r['best_cfg']:>7}"
         )
 
 

@@ -82,6 +82,7 @@ def stubbed(monkeypatch):
         return lambda *a, **k: factory(name)
 
     monkeypatch.setattr(linear, "_kernel", lambda *a, **k: factory(a[0]))
+    monkeypatch.setattr(linear, "_bf16_kernel", lambda *a, **k: factory("bf16_gemv"))
     monkeypatch.setattr(norms, "_kernel", lambda *a, **k: factory(a[0]))
     monkeypatch.setattr(rope_kv, "_kernel", named("qk_norm_rope_kv"))
     monkeypatch.setattr(conv, "_kernel", lambda *a, **k: factory(a[0]))

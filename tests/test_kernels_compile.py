@@ -108,8 +108,7 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 
     monkeypatch.setattr(linear, "smem_limit", lambda device: 99 * 1024)
     cpu = torch.device("cpu")
-    bf16_stage = linear.KW * linear._stage_bytes(1, True)  # 36 KB
-    assert linear.fit_stages(linear.STAGES, bf16_stage, cpu) == 2
+    assert linear.fit_stages(6, linear._fp4_stage_bytes(4, 8), cpu) == 4  # 22 KB stages: 4 of 6 fit
     assert linear.fit_stages(6, linear._fp4_stage_bytes(1, 4), cpu) == 6  # 61 KB ring fits as is
     with pytest.raises(RuntimeError, match="does not fit"):
         linear.fit_stages(4, 60 * 1024, cpu)

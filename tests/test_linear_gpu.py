@@ -193,64 +193,41 @@ def test_split_k_variants_equal_cross_cta(splits):
             assert torch.equal(y, cross), (m, kw)
 
 
-def test_bf16_batch_invariant():
+@pytest.mark.parametrize("rd", [True, False], ids=["one-warp", "bf16_gemv"])
+def test_bf16_batch_invariant(rd):
     gen = torch.Generator(DEV).manual_seed(5)
     n, k = 150, 16 * 41
     w = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
-    _check_batch_invariant(lambda x: bf16_linear(x, w), k, gen)
-
-
-BF16_SPLIT_SHAPES = [(96, 5120), (150, 16 * 41), (48, 16 * 37)]  # the 27B's GDN b/a, two odd ones
-
-
-@pytest.mark.parametrize("n,k", BF16_SPLIT_SHAPES, ids=["gdn-ba", "150x656", "48x592"])
-def test_bf16_cluster_split_k_gives_the_partials_bits(n, k):
-    """bf16_gemv_cl (the split-K slices summed in a thread-block cluster, sm_90+) gives the bits of
-    bf16_gemv + splitk_reduce, and never touches the partials workspace."""
-    gen = torch.Generator(DEV).manual_seed(n + k)
-    w = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
-    splits = _bf16_splits(n, k)
-    assert splits > 1
-    clusters = torch.cuda.get_device_capability()[0] >= 9
-    for m in (1, 5, 8, 9, 16, 32):
-        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        ref = bf16_linear(x, w, cluster=False, rd=False)
-        ws = torch.full((splits, 32, n), float("nan"), device=DEV)
-        y = bf16_linear(x, w, out=poisoned(m, n), workspace=ws, cluster=True, rd=False)
-        assert torch.equal(y, ref), m
-        if clusters:
-            assert torch.isnan(ws).all(), "the cluster path writes no partials"
+    _check_batch_invariant(lambda x: bf16_linear(x, w, rd=rd), k, gen)
 
 
 # The GDN b/a (16 slices of 5 chunks), odd shapes with a short last chunk (150 x 656: 11 chunks in 2
 # slices; 48 x 592: 10 in 2), one slice (100 x 80; 8 x 144: half a tile), 16 row groups in 4 slices
-# (1000 x 1072), and three empty trailing slices (96 x 4144: 65 chunks in 16 slices of 5).
-BF16_RD_SHAPES = [
-    (96, 5120),
-    (150, 16 * 41),
-    (48, 16 * 37),
-    (100, 80),
-    (8, 16 * 9),
-    (1000, 16 * 67),
-    (96, 16 * 259),
-]
+# (1000 x 1072), three empty trailing slices (96 x 4144: 65 chunks in 16 slices of 5), an N that is not a
+# multiple of 32 with 4 slices (323 x 2064) and one 27B-wide shape (2000 x 5120, 2 slices).
+BF16_SHAPES = [(96, 5120), (150, 16 * 41), (48, 16 * 37), (100, 80), (8, 16 * 9), (1000, 16 * 67)]
+BF16_SHAPES += [(96, 16 * 259), (64 * 5 + 3, 16 * 129), (2000, 5120)]
 
 
-@pytest.mark.parametrize("n,k", BF16_RD_SHAPES, ids=[f"N{n}-K{k}" for n, k in BF16_RD_SHAPES])
-def test_bf16_one_warp_kernel_gives_the_ring_kernels_bits(n, k):
-    """bf16_gemv_rd (one warp per m16 tile and slice, registers only) gives the bits of bf16_gemv +
-    splitk_reduce and of the cluster-reduced bf16_gemv_cl, for every M, and matches the fp32 reference."""
-    gen = torch.Generator(DEV).manual_seed(7 * n + k)
+@pytest.mark.parametrize("n,k", BF16_SHAPES, ids=[f"N{n}-K{k}" for n, k in BF16_SHAPES])
+def test_bf16_kernels_and_launch_variants_give_the_same_bits(n, k):
+    """bf16_gemv (KW warps per m16 tiles and slice, operands straight into registers) in every launch
+    variant (m16 tiles per warp, weight and activation chunks in flight) and the one-warp kernel
+    bf16_gemv_rd give the same bits for every M, and match the fp32 reference; the slices' partials go
+    through the workspace (NaN-poisoned: every element they sum is written)."""
+    gen = torch.Generator(DEV).manual_seed(3 * n + k)
     w = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
-    clusters = torch.cuda.get_device_capability()[0] >= 9
+    splits = _bf16_splits(n, k)
+    variants = [dict(rd=True), dict(rd=False), dict(reg=(1, 2, 2)), dict(reg=(1, 4, 1)), dict(reg=(2, 3, 3))]
+    variants += [dict(reg=(2, 2, 1)), dict(reg=(1, 3, 1))]
     for m in (1, 2, 7, 8, 9, 16, 17, 24, 25, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        ref = bf16_linear(x, w, cluster=False, rd=False)
-        y = bf16_linear(x, w, out=poisoned(m, n), rd=True)
-        assert torch.equal(y, ref), m
-        assert rel_err(y, bf16_linear_ref(x, w)) < 5e-3, m
-        if clusters and _bf16_splits(n, k) > 1:
-            assert torch.equal(bf16_linear(x, w, cluster=True, rd=False), ref), m
+        ref = bf16_linear(x, w)
+        assert rel_err(ref, bf16_linear_ref(x, w)) < 5e-3, m
+        for kw in variants:
+            ws = torch.full((max(splits, 2), 32, n), float("nan"), device=DEV)
+            y = bf16_linear(x, w, out=poisoned(m, n), workspace=ws, **kw)
+            assert torch.equal(y, ref), (m, kw)
 
 
 def test_fused_shards_keep_their_scales():
@@ -299,27 +276,30 @@ def test_graph_replay_equals_eager(m):
     packed = pack_nvfp4(w, s, s2, splits=2)
     wb = torch.randn(n, k, generator=gen, device=DEV).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-    y, yb, yc = poisoned(m, n), poisoned(m, n), poisoned(m, n)
+    y, yb, yc, yg = poisoned(m, n), poisoned(m, n), poisoned(m, n), poisoned(m, n)
     nvfp4_linear(x, packed, out=y)  # compile and load outside the capture
     nvfp4_linear(x, packed, out=yc, rd=False, cluster=False)
     bf16_linear(x, wb, out=yb, workspace=torch.empty(4, 32, n, device=DEV))
-    ws = torch.empty(8, 32, n, device=DEV)
+    bf16_linear(x, wb, out=yg, workspace=torch.empty(4, 32, n, device=DEV), rd=False)
+    ws, wsg = torch.empty(8, 32, n, device=DEV), torch.empty(8, 32, n, device=DEV)
     fresh = pack_nvfp4(w, s, s2, splits=2)  # the cross-CTA kernel makes its partial buffer in the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         nvfp4_linear(x, packed, out=y)
         nvfp4_linear(x, fresh, out=yc, rd=False, cluster=False)
         bf16_linear(x, wb, out=yb, workspace=ws)
+        bf16_linear(x, wb, out=yg, workspace=wsg, rd=False)
     assert fresh.partial is not None
     for _ in range(2):
         x.copy_(torch.randn(m, k, generator=gen, device=DEV))
-        for t in (y, yb, yc):
+        for t in (y, yb, yc, yg):
             t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, nvfp4_linear(x, packed))
         assert torch.equal(yc, y)
         assert torch.equal(yb, bf16_linear(x, wb))
+        assert torch.equal(yg, yb)
 
 
 def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):

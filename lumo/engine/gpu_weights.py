@@ -435,10 +435,13 @@ def random_model_weights(
     nvfp4: bool = True,
     seed: int = 0,
     mtp: bool = False,
+    dense_head: bool = False,
 ) -> ModelWeights:
     """ModelWeights with random values at cfg's shapes: NVFP4 linears (in_proj_b/a dense bf16, as
     ModelOpt checkpoints leave them) or all dense bf16. Generated on `device`. `mtp=True` adds a random
-    one-layer MTP head (drawn after everything else, so the target's values do not change)."""
+    one-layer MTP head (drawn after everything else, so the target's values do not change).
+    `dense_head=True` keeps the lm_head and the MTP head's linears bf16, as ModelOpt's NVFP4 checkpoints
+    usually ship them (the lm_head in exclude_modules, mtp.* unquantised)."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     bf = torch.bfloat16
@@ -463,12 +466,12 @@ def random_model_weights(
         cfg.linear_conv_kernel_dim,
     )
 
-    def attn() -> AttnWeights:
+    def attn(dense: bool = False) -> AttnWeights:
         return AttnWeights(
-            q_proj=lin(nh * 2 * d, H),
-            k_proj=lin(nkv * d, H),
-            v_proj=lin(nkv * d, H),
-            o_proj=lin(H, nh * d),
+            q_proj=lin(nh * 2 * d, H, dense=dense),
+            k_proj=lin(nkv * d, H, dense=dense),
+            v_proj=lin(nkv * d, H, dense=dense),
+            o_proj=lin(H, nh * d, dense=dense),
             q_norm=norm(d),
             k_norm=norm(d),
         )
@@ -492,13 +495,14 @@ def random_model_weights(
             )
         mlp = MLPWeights(lin(I, H, gain=1.0), lin(I, H, gain=1.0), lin(H, I))
         layers.append(LayerWeights(norm(H), norm(H), mixer, mlp))
-    embed, final_norm, lm_head = randn(V, H), norm(H), lin(V, H, gain=2.0)
+    embed, final_norm, lm_head = randn(V, H), norm(H), lin(V, H, gain=2.0, dense=dense_head)
     head = None
     if mtp:
-        a = attn()
-        mlp_w = MLPWeights(lin(I, H, gain=1.0), lin(I, H, gain=1.0), lin(H, I))
+        dh = dense_head
+        a = attn(dense=dh)
+        mlp_w = MLPWeights(lin(I, H, gain=1.0, dense=dh), lin(I, H, gain=1.0, dense=dh), lin(H, I, dense=dh))
         head = MTPWeights(
-            fc=lin(H, 2 * H),
+            fc=lin(H, 2 * H, dense=dh),
             pre_fc_norm_embedding=norm(H),
             pre_fc_norm_hidden=norm(H),
             layers=[LayerWeights(norm(H), norm(H), a, mlp_w)],

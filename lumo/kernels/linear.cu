@@ -48,6 +48,8 @@
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=3 RD_MINB=4
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 GLU=1
 // lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
+// lumo:test-defines NT=1 MT=1 RPF=2 LUMO_ONLY=1 LUMO_ONLY_bf16_gemv=1
+// lumo:test-defines NT=4 MT=2 RPF=2 XPF=1 LUMO_ONLY=1 LUMO_ONLY_bf16_gemv=1
 // lumo:test-defines NT=4 KW=4 BPF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 RDCL=2 RD_MINB=5
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
@@ -68,7 +70,7 @@
 #define STAGES 4  // cp.async pipeline depth per warp
 #endif
 #ifndef KW
-#define KW 4  // bf16_gemv: warps per CTA, splitting the CTA's chunks round-robin
+#define KW 4  // bf16_gemv: accumulators of a slice (its chunks round-robin), a warp each (part of the K order)
 #endif
 #ifndef RGW
 #define RGW 4  // nvfp4_gemv: row groups per CTA sharing one activation tile
@@ -128,8 +130,6 @@ typedef __nv_bfloat16 bf16;
 #define S_BYTES (MT * 64)
 #define X_BYTES (NT * 1024)
 #define FP4_STAGE (X_BYTES + RGW * (Q_BYTES + S_BYTES))  // per CTA: x tile, then each row group's weights
-#define BF16_W_BYTES (MT * 2048)
-#define BF16_STAGE (BF16_W_BYTES + X_BYTES)
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes, bool l1) {
   u32 s = (u32)__cvta_generic_to_shared(dst);
@@ -195,20 +195,6 @@ __device__ __forceinline__ void fp4_tile_mma(float (*acc)[4], const uint4& wv, u
       const u32* xw = reinterpret_cast<const u32*>(&xv[j][s >> 1]);
       mma_bf16(acc[j], A, B, Cr, D, xw[(s & 1) * 2], xw[(s & 1) * 2 + 1]);
     }
-  }
-}
-
-// Activation rows 8j+g, columns k0 + 16t .. +15 of every n8 tile j into this warp's stage (zero padded).
-__device__ __forceinline__ void load_x(char* xs, const bf16* __restrict__ x, int M, int K, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const int col = k0 + 16 * t;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int row = 8 * j + g;
-    const bool ok = row < M && col < K;
-    const bf16* src = ok ? x + (size_t)row * K + col : x;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) cp_async16(xs + ((j * 2 + h) * 32 + lane) * 16, src + 8 * h, ok ? 16 : 0, true);
   }
 }
 
@@ -306,7 +292,7 @@ __device__ __forceinline__ u32 cluster_rank() {  // 0 outside a cluster launch
   return rank;
 }
 
-// Epilogue of the cluster-reduced split-K kernels (nvfp4_gemv_cl, bf16_gemv_cl): CTA s of the cluster (slice
+// Epilogue of the cluster-reduced split-K kernel (nvfp4_gemv_cl): CTA s of the cluster (slice
 // s) puts the partials p_s = acc * unscale of its W row groups (rg0 + w) in its shared memory as
 // red[w][i][j][e][lane]: warp v < W * MT / TILES holds the TILES m16 tiles from v * TILES on; after a cluster
 // barrier CTA s sums the s-th share of the entries over the slices in slice order (a = p_0, a += p_1, ...:
@@ -874,14 +860,13 @@ extern "C" __global__ void __launch_bounds__(SXW * 32)
 }
 #endif
 
-// Same tiling for plain bf16 weights w [N, K] (row major, K % 16 == 0): a lane's 16 columns of rows g and
-// g+8 are 32 contiguous bytes each, so no repacking is needed. grid (RG, S), block 32 * KW: CTA (rg, s)
-// covers row group rg and split-K slice s, its KW warps take the slice's chunks round-robin and are summed
-// in warp order; S > 1 writes fp32 partials [S, M, N] for splitk_reduce (bf16_gemv), or (bf16_gemv_cl,
-// sm_90+, launched as clusters of the S slices) sums them in distributed shared memory: the same bits
-// without the partials' round trip and the reduce launch.
+// Plain bf16 weights w [N, K] (row major, K % 16 == 0) take the same tiling: a lane's 16 columns of rows g
+// and g+8 are 32 contiguous bytes each, so no repacking is needed. The K order (part of the bits): split-K
+// slice s covers chunks [s * cps, min(C, (s + 1) * cps)), its chunk i goes to accumulator i % KW, the KW
+// accumulators are summed in order (a = acc_0, a += acc_w), then the slices in slice order (splitk_reduce).
+//
 // One chunk of one m16 tile of bf16 weights: wv[r][h] = rows g + 8r, columns 16t + 8h of the chunk (a lane's
-// A fragments for the four k-steps), xv the NT n8 tiles' B fragments, as load_x lays them out.
+// A fragments for the four k-steps), xv[j][h] the n8 tile j's B fragments: row 8j + g, the same columns.
 __device__ __forceinline__ void bf16_tile_mma(float (*acc)[4], const uint4 (&wv)[2][2],
                                               const uint4 (*xv)[2]) {
 #pragma unroll
@@ -897,21 +882,36 @@ __device__ __forceinline__ void bf16_tile_mma(float (*acc)[4], const uint4 (&wv)
   }
 }
 
-template <bool kCluster>
-__device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const bf16* __restrict__ x,
-                                               bf16* __restrict__ out, float* __restrict__ partial, int M,
-                                               int N, int K, int C, int cps) {
+// bf16_gemv: grid (ceil(N / (16 * MT)), S), block 32 * KW. CTA (b, s) covers the MT m16 tiles from row
+// 16 * MT * b and split-K slice s; warp w takes the slice's chunks w, w + KW, ... (accumulator w of the K
+// order), each loaded straight into registers, weights RPF and activations XPF chunks ahead (the loop is
+// unrolled RPF times: ring slots are compile-time indices); the warps are summed in warp order through
+// (KW - 1) * MT * NT * 512 bytes of shared memory, and with S > 1 the slices go through fp32 partials
+// [S, M, N] and splitk_reduce. Small CTAs without a ring let many share an SM and keep the DRAM busy
+// (session 17, H200: 40-48% of copy bandwidth for the ring kernel it replaced, one ~150 KB CTA per SM;
+// docs/kernels.md). The slices' cluster epilogue was slower for these CTAs (and is not built for them).
+#ifndef RPF
+#define RPF 2  // bf16_gemv: weight chunks in flight per warp
+#endif
+#ifndef XPF
+#define XPF RPF  // bf16_gemv: activation chunks in flight per warp (a divisor of RPF; 1: loaded at use)
+#endif
+#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_bf16_gemv)
+extern "C" __global__ void __launch_bounds__(KW * 32)
+    bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
+              float* __restrict__ partial, int M, int N, int K, int C, int cps) {
+  static_assert(RPF % XPF == 0, "ring slots are compile-time indices within each RPF-chunk trip");
   extern __shared__ uint4 smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  char* ring = reinterpret_cast<char*>(smem) + warp * STAGES * BF16_STAGE;
   const int row0 = blockIdx.x * MT * 16;
   const int c0 = blockIdx.y * cps + warp;
   const int c1 = min(C, (int)(blockIdx.y + 1) * cps);
-  const int nc = c0 < c1 ? (c1 - c0 + KW - 1) / KW : 0;
+  const int nc = c0 < c1 ? (c1 - c0 + KW - 1) / KW : 0;  // this warp's chunks: c0 + i * KW, i < nc
 
-  auto issue_w = [&](int i) {  // weights of this warp's i-th chunk: no earlier kernel writes them
-    char* st = ring + (i % STAGES) * BF16_STAGE;
+  uint4 wr[RPF][MT][2][2];  // [slot][tile][row g, g + 8][columns 16t + 8h]
+  uint4 xr[XPF][NT][2];
+  auto load_w = [&](int slot, int i) {  // no earlier kernel writes the weights
     const int col = (c0 + i * KW) * 64 + 16 * t;
 #pragma unroll
     for (int p = 0; p < MT; ++p)
@@ -919,81 +919,49 @@ __device__ __forceinline__ void bf16_gemv_body(const bf16* __restrict__ w, const
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 16 * p + g + 8 * r;
         const bool ok = row < N && col < K;
-        const bf16* src = ok ? w + (size_t)row * K + col : w;
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          cp_async16(st + (((p * 2 + r) * 2 + h) * 32 + lane) * 16, src + 8 * h, ok ? 16 : 0, false);
+          wr[slot][p][r][h] = ok ? ld_stream16(reinterpret_cast<const uint4*>(w + (size_t)row * K + col + 8 * h))
+                                 : make_uint4(0u, 0u, 0u, 0u);
       }
   };
-  auto issue_x = [&](int i) {
-    load_x(ring + (i % STAGES) * BF16_STAGE + BF16_W_BYTES, x, M, K, (c0 + i * KW) * 64, lane);
+  auto load_x = [&](int slot, int i) {  // rows >= M and columns >= K read as zero
+    const int col = (c0 + i * KW) * 64 + 16 * t;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int row = 8 * j + g;
+      const bool ok = row < M && col < K;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        xr[slot][j][h] = ok ? *reinterpret_cast<const uint4*>(x + (size_t)row * K + col + 8 * h)
+                            : make_uint4(0u, 0u, 0u, 0u);
+    }
   };
 
   float acc[MT][NT][4] = {};
-
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
-    if (i < nc) issue_w(i);
+  for (int i = 0; i < RPF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
+    if (i < nc) load_w(i, i);
   pdl_wait();
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < nc) issue_x(i);
-    cp_async_commit();
-  }
-  for (int i = 0; i < nc; ++i) {
-    if (i + STAGES - 1 < nc) {
-      issue_w(i + STAGES - 1);
-      issue_x(i + STAGES - 1);
+  for (int i = 0; i < XPF - 1; ++i)
+    if (i < nc) load_x(i, i);
+  for (int i0 = 0; i0 < nc; i0 += RPF) {
+#pragma unroll
+    for (int u = 0; u < RPF; ++u) {
+      const int i = i0 + u;
+      if (i < nc) {
+        // Refill the slots chunk i - 1 used (i0 % RPF == 0, so slots are u's residues).
+        if (i + RPF - 1 < nc) load_w((u + RPF - 1) % RPF, i + RPF - 1);
+        if (i + XPF - 1 < nc) load_x((u + XPF - 1) % XPF, i + XPF - 1);
+#pragma unroll
+        for (int p = 0; p < MT; ++p) bf16_tile_mma(acc[p], wr[u][p], xr[u % XPF]);
+      }
     }
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncwarp();
-    const char* st = ring + (i % STAGES) * BF16_STAGE;
-    uint4 wv[MT][2][2];
-#pragma unroll
-    for (int p = 0; p < MT; ++p)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wv[p][r][h] = *reinterpret_cast<const uint4*>(st + (((p * 2 + r) * 2 + h) * 32 + lane) * 16);
-    uint4 xv[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        xv[j][h] = *reinterpret_cast<const uint4*>(st + BF16_W_BYTES + ((j * 2 + h) * 32 + lane) * 16);
-    __syncwarp();
-#pragma unroll
-    for (int p = 0; p < MT; ++p) bf16_tile_mma(acc[p], wv[p], xv);
   }
-  cp_async_wait<0>();
   pdl_trigger();
   reduce_warps<KW, MT>(acc, reinterpret_cast<char*>(smem), warp, lane);
-  if (kCluster) {
-    cluster_reduce_store<1, MT>(acc, nullptr, 1.0f, blockIdx.x, out, M, N, lane, warp);  // warp 0: the sum
-  } else if (warp == 0) {
-    store_tile<MT>(acc, nullptr, out, partial, M, N, row0, lane);
-  }
-}
-
-#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_bf16_gemv)
-extern "C" __global__ void __launch_bounds__(KW * 32)
-    bf16_gemv(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out,
-              float* __restrict__ partial, int M, int N, int K, int RG, int C, int cps) {
-  bf16_gemv_body<false>(w, x, out, partial, M, N, K, C, cps);
-}
-#endif
-
-#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_bf16_gemv_cl)
-extern "C" __global__ void __launch_bounds__(KW * 32)
-    bf16_gemv_cl(const bf16* __restrict__ w, const bf16* __restrict__ x, bf16* __restrict__ out, int M, int N,
-                 int K, int RG, int C, int cps) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  bf16_gemv_body<true>(w, x, out, nullptr, M, N, K, C, cps);
-#else
-  __trap();  // clusters need sm_90; linear.py never launches this below
-#endif
+  if (warp == 0) store_tile<MT>(acc, nullptr, out, partial, M, N, row0, lane);
 }
 #endif
 

@@ -18,13 +18,13 @@ from .compile import Kernel, compile_kernel, sm_count
 MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
 ROWS = 16 * MT
 CHUNK = 64  # K columns per pipeline stage
-KW = 4  # bf16_gemv: warps per CTA sharing a row group's chunks (part of its K order: fixed)
+KW = 4  # bf16 weights: a split-K slice's chunks go round-robin to KW accumulators (part of the K order)
 SMALL_M = 32  # largest M served by the GEMV kernel
 TARGET_WARPS = 1024  # nvfp4: ~8 row-group warps per H200 SM before split-K is worth its partial traffic
 MIN_SPLITS = 4  # nvfp4: ... but at least this many slices below 2 * TARGET_WARPS row-group warps
 MIN_SLICE_CHUNKS = 8
 MAX_SPLITS = 16
-TARGET_CTAS = 264  # bf16_gemv: ~2 CTAs per H200 SM
+TARGET_CTAS = 264  # bf16 K order: slices while row groups x slices < this (set for session 1's ring kernel)
 MIN_WARP_CHUNKS = 1  # bf16_gemv: small-N shapes (the GDN b/a projection, 5120 -> 96) need every slice
 PREFILL_WORKSPACE = 64 << 20  # bytes of bf16 dequantised weight per prefill tile
 
@@ -206,7 +206,7 @@ def split_fused(out: torch.Tensor, packed: PackedNVFP4) -> tuple[torch.Tensor, .
     return tuple(out.split(packed.shard_sizes, dim=-1))
 
 
-STAGES = 4  # bf16_gemv: cp.async stages per warp for M <= 8; 3 for larger M
+STAGES = 4  # nvfp4_gemv: the ring kernels' default stage count for _kernel
 FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 sweep, docs/kernels.md)
 
 
@@ -252,10 +252,6 @@ def _kernel(
     name: str, nt: int, stages: int = STAGES, kw: int = KW, rgw: int = 4, probe: int = 0, tpw: int = MT
 ) -> Kernel:
     return _compile(name, {"NT": nt, "MT": MT, "STAGES": stages, "KW": kw, "RGW": rgw, "TPW": tpw}, probe)
-
-
-def _stage_bytes(nt: int, bf16_weights: bool) -> int:
-    return (MT * 2048 if bf16_weights else MT * 576) + nt * 1024
 
 
 def _fp4_stage_bytes(nt: int, rgw: int) -> int:
@@ -317,38 +313,27 @@ def _launch_bf16(
     out: torch.Tensor,
     partial: torch.Tensor | None,
     splits: int,
-    cluster: bool | None = None,
     rd: bool | None = None,
+    reg: tuple[int, int, int] | None = None,
 ) -> None:
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
     nt, cps = -(-m // 8), -(-chunks // splits)
-    if rd is None:  # `cluster` set: a ring-kernel benchmark / test
-        rd = cluster is None and rg * splits < sm_count(x.device)
-    if rd and cluster:
-        raise ValueError("cluster=True names the cluster-reduced ring kernel: not with rd=True")
+    if rd is None:
+        rd = reg is None and rg * splits < sm_count(x.device)
+    if rd and reg is not None:
+        raise ValueError("rd=True names the one-warp kernel: not with reg")
+    part = partial if splits > 1 else out
     if rd:
         # One warp per (m16 tile, slice), no shared memory: small CTAs beside a concurrent GEMV's.
         kern = _bf16_rd_kernel(nt)
-        part = partial if splits > 1 else out
         kern.launch((-(-n // 16), splits), 32, [w, x, out, part, m, n, k, chunks, cps], pdl=True)
-        if splits > 1:
-            _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)
-        return
-    stages = fit_stages(STAGES if nt == 1 else STAGES - 1, KW * _stage_bytes(nt, True), x.device)
-    shmem = KW * stages * _stage_bytes(nt, True)
-    if splits > 1 and (_clusters(x.device) if cluster is None else cluster):
-        # The slices sum in distributed shared memory (same bits, no partials, no reduce launch), where
-        # the driver can schedule clusters of `splits` CTAs; else the partials and splitk_reduce below.
-        kern = _kernel("bf16_gemv_cl", nt, stages, KW)
-        if kern.max_cluster_size((rg, splits, 1), 32 * KW, shmem) >= splits:
-            args = [w, x, out, m, n, k, rg, chunks, cps]
-            kern.launch((rg, splits, 1), 32 * KW, args, shmem, pdl=True, cluster=(1, splits, 1))
-            return
-    part = partial if splits > 1 else out
-    _kernel("bf16_gemv", nt, stages, KW).launch(
-        (rg, splits), 32 * KW, [w, x, out, part, m, n, k, rg, chunks, cps], shmem, pdl=True
-    )
+    else:
+        mt, rpf, xpf = reg or BF16_REG[nt]
+        kern = _bf16_kernel(nt, mt, rpf, xpf)
+        shmem = (KW - 1) * mt * nt * 512  # the warps' sum
+        grid = (-(-n // (16 * mt)), splits)
+        kern.launch(grid, 32 * KW, [w, x, out, part, m, n, k, chunks, cps], shmem, pdl=True)
     if splits > 1:
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
@@ -356,10 +341,18 @@ def _launch_bf16(
 # bf16_gemv_rd's chunks in flight per warp (a divisor of KW), at M <= 8 and above.
 BF16_RD_PF = (4, 2)
 
+# bf16_gemv's (MT, RPF, XPF) per NT: m16 tiles per warp, weight and activation chunks in flight.
+BF16_REG = {1: (1, 2, 2), 2: (1, 2, 2), 3: (2, 2, 1), 4: (2, 2, 1)}
+
 
 @functools.cache
 def _bf16_rd_kernel(nt: int) -> Kernel:
     return _compile("bf16_gemv_rd", {"NT": nt, "KW": KW, "BPF": BF16_RD_PF[nt > 1]}, 0)
+
+
+@functools.cache
+def _bf16_kernel(nt: int, mt: int, rpf: int, xpf: int) -> Kernel:
+    return _compile("bf16_gemv", {"NT": nt, "MT": mt, "KW": KW, "RPF": rpf, "XPF": xpf}, 0)
 
 
 @functools.cache
@@ -787,17 +780,16 @@ def bf16_linear(
     w: torch.Tensor,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    cluster: bool | None = None,
     rd: bool | None = None,
+    reg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """y = x @ w^T with the same batch-invariant small-M kernel (bf16 w [N, K], K % 16 == 0).
+    """y = x @ w^T with the same batch-invariant small-M kernels (bf16 w [N, K], K % 16 == 0).
 
-    `workspace`: [>= splits, 32, N] f32 split-K partials (made here if needed and not given; unused where
-    the slices are summed in thread-block clusters). Test / benchmark knobs (the bits never change):
-    `cluster` forces or forbids that cluster-reduced split-K (sm_90+; default: wherever it can run); `rd`
-    forces or forbids the one-warp-CTA kernel bf16_gemv_rd (default, unless `cluster` is given: where the
-    shared-memory ring kernel would launch fewer CTAs than the device has SMs, e.g. the GDN b/a
-    projection), whose split-K slices go through the workspace and splitk_reduce.
+    `workspace`: [>= splits, 32, N] f32 split-K partials (made here if needed and not given). Test /
+    benchmark knobs (the bits never change): `rd` forces or forbids the one-warp-CTA kernel bf16_gemv_rd
+    (default: where bf16_gemv's row groups x slices are fewer than the device's SMs, e.g. the GDN b/a
+    projection, whose CTAs then fit beside q/k/v/z's on a side stream); `reg` = (MT, RPF, XPF) sets
+    bf16_gemv's m16 tiles per warp and weight / activation chunks in flight (default BF16_REG[NT]).
     """
     n, k = w.shape
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
@@ -820,7 +812,7 @@ def bf16_linear(
         or workspace.numel() < splits * m * n
     ):
         raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
-    _launch_bf16(w, x, out, workspace, splits, cluster, rd)
+    _launch_bf16(w, x, out, workspace, splits, rd, reg)
     return out
 
 
