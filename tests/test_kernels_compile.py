@@ -236,3 +236,14 @@ def test_bench_probe_kernel_compiles(arch):
     path = Path(__file__).parents[1] / "bench" / "probe_mma.cu"
     for defines in compile_test_defines(path):
         assert compile_to_cubin(path.read_text(), arch, define_options(defines), path.name)
+
+
+def test_bf16_launch_knobs_are_checked():
+    """bf16_linear's launch knobs are refused before anything compiles: rd=True with reg, and a reg whose
+    activation ring does not divide the weight ring (slots are compile-time indices) or has a zero."""
+    from lumo.kernels.linear import bf16_linear
+
+    x, w = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16)
+    for kw in (dict(rd=True, reg=(1, 2, 2)), dict(reg=(1, 3, 2)), dict(reg=(0, 2, 2)), dict(reg=(1, 2))):
+        with pytest.raises(ValueError):
+            bf16_linear(x, w, **kw)

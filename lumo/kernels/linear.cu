@@ -888,7 +888,7 @@ __device__ __forceinline__ void bf16_tile_mma(float (*acc)[4], const uint4 (&wv)
 // unrolled RPF times: ring slots are compile-time indices); the warps are summed in warp order through
 // (KW - 1) * MT * NT * 512 bytes of shared memory, and with S > 1 the slices go through fp32 partials
 // [S, M, N] and splitk_reduce. Small CTAs without a ring let many share an SM and keep the DRAM busy
-// (session 17, H200: 40-48% of copy bandwidth for the ring kernel it replaced, one ~150 KB CTA per SM;
+// (session 17, H200: 36-48% of copy bandwidth for the ring kernel it replaced, one ~150 KB CTA per SM;
 // docs/kernels.md). The slices' cluster epilogue was slower for these CTAs (and is not built for them).
 #ifndef RPF
 #define RPF 2  // bf16_gemv: weight chunks in flight per warp
@@ -966,12 +966,11 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
 #endif
 
 // Small-N bf16 weights, register direct (bf16_gemv_rd): grid (ceil(N / 16), S), block 32. One warp per
-// m16 tile and split-K slice, its operands loaded straight into registers BPF chunks ahead, no shared
-// memory: small CTAs that fit beside a concurrent GEMV's (the GDN b/a projection runs on a side stream next
-// to q/k/v/z; a bf16_gemv CTA needs a ~150 KB ring). The K order is bf16_gemv's: the slice's chunk i goes
-// to accumulator i % KW (bf16_gemv's warp i % KW takes it), the KW accumulators are summed in that order
-// (reduce_warps' a = acc_0, a += acc_w), then the tile is stored (S = 1) or written as slice partials for
-// splitk_reduce: the bits of bf16_gemv (+ splitk_reduce) and of bf16_gemv_cl.
+// m16 tile and split-K slice, holding all KW accumulators, its operands loaded straight into registers BPF
+// chunks ahead, no shared memory: 32-thread CTAs that fit beside a concurrent GEMV's (the GDN b/a
+// projection runs on a side stream next to q/k/v/z). The K order is bf16_gemv's: the slice's chunk i goes
+// to accumulator i % KW, the KW accumulators are summed in that order (reduce_warps' a = acc_0, a +=
+// acc_w), then the tile is stored (S = 1) or written as slice partials for splitk_reduce: bf16_gemv's bits.
 #ifndef BPF
 #define BPF 4  // bf16_gemv_rd: chunks in flight per warp (a divisor of KW)
 #endif

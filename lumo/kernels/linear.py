@@ -323,6 +323,8 @@ def _launch_bf16(
         rd = reg is None and rg * splits < sm_count(x.device)
     if rd and reg is not None:
         raise ValueError("rd=True names the one-warp kernel: not with reg")
+    if reg is not None and (len(reg) != 3 or min(reg) < 1 or reg[1] % reg[2]):
+        raise ValueError(f"reg must be (MT, RPF, XPF) >= 1 with XPF dividing RPF, got {reg}")
     part = partial if splits > 1 else out
     if rd:
         # One warp per (m16 tile, slice), no shared memory: small CTAs beside a concurrent GEMV's.
@@ -787,9 +789,10 @@ def bf16_linear(
 
     `workspace`: [>= splits, 32, N] f32 split-K partials (made here if needed and not given). Test /
     benchmark knobs (the bits never change): `rd` forces or forbids the one-warp-CTA kernel bf16_gemv_rd
-    (default: where bf16_gemv's row groups x slices are fewer than the device's SMs, e.g. the GDN b/a
+    (default: where the weight's 64-row groups x slices are fewer than the device's SMs, e.g. the GDN b/a
     projection, whose CTAs then fit beside q/k/v/z's on a side stream); `reg` = (MT, RPF, XPF) sets
-    bf16_gemv's m16 tiles per warp and weight / activation chunks in flight (default BF16_REG[NT]).
+    bf16_gemv's m16 tiles per warp and weight / activation chunks in flight (default BF16_REG[NT]; XPF
+    must divide RPF).
     """
     n, k = w.shape
     if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
