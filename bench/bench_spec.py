@@ -44,7 +44,14 @@ from lumo.corpus import split_documents, stdlib_documents
 from lumo.engine.draft_vocab import MIN_DRAFT_VOCAB, draft_vocab_ids
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
-from lumo.engine.gpu_weights import config_27b, pack_draft_head, pack_weights, random_model_weights
+from lumo.engine.gpu_weights import (
+    config_27b,
+    draft_quant,
+    pack_draft_head,
+    pack_mtp,
+    pack_weights,
+    random_model_weights,
+)
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
@@ -77,13 +84,15 @@ def embedded(n_prompts: int, new: int, draft_vocab: int) -> dict:
     ids = draft_vocab_ids(draft_vocab, cfg.vocab_size, Tokenizer.from_dir(path).added_token_ids())
     head, dev_ids = pack_draft_head(w.lm_head, ids, "cuda")  # the same weights plus a draft head
     gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=dev_ids))
+    gw_q = replace(gw, mtp=pack_mtp(cfg, w.mtp, "cuda", w.lm_head, nvfp4=True))  # the drafter in NVFP4
     prompts = held_out_prompts(path, n_prompts)
     res = {}
     # The prompts follow each other in one sequence (a decoder per mode, graphs captured once): room for all.
     capacity = sum(len(p) for p in prompts) + len(prompts) * (new + 64)
-    dv_mode = f"tree, draft vocabulary {len(ids)}"
-    for mode in ("plain", "chain", "tree", dv_mode):
-        runner = GPURunner(cfg, gw_dv if mode == dv_mode else gw, capacity)
+    dv_mode, q_mode = f"tree, draft vocabulary {len(ids)}", "tree, NVFP4 drafter"
+    weights = {dv_mode: gw_dv, q_mode: gw_q}
+    for mode in ("plain", "chain", "tree", dv_mode, q_mode):
+        runner = GPURunner(cfg, weights.get(mode, gw), capacity)
         if mode == "plain":
             dec = GPUDecoder(runner, GREEDY, use_graph=True)
         else:
@@ -272,12 +281,15 @@ def event_engine(runner: GPURunner, context: int) -> GPUSpecEngine:
     return engine
 
 
-def big(layers: int, context: int, events: int, draft_vocab: int, dense_head: bool = False) -> dict:
+def big(
+    layers: int, context: int, events: int, draft_vocab: int, dense_head: bool = False, quant: str = "auto"
+) -> dict:
     bw = copy_bandwidth()
     torch.cuda.empty_cache()
     cfg = config_27b(layers)
     w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0, mtp=True, dense_head=dense_head)
-    gw = pack_weights(cfg, w, "cuda", mtp=True)
+    nvfp4 = draft_quant(w, quant)  # auto: the drafter in NVFP4, as LLM packs it for an NVFP4 target
+    gw = pack_weights(cfg, w, "cuda", mtp=True, draft_nvfp4=nvfp4)
     # The same weights with a draft vocabulary of the draft_vocab lowest ids (the ids do not matter to the
     # time on random weights): the draft head's rows of the lm_head.
     if not MIN_DRAFT_VOCAB <= draft_vocab <= cfg.vocab_size:
@@ -285,7 +297,7 @@ def big(layers: int, context: int, events: int, draft_vocab: int, dense_head: bo
             f"--draft-vocab: the 27B size must lie in [{MIN_DRAFT_VOCAB}, {cfg.vocab_size}], "
             f"got {draft_vocab}"
         )
-    head, ids = pack_draft_head(w.lm_head, torch.arange(draft_vocab), "cuda")
+    head, ids = pack_draft_head(w.lm_head, torch.arange(draft_vocab), "cuda", nvfp4)
     gw_dv = replace(gw, mtp=replace(gw.mtp, draft_head=head, draft_ids=ids))
     del w
     torch.cuda.empty_cache()
@@ -307,6 +319,7 @@ def big(layers: int, context: int, events: int, draft_vocab: int, dense_head: bo
         "layers": layers,
         "context": context,
         "dense_head": dense_head,
+        "draft_nvfp4": nvfp4,
         "copy_bandwidth_GBps": bw / GB,
         "floor_ms": floor_ms,
         "plain_step_ms": plain,
@@ -351,11 +364,19 @@ def main() -> None:
         action="store_true",
         help="27B with the lm_head and the MTP head in bf16, as ModelOpt's NVFP4 checkpoints ship them",
     )
+    ap.add_argument(
+        "--draft-quant",
+        default="auto",
+        choices=["auto", "nvfp4", "none"],
+        help="the 27B drafter's weights (gpu_weights.draft_quant; auto: NVFP4, the target being NVFP4)",
+    )
     args = ap.parse_args()
     emb = embedded(args.prompts, args.tokens, args.draft_vocab[0])
     result = {"device": torch.cuda.get_device_name(), "embedded": emb}
     if not args.skip_27b:
-        result["27b"] = big(args.layers, args.context, args.events, args.draft_vocab[1], args.bf16_head)
+        result["27b"] = big(
+            args.layers, args.context, args.events, args.draft_vocab[1], args.bf16_head, args.draft_quant
+        )
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_spec.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -371,7 +392,8 @@ def main() -> None:
         rows += [
             (
                 f"27B ({b['layers']} layers, ctx {b['context']}"
-                f"{', lm_head + MTP bf16' if b['dense_head'] else ''}): draft ms",
+                f"{', lm_head + MTP bf16' if b['dense_head'] else ''}"
+                f"{', drafter nvfp4' if b['draft_nvfp4'] else ''}): draft ms",
                 f"{b['draft']:.3f}",
                 "",
             ),

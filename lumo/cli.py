@@ -38,6 +38,14 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "(the tokenizer's added tokens + the lowest ids); the output is unchanged, and on the kernels "
         "backend the draft's lm_head shrinks to those rows (default: whole vocabulary)",
     )
+    p.add_argument(
+        "--draft-quant",
+        default="auto",
+        choices=["auto", "nvfp4", "none"],
+        help="the drafter's weights (MTP head and its lm_head) on the kernels backend: nvfp4 copies made at "
+        "load, or none (the checkpoint's); auto: nvfp4 for an NVFP4 checkpoint. The output is unchanged; "
+        "the drafter reads fewer bytes and may be accepted less often",
+    )
 
 
 def _llm(args: argparse.Namespace, progress: bool = False):
@@ -57,6 +65,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         tree=tree,
         backend=args.backend,
         draft_vocab=args.draft_vocab,
+        draft_quant=args.draft_quant,
     )
 
 

@@ -76,12 +76,16 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return (code + 8 * (x < 0)).to(torch.uint8)
 
 
-def nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(
+    w: torch.Tensor, scale_2: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (packed [N, K/2] uint8, weight_scale [N, K/16] float8_e4m3fn, weight_scale_2 [] f32).
 
     ModelOpt's rule: weight_scale_2 = amax(W) / (6 * 448); block scale = amax(block) / (6 * weight_scale_2)
     (all-zero blocks 1.0), clamped to e4m3's [2^-9, 448] and cast; codes = e2m1(W / (scale * scale_2)).
     An all-zero W (ModelOpt would divide by zero) gets weight_scale_2 = 1 / (6 * 448) and zero codes.
+    `scale_2` (f32 []): the whole weight's, given when W is a block of its rows (everything else is
+    row-local, so quantising a weight block by block gives the bits of quantising it whole).
     """
     if w.ndim != 2:
         raise ValueError(f"NVFP4 quantises 2-D weights, got shape {list(w.shape)}")
@@ -93,10 +97,8 @@ def nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     x = w.float()
     if not torch.isfinite(x).all():
         raise ValueError("cannot quantise a weight with inf/nan values")
-    amax = x.abs().amax()
-    scale_2 = (
-        amax / (FP4_MAX * FP8_MAX) if amax > 0 else torch.tensor(1.0 / (FP4_MAX * FP8_MAX), device=x.device)
-    )
+    if scale_2 is None:
+        scale_2 = nvfp4_global_scale(x)
     blocks = x.reshape(N, K // BLOCK, BLOCK)  # [N, K/16, 16] f32
     scale = blocks.abs().amax(dim=-1) / (FP4_MAX * scale_2)  # [N, K/16] f32, same op order as ModelOpt
     scale[scale == 0] = 1.0
@@ -105,6 +107,14 @@ def nvfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     codes = e2m1_encode(scaled).reshape(N, K)
     packed = (codes[:, 1::2] << 4) | codes[:, 0::2]  # even column in the low nibble
     return packed.contiguous(), scale_fp8, scale_2.float().reshape(())
+
+
+def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's weight_scale_2 of a weight: amax(W) / (6 * 448) in f32 [] (1 / (6 * 448) for all zeros)."""
+    amax = w.abs().amax().float()
+    if amax > 0:
+        return amax / (FP4_MAX * FP8_MAX)
+    return torch.tensor(1.0 / (FP4_MAX * FP8_MAX), device=w.device)
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,7 @@ def test_generate_chat_stop_and_spec(tmp_path):
         (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
         (["generate", "--model", "{bad}", "--prompt", "x", "--device", "cpu"], "bad"),
         (["quantize", "/no/such/dir", "/tmp/lumo-out-never"], "/no/such/dir"),
+        (["generate", "--prompt", "x", "--device", "cpu", "--draft-quant", "nvfp4"], "kernels backend"),
     ],
 )
 def test_user_errors_are_one_line_exit_2(args, words):

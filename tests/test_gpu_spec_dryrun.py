@@ -117,10 +117,11 @@ DRAFT_IDS = sorted({*range(0, 2400, 2), *range(3065, 3072)})
 
 
 @functools.cache
-def tiny(draft: bool = False, name: str = "lumo-tiny"):
+def tiny(draft: bool = False, name: str = "lumo-tiny", draft_nvfp4: bool = False):
     path = model_path(name)
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    return cfg, pack_weights(cfg, w, "cpu", mtp=True, draft_ids=DRAFT_IDS if draft else None)
+    ids = DRAFT_IDS if draft else None
+    return cfg, pack_weights(cfg, w, "cpu", mtp=True, draft_ids=ids, draft_nvfp4=draft_nvfp4)
 
 
 @pytest.mark.parametrize(
@@ -413,3 +414,38 @@ def test_no_room_to_capture_runs_eagerly(monkeypatch):
             got += dec.step()
         outs.append(got[:12])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=5)],
+    ids=["greedy", "seeded"],
+)
+def test_emulated_tree_decoding_with_an_nvfp4_drafter_equals_plain(monkeypatch, params):
+    """The drafter in NVFP4 (draft_quant: NVFP4 copies of the BF16 model's MTP head and lm_head): every
+    drafter linear is NVFP4, the target's lm_head stays BF16, and tree decoding still emits plain
+    decoding's tokens with the same state; the drafts still get accepted."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny(name="lumo-tiny", draft_nvfp4=True)
+    m = gw.mtp
+    lins = [m.fc, m.draft_head] + [
+        x for lw in m.layers for x in (lw.gate_up, lw.down, lw.mixer.qkv, lw.mixer.o_proj)
+    ]
+    assert all(part.packed is not None for lin in lins for part in lin.parts)
+    assert m.draft_ids is None and m.draft_head.n == cfg.vocab_size
+    assert all(part.packed is None for part in gw.lm_head.parts)
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
+    spec = GPUSpecDecoder(rs, params, tree)
+    plain = GPUDecoder(rp, params, use_graph=False)
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    got = spec.prefill(prompt)
+    while len(got) < 24:
+        got += spec.step()
+    want = plain.prefill(prompt)
+    while rp.length < rs.length:
+        want += plain.step()
+    assert got[: len(want)] == want
+    assert sum(spec.stats.accepted) / spec.stats.events > (0.5 if params.greedy else 0.0)
+    for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
+        assert torch.equal(a, b)

@@ -31,21 +31,25 @@ CAPACITY = 1024  # prompt (<= 300) + 256 tokens + tree slots
 GREEDY = SamplingParams(temperature=0.0)
 
 
+DRAFTER_NVFP4 = "+nvfp4-drafter"  # a variant suffix: the drafter in NVFP4 (gpu_weights.draft_quant)
+
+
 @functools.cache
 def packed(variant: str):
     """(cfg, GPU weights with the MTP head, model dir)."""
-    path = embedded_model_path().parent / variant
+    name = variant.removesuffix(DRAFTER_NVFP4)
+    path = embedded_model_path().parent / name
     if not (path / "config.json").exists():
-        pytest.skip(f"{variant} is not in lumo/assets")
+        pytest.skip(f"{name} is not in lumo/assets")
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    return cfg, pack_weights(cfg, w, DEV, mtp=True), path
+    return cfg, pack_weights(cfg, w, DEV, mtp=True, draft_nvfp4=variant.endswith(DRAFTER_NVFP4)), path
 
 
 @functools.cache
 def prompts(variant: str, n: int = 50) -> tuple[tuple[int, ...], ...]:
     """n prompts of 16..295 tokens, drawn deterministically from the held-out stdlib files (the model never
     trained on them); synthesized code snippets if the held-out set runs short."""
-    tok = Tokenizer.from_dir(embedded_model_path().parent / variant)
+    tok = Tokenizer.from_dir(embedded_model_path().parent / variant.removesuffix(DRAFTER_NVFP4))
     out: list[tuple[int, ...]] = []
     for doc in split_documents(stdlib_documents())[2]:
         ids = tok.encode(doc.text)
@@ -102,7 +106,7 @@ def first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), -1)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + ["lumo-tiny" + DRAFTER_NVFP4])
 def test_greedy_tree_equals_plain(variant):
     dec = GPUSpecDecoder(engine(variant, TreeConfig()), GREEDY)
     accepted = []

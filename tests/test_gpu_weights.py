@@ -16,6 +16,8 @@ from lumo.engine.gpu_weights import (
     GPUGDN,
     GPUAttn,
     config_27b,
+    draft_quant,
+    nvfp4_copy,
     pack_linear,
     pack_weights,
     random_model_weights,
@@ -201,3 +203,39 @@ def test_backend_capacity_rounding(tiny_nvfp4):
     assert [be.capacity_for(n) for n in (1, 4096, 4097, 9000, 10000)] == [4096, 4096, 8192, 10000, 10000]
     with pytest.raises(ValueError, match="exceed"):
         be.capacity_for(10001)
+
+
+def test_nvfp4_copy_block_by_block_equals_the_whole_quantisation(monkeypatch):
+    """nvfp4_copy quantises QUANT_ROWS rows at a time with the whole weight's global scale: the bits of
+    lumo.quant.nvfp4_quantize on the whole weight (dense and FP8 sources; an NVFP4 one is kept)."""
+    from lumo.engine import gpu_weights
+
+    monkeypatch.setattr(gpu_weights, "QUANT_ROWS", 7)
+    w = torch.randn(100, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for lin, ref in ((DenseLinear(w), w), (FP8Linear(*fp8_quantize(w)), None)):
+        ref = FP8Linear(*fp8_quantize(w)).dequantize(torch.float32) if ref is None else ref
+        got, want = nvfp4_copy(lin, "cpu"), nvfp4_quantize(ref)
+        assert torch.equal(got.weight, want[0])
+        assert torch.equal(got.weight_scale.view(torch.uint8), want[1].view(torch.uint8))
+        assert torch.equal(got.weight_scale_2, want[2])
+    assert nvfp4_copy(got, "cpu").weight is got.weight
+
+
+def test_nvfp4_drafter_packing(tiny_nvfp4):
+    """draft_quant: auto is NVFP4 for an NVFP4 target only. An NVFP4 drafter of the BF16 model packs the
+    MTP head and a draft head (an NVFP4 copy of the whole lm_head, ids None) in NVFP4, within NVFP4's error
+    of the BF16 weights; the NVFP4 model's lm_head is NVFP4 already, so its drafter shares it."""
+    cfg, w_q, _ = tiny_nvfp4
+    cfg, w = load_model(embedded_model_path(), device="cpu", dtype=torch.bfloat16, progress=False)
+    assert draft_quant(w_q) and not draft_quant(w)
+    assert draft_quant(w, "nvfp4") and not draft_quant(w_q, "none")
+    gw = pack_weights(cfg, w, "cpu", mtp=True, draft_nvfp4=True)
+    head = gw.mtp.draft_head
+    assert gw.mtp.draft_ids is None and [p.packed is not None for p in head.parts] == [True]
+    ref = w.lm_head.weight.float()
+    assert (dequantized(head) - ref).norm() / ref.norm() < 0.15
+    fc = gw.mtp.fc
+    assert all(p.packed is not None for p in fc.parts)
+    assert (dequantized(fc) - w.mtp.fc.weight.float()).norm() / w.mtp.fc.weight.float().norm() < 0.15
+    gq = pack_weights(cfg, w_q, "cpu", mtp=True, draft_nvfp4=True)
+    assert isinstance(w_q.lm_head, NVFP4Linear) == (gq.mtp.draft_head is None)

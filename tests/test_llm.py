@@ -65,3 +65,13 @@ def test_bad_max_model_len(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
     with pytest.raises(ValueError, match="max_model_len must be an integer"):
         LLM(ckpt, device="cpu", max_model_len="8")
+
+
+def test_draft_quant_is_checked(tmp_path):
+    """The drafter's precision: an unknown choice, or NVFP4 where no kernels drafter runs, is refused."""
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    with pytest.raises(ValueError, match="unknown draft quantisation"):
+        LLM(ckpt, device="cpu", draft_quant="fp4")
+    with pytest.raises(ValueError, match="kernels backend"):
+        LLM(ckpt, device="cpu", draft_quant="nvfp4")
+    assert LLM(ckpt, device="cpu", draft_quant="none").draft_quant == "none"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -20,6 +20,7 @@ from ..config import FULL, ModelConfig
 from ..kernels.linear import PackedNVFP4, _bf16_splits, bf16_linear, nvfp4_linear, pack_fused
 from ..kernels.norms import silu_mul
 from ..kernels.rope_kv import rope_inv_freq
+from ..quant import nvfp4_global_scale, nvfp4_quantize
 from ..weights import (
     AttnWeights,
     DenseLinear,
@@ -305,17 +306,58 @@ def pack_layer(cfg: ModelConfig, lw: LayerWeights, device: torch.device | str) -
     )
 
 
+QUANT_ROWS = 8192  # rows quantised at a time by nvfp4_copy (a bounded f32 workspace)
+
+
+def nvfp4_copy(lin: Linear, device: torch.device | str) -> NVFP4Linear:
+    """An NVFP4 copy of a linear on `device` (an NVFP4 one as it is), quantised by ModelOpt's rule
+    (lumo.quant.nvfp4_quantize) QUANT_ROWS rows at a time with the whole weight's global scale: the bits of
+    quantising it whole without its f32 copy. For the drafter only: its weights decide which tokens are
+    proposed, never which are emitted."""
+    if isinstance(lin, NVFP4Linear):
+        return replace(lin, weight=lin.weight.to(device), weight_scale=lin.weight_scale.to(device))
+    device = torch.device(device)
+    w = lin.weight.to(device) if isinstance(lin, DenseLinear) else lin.dequantize(torch.float32).to(device)
+    scale_2 = nvfp4_global_scale(w)
+    parts = [nvfp4_quantize(w[r : r + QUANT_ROWS], scale_2) for r in range(0, w.shape[0], QUANT_ROWS)]
+    return NVFP4Linear(
+        weight=torch.cat([p[0] for p in parts]),
+        weight_scale=torch.cat([p[1] for p in parts]),
+        weight_scale_2=scale_2,
+    )
+
+
+def _nvfp4_mtp(m: MTPWeights, device: torch.device) -> MTPWeights:
+    """The MTP head with every linear an NVFP4 copy (nvfp4_copy); norms and the rest as they are."""
+
+    def layer(lw: LayerWeights) -> LayerWeights:
+        a, mlp = lw.mixer, lw.mlp
+        q = {f: nvfp4_copy(getattr(a, f), device) for f in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        mlp = MLPWeights(*(nvfp4_copy(x, device) for x in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+        return replace(lw, mixer=replace(a, **q), mlp=mlp)
+
+    return replace(m, fc=nvfp4_copy(m.fc, device), layers=[layer(lw) for lw in m.layers])
+
+
 def pack_draft_head(
-    lm_head: Linear, draft_ids: Sequence[int] | torch.Tensor, device: torch.device | str
-) -> tuple[GPULinear, torch.Tensor]:
-    """The draft head of a draft vocabulary (lumo.engine.draft_vocab): the lm_head's rows of the ascending
-    token ids draft_ids, packed, and the ids [N] int32 on the device (GPUMTP.draft_head / draft_ids)."""
+    lm_head: Linear,
+    draft_ids: Sequence[int] | torch.Tensor | None,
+    device: torch.device | str,
+    nvfp4: bool = False,
+) -> tuple[GPULinear, torch.Tensor | None]:
+    """The draft head: the lm_head's rows of the ascending token ids draft_ids (a draft vocabulary,
+    lumo.engine.draft_vocab; None: every row), packed (an NVFP4 copy with `nvfp4`), and the ids [N] int32
+    on the device, or None for every row (GPUMTP.draft_head / draft_ids)."""
+    if draft_ids is None:
+        head = nvfp4_copy(lm_head, device) if nvfp4 else lm_head
+        return pack_linear([head], device), None
     rows = torch.as_tensor(draft_ids, dtype=torch.long).cpu()
     if rows.dim() != 1 or rows.numel() == 0 or not bool((rows[1:] > rows[:-1]).all()):
         raise ValueError("draft_ids must be ascending unique token ids")
     if int(rows[0]) < 0 or int(rows[-1]) >= lm_head.shape[0]:
         raise ValueError(f"draft_ids must lie in [0, {lm_head.shape[0]})")
-    head = pack_linear([linear_rows(lm_head, rows.to(lm_head.weight.device))], device)
+    head = linear_rows(lm_head, rows.to(lm_head.weight.device))
+    head = pack_linear([nvfp4_copy(head, device) if nvfp4 else head], device)
     return head, rows.to(device=device, dtype=torch.int32)
 
 
@@ -325,19 +367,24 @@ def pack_mtp(
     device: torch.device | str,
     lm_head: Linear | None = None,
     draft_ids: Sequence[int] | None = None,
+    nvfp4: bool = False,
 ) -> GPUMTP:
     """Pack the MTP head (its layers must be full-attention layers, as in every published checkpoint).
     With draft_ids (sorted token ids, lumo.engine.draft_vocab) also the draft head: those rows of
-    lm_head."""
+    lm_head. `nvfp4`: the drafter in NVFP4 (draft_quant, below): NVFP4 copies of the MTP head's linears
+    and, unless the lm_head already is NVFP4, a draft head that is an NVFP4 copy of it."""
     device = torch.device(device)
+    if nvfp4:
+        m = _nvfp4_mtp(m, device)
     layers = [pack_layer(cfg, lw, device) for lw in m.layers]
     if not all(isinstance(lw.mixer, GPUAttn) for lw in layers):
         raise ValueError("MTP layers must be full-attention layers")
     head = ids = None
-    if draft_ids is not None:
+    copy_head = nvfp4 and not isinstance(lm_head, NVFP4Linear)
+    if draft_ids is not None or copy_head:
         if lm_head is None:
-            raise ValueError("a draft vocabulary needs the lm_head")
-        head, ids = pack_draft_head(lm_head, draft_ids, device)
+            raise ValueError("a draft vocabulary or an NVFP4 drafter needs the lm_head")
+        head, ids = pack_draft_head(lm_head, draft_ids, device, nvfp4)
     return GPUMTP(
         fc=pack_linear([m.fc], device),
         pre_fc_norm_embedding=_vec(m.pre_fc_norm_embedding, device),
@@ -349,42 +396,65 @@ def pack_mtp(
     )
 
 
+def draft_quant(w: ModelWeights, choice: str = "auto") -> bool:
+    """Whether the drafter runs in NVFP4: "nvfp4" yes, "none" no, "auto" when the target's decoder linears
+    are NVFP4 (a 4-bit checkpoint: the MTP head and lm_head that ModelOpt leaves in BF16 would read 3.4 GB
+    per draft step on the 27B, 43% of an event; session 17, docs/spec-engine.md). Any choice emits the
+    target's tokens; the drafter's precision moves only how many drafts are accepted."""
+    if choice not in ("auto", "nvfp4", "none"):
+        raise ValueError(f"unknown draft quantisation {choice!r}: use auto, nvfp4 or none")
+    if choice != "auto":
+        return choice == "nvfp4"
+    lins = [lin for lw in w.layers for lin in (lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)]
+    return any(isinstance(lin, NVFP4Linear) for lin in lins)
+
+
 def pack_weights(
     cfg: ModelConfig,
     w: ModelWeights,
     device: torch.device | str = "cuda",
     mtp: bool = False,
     draft_ids: Sequence[int] | None = None,
+    draft_nvfp4: bool = False,
 ) -> GPUWeights:
     """Pack for the kernels. The MTP head is packed only with `mtp=True` (speculative decoding; plain
-    decoding does not need it), with a draft head if draft_ids are given (pack_mtp). Weights may live on
-    any device; each linear is moved to `device` as it is packed, so GPU memory holds only the packed
-    copy when the source weights are on the CPU."""
+    decoding does not need it), with a draft head if draft_ids are given or the drafter runs in NVFP4
+    (`draft_nvfp4`, pack_mtp). Weights may live on any device; each linear is moved to `device` as it is
+    packed, so GPU memory holds only the packed copy when the source weights are on the CPU."""
     device = torch.device(device)
     kinds = [FULL if isinstance(lw.mixer, AttnWeights) else "linear_attention" for lw in w.layers]
     if tuple(kinds) != cfg.layer_types:
         raise ValueError("the weights' layer kinds do not match cfg.layer_types")
+    head = None
+    if mtp and w.mtp is not None:
+        head = pack_mtp(cfg, w.mtp, device, w.lm_head, draft_ids, draft_nvfp4)
     return GPUWeights(
         embed=_vec(w.embed_tokens, device),
         layers=[pack_layer(cfg, lw, device) for lw in w.layers],
         norm=_vec(w.norm, device),
         lm_head=pack_linear([w.lm_head], device),
         inv_freq=rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
-        mtp=pack_mtp(cfg, w.mtp, device, w.lm_head, draft_ids) if mtp and w.mtp is not None else None,
+        mtp=head,
     )
 
 
 def with_mtp(
-    cfg: ModelConfig, gw: GPUWeights, w: ModelWeights, draft_ids: Sequence[int] | None = None
+    cfg: ModelConfig,
+    gw: GPUWeights,
+    w: ModelWeights,
+    draft_ids: Sequence[int] | None = None,
+    draft_nvfp4: bool = False,
 ) -> GPUWeights:
     """gw with the MTP head of `w` packed (in place; once per model), for a backend packed without it;
     with draft_ids, a draft head too (replacing one packed before)."""
     if gw.mtp is None:
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
-        gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device, w.lm_head, draft_ids)
+        gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device, w.lm_head, draft_ids, draft_nvfp4)
     elif draft_ids is not None:
-        gw.mtp.draft_head, gw.mtp.draft_ids = pack_draft_head(w.lm_head, draft_ids, gw.embed.device)
+        gw.mtp.draft_head, gw.mtp.draft_ids = pack_draft_head(
+            w.lm_head, draft_ids, gw.embed.device, draft_nvfp4
+        )
     return gw
 
 

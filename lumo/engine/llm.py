@@ -113,6 +113,7 @@ class LLM:
         tree: TreeConfig | None = None,
         backend: str = "auto",
         draft_vocab: int | str | os.PathLike | None = None,
+        draft_quant: str = "auto",
     ):
         if spec not in ("auto", "off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
@@ -180,15 +181,25 @@ class LLM:
                     f"a draft vocabulary of {len(ids)} tokens is smaller than the tree's top-{k}"
                 )
             self.draft_ids = ids if len(ids) < self.config.vocab_size else None
+        # The drafter's precision (gpu_weights.draft_quant): NVFP4 copies of the MTP head and lm_head, or
+        # the checkpoint's; auto = NVFP4 for a 4-bit target on the kernels backend. Output is unchanged.
+        if draft_quant not in ("auto", "nvfp4", "none"):
+            raise ValueError(f"unknown draft quantisation {draft_quant!r}: use auto, nvfp4 or none")
+        if draft_quant == "nvfp4" and (spec == "off" or self.backend != "kernels"):
+            raise ValueError("--draft-quant nvfp4 needs speculative decoding on the kernels backend")
+        self.draft_quant = draft_quant
         self._defaults = _generation_defaults(path)
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
 
     def _kernel_backend(self):
         from .gpu_decode import GPUBackend
-        from .gpu_weights import pack_weights
+        from .gpu_weights import draft_quant, pack_weights
 
         mtp = self.spec != "off"
-        packed = pack_weights(self.config, self.weights, self.device, mtp=mtp, draft_ids=self.draft_ids)
+        nvfp4 = mtp and draft_quant(self.weights, self.draft_quant)
+        packed = pack_weights(
+            self.config, self.weights, self.device, mtp=mtp, draft_ids=self.draft_ids, draft_nvfp4=nvfp4
+        )
         self.weights = None  # the packed copy on the GPU is the only one kept
         backend = GPUBackend(self.config, packed, self.max_model_len, self.device)
         if self.spec == "off":
