@@ -311,15 +311,21 @@ QUANT_ROWS = 8192  # rows quantised at a time by nvfp4_copy (a bounded f32 works
 
 def nvfp4_copy(lin: Linear, device: torch.device | str) -> NVFP4Linear:
     """An NVFP4 copy of a linear on `device` (an NVFP4 one as it is), quantised by ModelOpt's rule
-    (lumo.quant.nvfp4_quantize) QUANT_ROWS rows at a time with the whole weight's global scale: the bits of
-    quantising it whole without its f32 copy. For the drafter only: its weights decide which tokens are
-    proposed, never which are emitted."""
+    (lumo.quant.nvfp4_quantize) on `device`, QUANT_ROWS rows at a time with the whole weight's global scale
+    (a first pass over the blocks finds it): the bits of quantising it whole, with one block of the source
+    on the device at a time. For the drafter only: its weights decide which tokens are proposed, never
+    which are emitted."""
     if isinstance(lin, NVFP4Linear):
         return replace(lin, weight=lin.weight.to(device), weight_scale=lin.weight_scale.to(device))
     device = torch.device(device)
-    w = lin.weight.to(device) if isinstance(lin, DenseLinear) else lin.dequantize(torch.float32).to(device)
-    scale_2 = nvfp4_global_scale(w)
-    parts = [nvfp4_quantize(w[r : r + QUANT_ROWS], scale_2) for r in range(0, w.shape[0], QUANT_ROWS)]
+
+    def block(r: int) -> torch.Tensor:  # rows [r, r + QUANT_ROWS) of W on the device (FP8: dequantised)
+        w = lin.weight[r : r + QUANT_ROWS].to(device)
+        return w if isinstance(lin, DenseLinear) else FP8Linear(w, lin.weight_scale.to(device)).dequantize()
+
+    starts = range(0, lin.shape[0], QUANT_ROWS)
+    scale_2 = nvfp4_global_scale(torch.stack([block(r).abs().amax().float() for r in starts]))
+    parts = [nvfp4_quantize(block(r), scale_2) for r in starts]
     return NVFP4Linear(
         weight=torch.cat([p[0] for p in parts]),
         weight_scale=torch.cat([p[1] for p in parts]),
@@ -374,11 +380,11 @@ def pack_mtp(
     lm_head. `nvfp4`: the drafter in NVFP4 (draft_quant, below): NVFP4 copies of the MTP head's linears
     and, unless the lm_head already is NVFP4, a draft head that is an NVFP4 copy of it."""
     device = torch.device(device)
+    if not all(isinstance(lw.mixer, AttnWeights) for lw in m.layers):
+        raise ValueError("MTP layers must be full-attention layers")
     if nvfp4:
         m = _nvfp4_mtp(m, device)
     layers = [pack_layer(cfg, lw, device) for lw in m.layers]
-    if not all(isinstance(lw.mixer, GPUAttn) for lw in layers):
-        raise ValueError("MTP layers must be full-attention layers")
     head = ids = None
     copy_head = nvfp4 and not isinstance(lm_head, NVFP4Linear)
     if draft_ids is not None or copy_head:

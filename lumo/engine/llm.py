@@ -119,6 +119,8 @@ class LLM:
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
         if backend not in ("auto", "torch", "kernels"):
             raise ValueError(f"unknown backend {backend!r}: use auto, torch or kernels")
+        if draft_quant not in ("auto", "nvfp4", "none"):
+            raise ValueError(f"unknown draft quantisation {draft_quant!r}: use auto, nvfp4 or none")
         self.spec, self.tree = spec, tree or TreeConfig()
         self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
         self.device = _pick_device(device)
@@ -183,10 +185,11 @@ class LLM:
             self.draft_ids = ids if len(ids) < self.config.vocab_size else None
         # The drafter's precision (gpu_weights.draft_quant): NVFP4 copies of the MTP head and lm_head, or
         # the checkpoint's; auto = NVFP4 for a 4-bit target on the kernels backend. Output is unchanged.
-        if draft_quant not in ("auto", "nvfp4", "none"):
-            raise ValueError(f"unknown draft quantisation {draft_quant!r}: use auto, nvfp4 or none")
         if draft_quant == "nvfp4" and (spec == "off" or self.backend != "kernels"):
-            raise ValueError("--draft-quant nvfp4 needs speculative decoding on the kernels backend")
+            raise ValueError(
+                "--draft-quant nvfp4 needs speculative decoding (a model with an MTP head) on the kernels "
+                "backend"
+            )
         self.draft_quant = draft_quant
         self._defaults = _generation_defaults(path)
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
