@@ -222,12 +222,19 @@ def test_graph_replay_equals_eager(variant):
             assert torch.equal(a, b)
 
 
-def test_27b_shaped_tree_equals_plain():
+@pytest.mark.parametrize(
+    "dense_head,draft_nvfp4",
+    [(False, False), (True, False), (True, True)],
+    ids=["nvfp4", "bf16-head", "nvfp4-drafter"],
+)
+def test_27b_shaped_tree_equals_plain(dense_head, draft_nvfp4):
     """The 27B kernel specializations (nv=48, dk=dv=128, d=256, G=6, H=5120) through whole events: random
-    NVFP4 weights with a random MTP head, 4 layers, a small vocabulary; tokens and state bitwise."""
+    NVFP4 weights with a random MTP head, 4 layers, a small vocabulary; tokens and state bitwise. With the
+    lm_head and MTP head in BF16 as ModelOpt ships them (large enough for bf16_gemv, not the one-warp kernel:
+    the plain step's and the verify's lm_head, the drafter), and with the drafter's NVFP4 copies of them."""
     cfg = config_27b(4, vocab_size=4096)
-    w = random_model_weights(cfg, DEV, nvfp4=True, seed=3, mtp=True)
-    gw = pack_weights(cfg, w, DEV, mtp=True)
+    w = random_model_weights(cfg, DEV, nvfp4=True, seed=3, mtp=True, dense_head=dense_head)
+    gw = pack_weights(cfg, w, DEV, mtp=True, draft_nvfp4=draft_nvfp4)
     del w
     rp, rs = GPURunner(cfg, gw, 256), GPURunner(cfg, gw, 256)
     prompt = torch.randint(0, 4096, (77,), generator=torch.Generator().manual_seed(0)).tolist()
