@@ -543,7 +543,7 @@ class GPUSpecDecoder:
 
     backend_or_runner: a GPUBackend (the runner is grown to max_len + tree slots; pass max_len), a
     GPURunner, or a GPUSpecEngine (reused: no new buffers or graphs). The MTP head must be packed
-    (pack_weights(..., mtp=True) or gpu_weights.with_mtp). Eager by default; use_graph=True captures.
+    (pack_weights(..., mtp=True)). Eager by default; use_graph=True captures.
     """
 
     def __init__(

@@ -444,26 +444,6 @@ def pack_weights(
     )
 
 
-def with_mtp(
-    cfg: ModelConfig,
-    gw: GPUWeights,
-    w: ModelWeights,
-    draft_ids: Sequence[int] | None = None,
-    draft_nvfp4: bool = False,
-) -> GPUWeights:
-    """gw with the MTP head of `w` packed (in place; once per model), for a backend packed without it;
-    with draft_ids, a draft head too (replacing one packed before)."""
-    if gw.mtp is None:
-        if w.mtp is None:
-            raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
-        gw.mtp = pack_mtp(cfg, w.mtp, gw.embed.device, w.lm_head, draft_ids, draft_nvfp4)
-    elif draft_ids is not None:
-        gw.mtp.draft_head, gw.mtp.draft_ids = pack_draft_head(
-            w.lm_head, draft_ids, gw.embed.device, draft_nvfp4
-        )
-    return gw
-
-
 # ---------------------------------------------------------------------------------------------
 # Random weights (benchmarks and shape smoke tests: no files). Magnitudes keep a deep stack finite in
 # bf16: every linear maps a unit-RMS input to an output of RMS ~`gain`.
