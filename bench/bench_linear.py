@@ -2,7 +2,9 @@
 
 One table, printed last: median microseconds per launch (CUDA-graph replay of back-to-back launches over
 rotating weight copies, so L2 does not serve the weights), bytes, GB/s, % of device-copy bandwidth, and
-the torch peer (BF16 weights through cuBLAS) as a speed ratio. JSON goes to $OUT or bench/results/.
+the torch peer (BF16 weights through cuBLAS) as a speed ratio; then lumo's own BF16 GEMV on the same BF16
+weights (bf16_linear: bf16 us, bf16%bw, and bf16x = its speed against cuBLAS). --bf16-configs sweeps its
+launch variants (--no-nvfp4 skips the NVFP4 ones). JSON goes to $OUT or bench/results/.
 The fused gate+up is packed as the runner packs it (pack_fused(glu=True)): the GEMV stores silu(gate) * up,
 17408 wide; the torch / bf16 peers run the plain 5120 -> 34816 product.
 """
