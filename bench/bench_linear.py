@@ -216,6 +216,16 @@ def bench_shape(
     return rows
 
 
+def print_sweep(what: str, rows: list[dict], sweep: str, nbytes: str, bw: float) -> None:
+    """One line per (shape, M): each launch variant's us and % of copy bandwidth (BF16 rows: and cuBLAS)."""
+    print(f"\n{what}sweep: us per launch (median, graph replay) and % of copy bandwidth by launch variant")
+    for r in rows:
+        pct = {c: 100 * r[nbytes] / (us * 1e-6) / 1e9 / bw for c, us in r[sweep].items()}
+        cells = [f"{c} {us:.1f} ({pct[c]:.0f}%)" for c, us in r[sweep].items()]
+        peer = f"cuBLAS {r['torch_us']:.1f}  " if sweep == "bf16_sweep" else ""
+        print(f"{r['shape']:22} {r['m']:3d}  {peer}" + "  ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--m", type=int, nargs="*", default=[1, 8, 16, 32])
@@ -246,21 +256,9 @@ def main() -> None:
         json.dumps(dict(device=dev, copy_gbs=bw, copy=bws, copy_end=bw_end, rows=rows), indent=1)
     )
     if args.configs or args.splits:
-        print("\nsweep: us per launch (median, graph replay) and % of copy bandwidth by launch variant")
-        for r in rows:
-            cells = [
-                f"{c} {us:.1f} ({100 * r['bytes'] / (us * 1e-6) / 1e9 / bw:.0f}%)"
-                for c, us in r["config_sweep"].items()
-            ]
-            print(f"{r['shape']:22} {r['m']:3d}  " + "  ".join(cells))
+        print_sweep("", rows, "config_sweep", "bytes", bw)
     if args.bf16_configs:
-        print("\nBF16 sweep: us per launch (median, graph replay) and % of copy bandwidth by launch variant")
-        for r in rows:
-            cells = [
-                f"{c} {us:.1f} ({100 * r['bf16_bytes'] / (us * 1e-6) / 1e9 / bw:.0f}%)"
-                for c, us in r["bf16_sweep"].items()
-            ]
-            print(f"{r['shape']:22} {r['m']:3d}  cuBLAS {r['torch_us']:.1f}  " + "  ".join(cells))
+        print_sweep("BF16 ", rows, "bf16_sweep", "bf16_bytes", bw)
     print(f"\n{dev}: device copy {bw:.0f} GB/s (read+write); NVFP4 W4A16, times in us (median, graph replay)")
     hdr = f"{'shape':22} {'M':>3} {'S':>2} {'us':>8} {'MB':>8} {'GB/s':>6} {'%bw':>5} "
     hdr += f"{'/M1':>5} {'cuBLAS us':>9} {'xcuBLAS':>7} {'bf16 us':>8} {'bf16%bw':>7} {'bf16x':>5} "

@@ -310,13 +310,13 @@ QUANT_ROWS = 8192  # rows quantised at a time by nvfp4_copy (a bounded f32 works
 
 
 def nvfp4_copy(lin: Linear, device: torch.device | str) -> NVFP4Linear:
-    """An NVFP4 copy of a linear on `device` (an NVFP4 one as it is), quantised by ModelOpt's rule
+    """An NVFP4 copy of a linear on `device` (an NVFP4 one is returned as it is), quantised by ModelOpt's rule
     (lumo.quant.nvfp4_quantize) on `device`, QUANT_ROWS rows at a time with the whole weight's global scale
     (a first pass over the blocks finds it): the bits of quantising it whole, with one block of the source
     on the device at a time. For the drafter only: its weights decide which tokens are proposed, never
     which are emitted."""
     if isinstance(lin, NVFP4Linear):
-        return replace(lin, weight=lin.weight.to(device), weight_scale=lin.weight_scale.to(device))
+        return lin  # pack_linear moves it
     device = torch.device(device)
 
     def block(r: int) -> torch.Tensor:  # rows [r, r + QUANT_ROWS) of W on the device (FP8: dequantised)
@@ -403,8 +403,8 @@ def pack_mtp(
 
 
 def draft_quant(w: ModelWeights, choice: str = "auto") -> bool:
-    """Whether the drafter runs in NVFP4: "nvfp4" yes, "none" no, "auto" when the target's decoder linears
-    are NVFP4 (a 4-bit checkpoint: the MTP head and lm_head that ModelOpt leaves in BF16 would read 3.4 GB
+    """Whether the drafter runs in NVFP4: "nvfp4" yes, "none" no, "auto" when any of the target's MLP linears
+    is NVFP4 (a 4-bit checkpoint: the MTP head and lm_head that ModelOpt leaves in BF16 would read 3.4 GB
     per draft step on the 27B, 43% of an event; session 17, docs/spec-engine.md). Any choice emits the
     target's tokens; the drafter's precision moves only how many drafts are accepted."""
     if choice not in ("auto", "nvfp4", "none"):

@@ -882,6 +882,32 @@ __device__ __forceinline__ void bf16_tile_mma(float (*acc)[4], const uint4 (&wv)
   }
 }
 
+// A lane's A fragments of one m16 tile of bf16 weights (rows row, row + 8, columns col .. col + 15; the layout
+// bf16_tile_mma reads) and its B fragments of the NT n8 tiles of x (row 8j + g, the same columns); rows past
+// N or M and columns past K read as zero. Weights stream past L1 (no earlier kernel writes them).
+__device__ __forceinline__ void bf16_load_w(uint4 (&wv)[2][2], const bf16* __restrict__ w, int N, int K, int row,
+                                            int col) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const bool ok = row + 8 * r < N && col < K;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      wv[r][h] = ok ? ld_stream16(reinterpret_cast<const uint4*>(w + (size_t)(row + 8 * r) * K + col + 8 * h))
+                    : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+__device__ __forceinline__ void bf16_load_x(uint4 (&xv)[NT][2], const bf16* __restrict__ x, int M, int K, int g,
+                                            int col) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const bool ok = 8 * j + g < M && col < K;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      xv[j][h] = ok ? *reinterpret_cast<const uint4*>(x + (size_t)(8 * j + g) * K + col + 8 * h)
+                    : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 // bf16_gemv: grid (ceil(N / (16 * MT)), S), block 32 * KW. CTA (b, s) covers the MT m16 tiles from row
 // 16 * MT * b and split-K slice s; warp w takes the slice's chunks w, w + KW, ... (accumulator w of the K
 // order), each loaded straight into registers, weights RPF and activations XPF chunks ahead (the loop is
@@ -911,32 +937,11 @@ extern "C" __global__ void __launch_bounds__(KW * 32)
 
   uint4 wr[RPF][MT][2][2];  // [slot][tile][row g, g + 8][columns 16t + 8h]
   uint4 xr[XPF][NT][2];
-  auto load_w = [&](int slot, int i) {  // no earlier kernel writes the weights
-    const int col = (c0 + i * KW) * 64 + 16 * t;
+  auto load_w = [&](int slot, int i) {
 #pragma unroll
-    for (int p = 0; p < MT; ++p)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 16 * p + g + 8 * r;
-        const bool ok = row < N && col < K;
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wr[slot][p][r][h] = ok ? ld_stream16(reinterpret_cast<const uint4*>(w + (size_t)row * K + col + 8 * h))
-                                 : make_uint4(0u, 0u, 0u, 0u);
-      }
+    for (int p = 0; p < MT; ++p) bf16_load_w(wr[slot][p], w, N, K, row0 + 16 * p + g, (c0 + i * KW) * 64 + 16 * t);
   };
-  auto load_x = [&](int slot, int i) {  // rows >= M and columns >= K read as zero
-    const int col = (c0 + i * KW) * 64 + 16 * t;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int row = 8 * j + g;
-      const bool ok = row < M && col < K;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        xr[slot][j][h] = ok ? *reinterpret_cast<const uint4*>(x + (size_t)row * K + col + 8 * h)
-                            : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
+  auto load_x = [&](int slot, int i) { bf16_load_x(xr[slot], x, M, K, g, (c0 + i * KW) * 64 + 16 * t); };
 
   float acc[MT][NT][4] = {};
 #pragma unroll
@@ -986,30 +991,8 @@ extern "C" __global__ void __launch_bounds__(32)
 
   uint4 wr[BPF][2][2];  // [slot][row g, g + 8][columns 16t + 8h]
   uint4 xr[BPF][NT][2];
-  auto load_w = [&](int slot, int i) {  // chunk c0 + i: no earlier kernel writes the weights
-    const int col = (c0 + i) * 64 + 16 * t;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + g + 8 * r;
-      const bool ok = row < N && col < K;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        wr[slot][r][h] = ok ? ld_stream16(reinterpret_cast<const uint4*>(w + (size_t)row * K + col + 8 * h))
-                            : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
-  auto load_x = [&](int slot, int i) {  // rows >= M and columns >= K read as zero (bf16_gemv's zero fill)
-    const int col = (c0 + i) * 64 + 16 * t;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int row = 8 * j + g;
-      const bool ok = row < M && col < K;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        xr[slot][j][h] = ok ? *reinterpret_cast<const uint4*>(x + (size_t)row * K + col + 8 * h)
-                            : make_uint4(0u, 0u, 0u, 0u);
-    }
-  };
+  auto load_w = [&](int slot, int i) { bf16_load_w(wr[slot], w, N, K, row0 + g, (c0 + i) * 64 + 16 * t); };
+  auto load_x = [&](int slot, int i) { bf16_load_x(xr[slot], x, M, K, g, (c0 + i) * 64 + 16 * t); };
 
   float acc[KW][NT][4] = {};
 #pragma unroll
