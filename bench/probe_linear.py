@@ -3,8 +3,9 @@
 Variants (linear.cu LUMO_PROBE): "nomath" skips the dequant + mma (the cp.async pipeline and barriers
 alone), "l2w" reads every chunk's weights from its row group's first two chunks (L2-resident: the
 arithmetic and pipeline without DRAM), "fmadq" computes the dequant's shifts as integer products (the
-same bits on the FMA pipe instead of the ALU pipe). The bf16 cuBLAS GEMV of the same shape is the
-bandwidth reference.
+same bits on the FMA pipe instead of the ALU pipe), "x0" reads every chunk's activations from its slice's
+first chunk (the register-direct kernel only: no activation traffic beyond L1), "l2w+x0" both. The bf16
+cuBLAS GEMV of the same shape is the bandwidth reference.
 
     python -m bench.probe_linear            # timing table (graph replay, median), printed last
     ncu --profile-from-start off ... python -m bench.probe_linear --ncu    # one launch of each case
@@ -20,7 +21,8 @@ from bench.bench_linear import L2_ROTATE_BYTES, copy_bandwidth, random_packed, t
 from lumo.kernels import linear
 
 SHAPES = [("gate+up", 5120, 34816), ("in 5120->10240", 5120, 10240), ("down", 17408, 5120)]
-PROBES = {"lib": 0, "nomath": 1, "l2w": 2, "fmadq": 3}
+SHAPES += [("gdn qkvz", 5120, 16384), ("out", 6144, 5120)]
+PROBES = {"lib": 0, "nomath": 1, "l2w": 2, "fmadq": 3, "x0": 4, "l2w+x0": 5}
 
 
 def cases(m: int) -> list[tuple[str, dict]]:

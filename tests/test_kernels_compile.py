@@ -116,7 +116,7 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 
 def test_register_direct_launch_choice():
     """choose_rd: every 27B shape runs the register-direct kernel at M <= 32 but the 16-slice down
-    projection, which takes the cluster-reduced kernel from M = 9 on; 8 slices above M = 16 run two-tile
+    projection, which takes the cluster-reduced kernel from M = 17 on; 8 slices above M = 16 run two-tile
     CTAs, above M = 24 in clusters of two (RD_CLUSTERS)."""
     from lumo.kernels.linear import RD_CLUSTERS, choose_rd, choose_splits
 
@@ -126,7 +126,7 @@ def test_register_direct_launch_choice():
         splits = choose_splits(n, k)
         for m in range(1, 33):
             rd = choose_rd(splits, m)
-            if m > 8 and splits == 16:
+            if m > 16 and splits == 16:
                 assert rd is None, (n, k, m)
                 continue
             mtw, pf = rd
@@ -173,6 +173,11 @@ def test_wave_fit_sizes_the_clustered_build(monkeypatch):
     # tile would fill three waves better than two tiles fill two but measured slower): two tiles
     for n, nt in ((5120, 4), (14336, 4), (10240, 3), (10240, 4)):
         assert fit((2, 2), n // 16, nt, 8, cpu) == (2, 2), (n, nt)
+    # 16 slices at NT 2 (the down projection at M = 16: 160 two-tile CTAs of 16 warps at 102 registers fill
+    # 61% of two waves, 320 one-tile ones at 77 registers 81% of three, but measured slower): two tiles
+    regs[(2, 2, 1)], regs[(2, 1, 1)] = 102, 77
+    assert fit((2, 2), 5120 // 16, 2, 16, cpu) == (2, 2)
+    assert fit((2, 2), 5120 // 16, 2, 8, cpu) == (1, 2)  # 8 slices: narrowed (it wins as often as not)
     # A clustered four-tile entry (none is in the table today): its 2-warp CTAs, or one CTA if refused
     monkeypatch.setitem(linear.RD_CLUSTERS, (4, 4, 2, 4), (2, 1))
     for clusters in (True, False):

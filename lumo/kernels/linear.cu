@@ -43,6 +43,7 @@
 // lumo:test-defines NT=2 STAGES=3 RGW=4 MTW=2 KSW=4 PF=3 LUMO_PROBE=1
 // lumo:test-defines NT=1 STAGES=5 RGW=2 MTW=1 KSW=2 PF=2 LUMO_PROBE=2
 // lumo:test-defines NT=1 STAGES=4 RGW=4 MTW=2 KSW=4 PF=2 LUMO_PROBE=3
+// lumo:test-defines NT=4 STAGES=3 RGW=4 MTW=2 KSW=4 PF=2 LUMO_PROBE=5
 // lumo:test-defines NT=4 STAGES=3 RGW=4 TPW=1 MTW=1 KSW=4 PF=2
 // lumo:test-defines NT=2 STAGES=4 RGW=2 TPW=2 MTW=1 KSW=4 PF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=3 RD_MINB=4
@@ -87,11 +88,15 @@
 // dequant + mma (the memory pipeline alone; nvfp4_gemv_rd then drops its activation loads too), 2 reads
 // every chunk's weights from the first two chunks of its row group (nvfp4_gemv) or split-K slice
 // (nvfp4_gemv_rd): L2-resident, the arithmetic and the pipeline without DRAM traffic. 3 computes the
-// dequant's shifts as integer products (same bits, another pipe: see dequant8).
+// dequant's shifts as integer products (same bits, another pipe: see dequant8). 4 (nvfp4_gemv_rd) reads
+// every chunk's activations from its slice's first chunk (L1-resident: no activation traffic beyond L1),
+// 5 is 2 and 4 together.
 #ifndef LUMO_PROBE
 #define LUMO_PROBE 0
 #endif
-#define PROBE_CHUNK(c) (LUMO_PROBE == 2 ? ((c) & 1) : (c))
+#define PROBE_L2W (LUMO_PROBE == 2 || LUMO_PROBE == 5)
+#define PROBE_X0 (LUMO_PROBE == 4 || LUMO_PROBE == 5)
+#define PROBE_CHUNK(c) (PROBE_L2W ? ((c) & 1) : (c))
 
 // Timeline trace (bench/trace_step.py only; the library never sets it): LUMO_TRACE is the address of a
 // device buffer of u64 [1 + LUMO_TRACE_CAP, 8]; word 0 counts records (past the end too). nvfp4_gemv_rd's
@@ -659,16 +664,16 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        xr[slot][j][h] = kin ? *reinterpret_cast<const uint4*>(xp[j] + r * 64 + 8 * h)
+        xr[slot][j][h] = kin ? *reinterpret_cast<const uint4*>(xp[j] + (PROBE_X0 ? 0 : r * 64) + 8 * h)
                              : make_uint4(0u, 0u, 0u, 0u);
   };
   auto advance = [&](int chunks) {
-    if (LUMO_PROBE != 2) {  // the L2-resident probe keeps reading its first two chunks
+    if (!PROBE_L2W) {  // the L2-resident probe keeps reading its first two chunks
       wp += (size_t)chunks * MT * 32;
       sp += (size_t)chunks * MT * 32;
     }
 #pragma unroll
-    for (int j = 0; j < NT; ++j) xp[j] += chunks * 64;
+    for (int j = 0; j < NT; ++j) xp[j] += PROBE_X0 ? 0 : chunks * 64;
   };
 
   float acc[MTW][NT][4] = {};
@@ -686,7 +691,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   auto step = [&](int u, int i0, bool fast) {  // fast: the refill exists and lies below nfull (no checks)
     const int r = u + PF - 1;
     if (fast || i0 + r < nc) {
-      load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
+      load_w(r % PF, PROBE_L2W ? (i0 + r) & 1 : r);
       load_x(r % PF, r, fast || (c0 + i0 + r) * 64 + 16 * t < K);
     }
 #pragma unroll
@@ -794,7 +799,7 @@ __device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
   float acc[MTW][NT][4] = {};
   auto step = [&](int u, int i0, bool refill) {  // chunk i0 + u in slot u; first refill the previous slot
     const int r = u + PF - 1;
-    if (refill) load_w(r % PF, LUMO_PROBE == 2 ? (i0 + r) & 1 : r);
+    if (refill) load_w(r % PF, PROBE_L2W ? (i0 + r) & 1 : r);
     const char* xc = xs + (size_t)(i0 + u) * NT * 1024 + lane * 16;
     uint4 xv[NT][2];
 #pragma unroll
@@ -805,7 +810,7 @@ __device__ __forceinline__ void nvfp4_gemv_sx_body(const uint4* __restrict__ qw,
     for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[u][p], sr[u][p], xv);
   };
   auto advance = [&]() {
-    if (LUMO_PROBE != 2) {
+    if (!PROBE_L2W) {
       wp += (size_t)PF * MT * 32;
       sp += (size_t)PF * MT * 32;
     }

@@ -375,11 +375,14 @@ def _clusters(device: torch.device) -> bool:
 # bench_linear_session15_m32.log, us): at M = 32 in clusters of two CTAs (RD_CLUSTERS) 6144 -> 5120 15.5 ->
 # 12.9, attention q/k/v 27.4 -> 26.5, 5120 -> 6144 14.2 -> 11.1, 5120 -> 10240 19.5 -> 19.0; at M = 24 in
 # one CTA 14.1 -> 11.9, 24.2 -> 18.6, 12.6 -> 10.7, 20.3 -> 15.8 (there the clusters ran 12.6, 20.6, 12.1,
-# 17.5).
+# 17.5). At 8 < M <= 16 the 16-slice weights take two tiles and PF 2 too (session 18,
+# bench_linear_session18_nt2.log, us at M = 12 / 16: the down projection 29.5 / 29.7 in the cluster-reduced
+# ring kernel, 23.8 / 24.2 so; the MTP head's fc 19.0 / 19.1 against 16.0 / 16.2); at M = 32 that build
+# loses there (65.4 against 29.2).
 RD_CHOICE = (
     (1, {1: (2, 3), 2: (1, 2), 4: (1, 2), 8: (1, 2), 16: (1, 2)}),
     (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
-    (16, {1: (2, 2), 2: (2, 2), 4: (2, 2), 8: (2, 2)}),
+    (16, {1: (2, 2), 2: (2, 2), 4: (2, 2), 8: (2, 2), 16: (2, 2)}),
     (SMALL_M, {1: (2, 2), 2: (2, 2), 4: (4, 2), 8: (2, 2)}),
 )
 
@@ -411,10 +414,12 @@ def _rd_fit_waves(
     against 32.8). At NT >= 3 never below two tiles: a one-tile warp reads as many bytes of activations as
     a two-tile one for half the weights, and every one-tile build measured there lost whatever its wave fill
     (session 15, bench_linear_session15_m32.log: 5120 -> 10240 at M = 24, 8 slices, 20.7 us against 15.7 for
-    two tiles; at M = 32 gate+up 72.9 against 47.2, 6144 -> 5120 19.8 against 15.5). A launch choice only
-    (same bits)."""
+    two tiles; at M = 32 gate+up 72.9 against 47.2, 6144 -> 5120 19.8 against 15.5), nor at NT = 2 with 16
+    slices (session 18, bench_linear_session18_nt2.log: the down projection at M = 16 25.5 us against 24.2,
+    the MTP head's fc 17.8 against 16.2; at 4 and 8 slices the narrower tile won as often as it lost). A
+    launch choice only (same bits)."""
     mtw, pf = rd
-    if mtw == 1 or (mtw == 2 and nt >= 3):
+    if mtw == 1 or (mtw == 2 and (nt >= 3 or splits == MAX_SPLITS)):
         return rd
     sms = sm_count(device)
 
