@@ -412,7 +412,7 @@ def linear_weight_bytes(cfg: ModelConfig, nvfp4: bool = True, dense_ba: bool = T
 def splitk_partial_bytes(cfg: ModelConfig, min_splits: int = 16) -> int:
     """Bytes of the NVFP4 weights' split-K partial buffers that a run can allocate ([S, 32, N] f32, made
     by the first launch that needs one, lumo.kernels.linear.nvfp4_linear): those of weights with S >=
-    min_splits slices, which run the cross-CTA kernel at M > 8 where the device cannot schedule S-CTA
+    min_splits slices, which run the cross-CTA kernel at M > 16 where the device cannot schedule S-CTA
     clusters. 16 (default) for sm_90+: a GB10 may refuse 16-CTA clusters (the H200 schedules them, so
     nothing is allocated there); 8 below sm_90; 2 counts every split weight."""
     from ..kernels.linear import SMALL_M, choose_splits

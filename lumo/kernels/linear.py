@@ -366,8 +366,8 @@ def _clusters(device: torch.device) -> bool:
 # (MTW, PF) of the register-direct in-CTA split-K kernel by split-K slice count, for M up to the first
 # number; a missing entry runs nvfp4_gemv (one slice) or the cluster-reduced nvfp4_gemv_cl. From the H200
 # sweeps of bench/bench_linear.py (docs/kernels.md): at M <= 8 it won at every slice count (the lm_head's
-# one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 and M = 32 up to 8 slices
-# (below). The lm_head at M = 1 takes PF 3:
+# one slice included: 172.6 us at M = 1 against 209 for nvfp4_gemv); at M = 16 too (16 slices since
+# session 18), at M = 32 up to 8 slices (below). The lm_head at M = 1 takes PF 3:
 # 169.7 us against 177 with PF 4 (sessions 8 and 9, bench_linear_session9_l2pf.log). At M = 1 one tile
 # and PF 2 for 4 and 8 slices (session 12: gate+up 29.5 -> 27.7 us, attention q/k/v 14.9 -> 13.9, GDN
 # q/k/v/z 16.5 -> 15.7, bench_linear_session12_spw_xs.log; the 27B decode step at 1k 5.66 -> 5.54 ms).
