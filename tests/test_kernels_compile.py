@@ -117,7 +117,8 @@ def test_pipeline_depth_fits_small_shared_memory(monkeypatch):
 def test_register_direct_launch_choice():
     """choose_rd: every 27B shape runs the register-direct kernel at M <= 32 but the 16-slice down
     projection, which takes the cluster-reduced kernel from M = 17 on; 8 slices above M = 16 run two-tile
-    CTAs, above M = 24 in clusters of two (RD_CLUSTERS)."""
+    CTAs, above M = 24 in clusters of two (RD_CLUSTERS); 4 slices two tiles per warp up to M = 24, four
+    above."""
     from lumo.kernels.linear import RD_CLUSTERS, choose_rd, choose_splits
 
     shapes = [(10240, 5120), (6144, 5120), (16384, 5120), (14336, 5120), (5120, 6144), (48, 5120)]
@@ -134,6 +135,10 @@ def test_register_direct_launch_choice():
             if m > 16 and splits == 8:
                 cl = RD_CLUSTERS.get((-(-m // 8), 2, 2, 8), (1, 1))[0]
                 assert (mtw, pf, cl) == (2, 2, 2 if m > 24 else 1), (n, k, m)
+            if m > 16 and splits == 4:  # two tiles per warp at NT 3, four at NT 4 (session 18)
+                assert (mtw, pf) == ((4, 2) if m > 24 else (2, 2)), (n, k, m)
+            if 8 < m <= 16 and splits == 16:
+                assert (mtw, pf) == (2, 2), (n, k, m)
 
 
 def test_wave_fit_sizes_the_clustered_build(monkeypatch):

@@ -303,7 +303,7 @@ def test_graph_replay_equals_eager(m):
 
 
 def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):
-    """Where the driver says S-CTA clusters do not fit (max_cluster_size < S), M > 8 runs the cross-CTA
+    """Where the driver says S-CTA clusters do not fit (max_cluster_size < S), M = 32 runs the cross-CTA
     kernel: same bits, and the weight's partial buffer is made then, for 32 rows."""
     from lumo.kernels import linear
     from lumo.kernels.compile import Kernel

@@ -378,9 +378,10 @@ def _clusters(device: torch.device) -> bool:
 # 17.5). At 8 < M <= 16 the 16-slice weights take two tiles and PF 2 too (session 18,
 # bench_linear_session18_nt2.log, us at M = 12 / 16: the down projection 29.5 / 29.7 in the cluster-reduced
 # ring kernel, 23.8 / 24.2 so; the MTP head's fc 19.0 / 19.1 against 16.0 / 16.2); at M = 32 that build
-# loses there (65.4 against 29.2). The 4-slice weights take four tiles per warp at M = 32 only: at M = 24
-# two (session 18, bench_linear_session18_pf1.log, us: gate+up 50.2 -> 43.4, GDN q/k/v/z 21.3 -> 19.2; at
-# M = 32 four tiles stay ahead for q/k/v/z, 22.2 against 27.7, and gate+up is narrowed to two anyway).
+# loses there (65.4 against 29.2, bench_linear_session18_pfx.log). The 4-slice weights take four tiles per
+# warp at M = 32 only: at M = 24 two (session 18, bench_linear_session18_pf1.log, us: gate+up 50.2 -> 43.4,
+# GDN q/k/v/z 21.3 -> 19.2; at M = 32 four tiles stay ahead for q/k/v/z, 22.2 against 27.7, and gate+up is
+# narrowed to two anyway).
 RD_CHOICE = (
     (1, {1: (2, 3), 2: (1, 2), 4: (1, 2), 8: (1, 2), 16: (1, 2)}),
     (8, {1: (2, 2), 2: (1, 2), 4: (2, 4), 8: (1, 3), 16: (1, 2)}),
