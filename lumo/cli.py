@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from .config import DRAFT_QUANTS
+
 USER_ERROR = 2
 
 
@@ -41,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     p.add_argument(
         "--draft-quant",
         default="auto",
-        choices=["auto", "nvfp4", "none"],
+        choices=DRAFT_QUANTS,
         help="the drafter's weights (MTP head and its lm_head) on the kernels backend: nvfp4 copies made at "
         "load, or none (the checkpoint's); auto: nvfp4 for an NVFP4 checkpoint. The output is unchanged; "
         "the drafter reads fewer bytes and may be accepted less often",

@@ -26,6 +26,16 @@ class ConfigError(ValueError):
     """A config.json that lumo cannot serve; the message is one line meant for the user."""
 
 
+DRAFT_QUANTS = ("auto", "nvfp4", "none")  # the drafter's precision (lumo.engine.gpu_weights.draft_quant)
+
+
+def check_draft_quant(choice: str) -> str:
+    """`choice` if it is one of DRAFT_QUANTS, else a ValueError naming them."""
+    if choice not in DRAFT_QUANTS:
+        raise ValueError(f"unknown draft quantisation {choice!r}: use {', '.join(DRAFT_QUANTS)}")
+    return choice
+
+
 _MISSING = object()
 
 

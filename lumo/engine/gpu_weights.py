@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import FULL, ModelConfig
+from ..config import FULL, ModelConfig, check_draft_quant
 from ..kernels.linear import PackedNVFP4, _bf16_splits, bf16_linear, nvfp4_linear, pack_fused
 from ..kernels.norms import silu_mul
 from ..kernels.rope_kv import rope_inv_freq
@@ -407,9 +407,7 @@ def draft_quant(w: ModelWeights, choice: str = "auto") -> bool:
     is NVFP4 (a 4-bit checkpoint: the MTP head and lm_head that ModelOpt leaves in BF16 would read 3.4 GB
     per draft step on the 27B, 43% of an event; session 17, docs/spec-engine.md). Any choice emits the
     target's tokens; the drafter's precision moves only how many drafts are accepted."""
-    if choice not in ("auto", "nvfp4", "none"):
-        raise ValueError(f"unknown draft quantisation {choice!r}: use auto, nvfp4 or none")
-    if choice != "auto":
+    if check_draft_quant(choice) != "auto":
         return choice == "nvfp4"
     lins = [lin for lw in w.layers for lin in (lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)]
     return any(isinstance(lin, NVFP4Linear) for lin in lins)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import TreeConfig
+from ..config import TreeConfig, check_draft_quant
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import make_decoder
@@ -119,8 +119,7 @@ class LLM:
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
         if backend not in ("auto", "torch", "kernels"):
             raise ValueError(f"unknown backend {backend!r}: use auto, torch or kernels")
-        if draft_quant not in ("auto", "nvfp4", "none"):
-            raise ValueError(f"unknown draft quantisation {draft_quant!r}: use auto, nvfp4 or none")
+        check_draft_quant(draft_quant)
         self.spec, self.tree = spec, tree or TreeConfig()
         self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
         self.device = _pick_device(device)
