@@ -58,6 +58,42 @@ def test_decode_matches_reference(nk, nv, dk, dv, dtype):
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
+def test_decode_sums_the_ba_split_k_partials_as_splitk_reduce(nk, nv, dk, dv):
+    """gdn_decode(ba_splitk=...): the b/a projection's split-K partials of the runner's decode step
+    (bf16_linear_partials of a [b | a] weight) summed in the kernel give bitwise the outputs and state of
+    bf16_linear's reduced b / a (splitk_reduce) fed as usual; and the partials' slice-order sum in bf16 is
+    bf16_linear's output."""
+    from lumo.kernels.linear import _bf16_splits, bf16_linear, bf16_linear_partials
+
+    inp = make(1, nk, nv, dk, dv, seed=3 * nv + dk)
+    gen = torch.Generator(DEV).manual_seed(nv)
+    hid = 16 * 321  # K: the b/a weight runs split-K (asserted below)
+    w = (torch.randn(2 * nv, hid, generator=gen, device=DEV) * 0.02).to(torch.bfloat16)
+    x = torch.randn(1, hid, generator=gen, device=DEV).to(torch.bfloat16)
+    ws = torch.empty(16, 32, 2 * nv, device=DEV)
+    ba = bf16_linear(x, w, workspace=torch.empty_like(ws))
+    part = bf16_linear_partials(x, w, ws)
+    assert part is not None and part.shape == (_bf16_splits(2 * nv, hid), 1, 2 * nv) and part.shape[0] > 1
+    total = part[0].clone()
+    for s in range(1, part.shape[0]):
+        total += part[s]
+    assert torch.equal(total.to(torch.bfloat16), ba)
+    b, a = ba[:, :nv], ba[:, nv:]
+    want_state, state = inp["state"].clone(), inp["state"].clone()
+    want = gdn_decode(**{**inp, "a": a, "b": b, "state": want_state}, out=poisoned(1, nv, dv, torch.bfloat16))
+    junk = torch.full_like(a, float("nan"))  # a / b are not read
+    got = gdn_decode(
+        **{**inp, "a": junk, "b": junk, "state": state},
+        out=poisoned(1, nv, dv, torch.bfloat16),
+        ba_splitk=(part[:, 0, nv:], part[:, 0, :nv]),
+    )
+    assert torch.equal(got, want) and torch.equal(state, want_state)
+    with pytest.raises(ValueError, match="one-token"):
+        two = make(2, nk, nv, dk, dv, seed=1)
+        gdn_decode(**two, ba_splitk=(part[:, 0, nv:], part[:, 0, :nv]))
+
+
+@pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
 @pytest.mark.parametrize("T", [2, 65, 333])
 def test_prefill_matches_chunked_reference(nk, nv, dk, dv, T):
     inp = make(T, nk, nv, dk, dv, seed=T * 7 + nv)

@@ -184,14 +184,20 @@ def _emulated_ops():
         out = torch.empty(x.shape[0], cache[key].shape[0], dtype=bf) if out is None else out
         return out.copy_(x.double() @ cache[key].t())
 
-    def nvfp4_linear(x, packed, out=None, **k):
+    def nvfp4_linear(x, packed, out=None, conv=None, **k):
         if packed.glu_n:  # fused SwiGLU: [gate | up] rows, then the activation
             y = silu_mul_ref(rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), None))
             return y if out is None else out.copy_(y)
-        return rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), out)
+        y = rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), out)
+        if conv is not None:  # the GEMV-fused decode conv: conv_decode's bits
+            conv_decode(y[:, : conv[0].shape[0]], conv[0], conv[1], out=conv[2])
+        return y
 
     def bf16_linear(x, w, out=None, workspace=None):
         return rows_linear(x, w.data_ptr(), lambda: w, out)
+
+    def bf16_linear_partials(x, w, workspace):  # one "slice" holding the bf16 result: its sum is exact
+        return bf16_linear(x, w).float()[None]
 
     def rmsnorm1p(h, w, eps, delta=None, out=None):
         y, hn = rmsnorm1p_ref(h, w, eps, delta)
@@ -257,8 +263,21 @@ def _emulated_ops():
         return y
 
     def gdn_decode(
-        mixed, a, b, A_log, dt_bias, state, out=None, state_out=None, out_dtype=bf, rows=None, count=None
+        mixed,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        state,
+        out=None,
+        state_out=None,
+        out_dtype=bf,
+        rows=None,
+        count=None,
+        ba_splitk=None,
     ):
+        if ba_splitk is not None:  # the b/a projection's split-K partials: their slice-order sum in bf16
+            a, b = (p.sum(0, keepdim=True).to(bf) for p in ba_splitk)
         idx = list(range(mixed.shape[0])) if rows is None else rows.tolist()
         n = len(idx) if count is None else min(len(idx), int(count[0]))
         idx = idx[:n]

@@ -268,6 +268,54 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
     assert rel_err(nvfp4_linear(x, fused), torch.nn.functional.silu(g) * u) < 1e-2
 
 
+CONV_CASES = [(64 * 5 + 3, 16 * 33, 64 * 5 + 3, 4, 4), (300, 16 * 41, 211, 4, 8), (77, 16 * 9, 40, 3, 1)]
+
+
+@pytest.mark.parametrize(
+    "n,k,c,taps,splits", CONV_CASES, ids=[f"N{n}-K{k}-C{c}-K{t}" for n, k, c, t, _ in CONV_CASES]
+)
+def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(n, k, c, taps, splits):
+    """nvfp4_linear(conv=...) at M = 1 (the GDN decode: q/k/v/z, then the conv over its first C columns):
+    through every kernel (the register-direct one runs conv_decode's step in its epilogue, the others are
+    followed by conv_decode) the projection, the conv output and the updated state are bitwise the GEMV
+    followed by conv_decode, over several steps (the state carries on). C not a multiple of 16 and C = N;
+    the conv output also against the fp32 conv reference."""
+    from lumo.kernels.conv import conv_decode, conv_gather_ref, conv_pred_chain
+
+    gen = torch.Generator(DEV).manual_seed(n + k + c)
+    packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=splits)
+    cw = (torch.randn(c, taps, generator=gen, device=DEV) * 0.5).to(torch.bfloat16)
+    state0 = torch.randn(c, taps - 1, generator=gen, device=DEV).to(torch.bfloat16)
+    knobs = [{}, dict(rd=(1, 2)), dict(rd=(2, 3)), dict(rd=False, cluster=False), dict(sx=(8, 2, 3))]
+    if torch.cuda.get_device_capability()[0] >= 9 and splits % 2 == 0:
+        knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True)]
+    xs = [torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]
+    want_state = state0.clone()
+    want = []
+    for x in xs:
+        y = nvfp4_linear(x, packed)
+        ref = conv_gather_ref(y[:, :c], cw, want_state, conv_pred_chain(1, taps))
+        yc = conv_decode(y[:, :c], cw, want_state)
+        assert rel_err(yc, ref.float()) < 1e-2
+        want.append((y, yc))
+    for kw in knobs:
+        state = state0.clone()
+        for x, (y, yc) in zip(xs, want, strict=True):
+            out, yc_out = poisoned(1, n), poisoned(1, c)
+            got = nvfp4_linear(x, packed, out=out, conv=(cw, state, yc_out), **kw)
+            assert got is out and torch.equal(out, y) and torch.equal(yc_out, yc), kw
+        assert torch.equal(state, want_state), kw
+    with pytest.raises(ValueError, match="one-token"):
+        nvfp4_linear(torch.cat(xs[:2]), packed, conv=(cw, state0.clone(), poisoned(1, c)))
+    with pytest.raises(ValueError, match="channels"):
+        big = torch.zeros(n + 1, taps, dtype=torch.bfloat16, device=DEV)
+        nvfp4_linear(
+            xs[0],
+            packed,
+            conv=(big, torch.zeros(n + 1, taps - 1, dtype=torch.bfloat16, device=DEV), poisoned(1, n + 1)),
+        )
+
+
 @pytest.mark.parametrize("m", [1, 32])
 def test_graph_replay_equals_eager(m):
     gen = torch.Generator(DEV).manual_seed(m)

@@ -17,7 +17,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..config import FULL, ModelConfig, check_draft_quant
-from ..kernels.linear import PackedNVFP4, _bf16_splits, bf16_linear, nvfp4_linear, pack_fused
+from ..kernels.conv import conv_decode
+from ..kernels.linear import (
+    PackedNVFP4,
+    _bf16_splits,
+    bf16_linear,
+    bf16_linear_partials,
+    nvfp4_linear,
+    pack_fused,
+)
 from ..kernels.norms import silu_mul
 from ..kernels.rope_kv import rope_inv_freq
 from ..quant import nvfp4_global_scale, nvfp4_quantize
@@ -51,10 +59,15 @@ class LinearPart:
         return self.packed.out_features if self.packed is not None else self.weight.shape[0]
 
     def run(
-        self, x: torch.Tensor, out: torch.Tensor | None, rows: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """conv (NVFP4 parts only): nvfp4_linear's fused GDN decode conv."""
         if self.packed is not None:
-            return nvfp4_linear(x, self.packed, out=out, rows=rows)
+            return nvfp4_linear(x, self.packed, out=out, rows=rows, conv=conv)
         return bf16_linear(x, self.weight, out=out, workspace=self.workspace)
 
     def nbytes(self) -> int:
@@ -85,11 +98,24 @@ class GPULinear:
         return self.parts[0].packed.n if self.glu else self.n
 
     def __call__(
-        self, x: torch.Tensor, out: torch.Tensor | None = None, rows: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """rows: a fused-SwiGLU weight's interleaved-rows workspace (nvfp4_linear)."""
+        """rows: a fused-SwiGLU weight's interleaved-rows workspace (nvfp4_linear). conv: (w [C, K], state
+        [C, K-1], y [1, C]) of the GDN decode conv over the output's first C columns, for one token: run by
+        the GEMV's epilogue where an NVFP4 first part holds those columns (nvfp4_linear), else by
+        conv_decode after it (the same bits)."""
+        if conv is not None:
+            first, c = self.parts[0], conv[0].shape[0]
+            if first.packed is None or first.n < c or x.shape[0] != 1:
+                y = self(x, out, rows)
+                conv_decode(y[:, :c], conv[0], conv[1], out=conv[2])
+                return y
         if len(self.parts) == 1:
-            return self.parts[0].run(x, out, rows)
+            return self.parts[0].run(x, out, rows, conv)
         if out is None:
             out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16, device=x.device)
         col = 0
@@ -97,11 +123,19 @@ class GPULinear:
             dst = out[:, col : col + p.n]
             # One row (decode) is a contiguous slice: written in place. Several rows (prefill) are not.
             if dst.is_contiguous() and dst.data_ptr() % 16 == 0:
-                p.run(x, dst)
+                p.run(x, dst, conv=conv if col == 0 else None)  # one row: the first part's conv (above)
             else:
                 dst.copy_(p.run(x, None))
             col += p.n
         return out
+
+    def splitk_partials(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For one dense part that runs split-K: its GEMV writing only the f32 partials [S, M, N]
+        (bf16_linear_partials; their reduce is left to the consumer); else None and nothing runs."""
+        p = self.parts[0]
+        if len(self.parts) != 1 or p.weight is None or p.workspace is None:
+            return None
+        return bf16_linear_partials(x, p.weight, p.workspace)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Views of an output [M, N] per original linear."""

@@ -23,7 +23,7 @@ import torch
 from ..config import FULL, ModelConfig
 from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
-from ..kernels.conv import conv_decode, conv_prefill
+from ..kernels.conv import conv_prefill
 from ..kernels.gdn import gdn_decode, gdn_prefill
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
@@ -116,11 +116,12 @@ class GPURunner:
         self.sample_ws = sample_workspace(1, V, dev)
         # Views into the static buffers, made once (the step only launches).
         self._qg, self._k, self._v = self._attn_views(self.attn_proj, 1)
-        self._mixed, self._z = self.gdn_proj[:, :C], self.gdn_proj[:, C:].view(1, nv, dv)
+        self._z = self.gdn_proj[:, C:].view(1, nv, dv)  # q/k/v (pre-conv) are the first C columns
         self._b, self._a = self.gdn_ba[:, :nv], self.gdn_ba[:, nv:]
         # The GDN b/a projection (5120 -> 96 on the 27B: a few CTAs, latency-bound) runs on a side
-        # stream beside the q/k/v/z GEMV and the conv, joined before the GDN kernel: in the captured graph
-        # a parallel branch, off the step's critical path. The same kernels either way: the same bits.
+        # stream beside the q/k/v/z GEMV (whose epilogue runs the conv), joined before the GDN kernel,
+        # which sums its split-K slices itself (no reduce launch): in the captured graph a parallel branch,
+        # off the step's critical path. The same bits as the kernels one after another.
         self.side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -332,11 +333,18 @@ class GPURunner:
     def _gdn_decode(self, g: GPUGDN, i: int) -> None:
         cs, ss = self.conv_state[i], self.gdn_state[i]
         with beside(self.side):  # joined before gdn_decode
-            g.ba(self.x, out=self.gdn_ba)
-        g.qkvz(self.x, out=self.gdn_proj)
-        conv_decode(self._mixed, g.conv1d, cs, out=self.conv_out)  # the state's window, then appends x
+            # A split-K b/a projection leaves its slices' sum to gdn_decode (one launch fewer; same bits).
+            part = g.ba.splitk_partials(self.x)
+            if part is None:
+                g.ba(self.x, out=self.gdn_ba)
+        # q/k/v/z, then the conv over the state's window and x appended, in the GEMV's epilogue where it can
+        g.qkvz(self.x, out=self.gdn_proj, conv=(g.conv1d, cs, self.conv_out))
         join(self.side)
-        gdn_decode(self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o)
+        nv = self._a.shape[1]
+        ba_splitk = None if part is None else (part[:, 0, nv:], part[:, 0, :nv])  # [b | a] columns
+        gdn_decode(
+            self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o, ba_splitk=ba_splitk
+        )
         gated_rmsnorm(self.gdn_o, self._z, g.norm, self.cfg.rms_norm_eps, out=self.gdn_y)
         g.out_proj(self.gdn_y, out=self.delta)
 

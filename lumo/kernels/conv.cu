@@ -3,8 +3,9 @@
 // For channel c and a window of KC pre-conv inputs (oldest first) in_0 .. in_{KC-1} (in_{KC-1} = the row's
 // own input):  y = bf16(silu(bf16(sum_j w[c, j] * in_j)))   (fp32 fmaf chain, j = 0 .. KC-1 in order)
 // The inner bf16 rounding is lumo.model's: it runs F.conv1d in the model dtype, then silu.
-// Every kernel uses the same conv_silu(), so a row's bits depend only on its window: prefill of T tokens,
-// T one-token decodes and a chain/tree gather of the same windows agree bitwise (batch invariance).
+// Every kernel uses the same conv_silu (conv.cuh; also nvfp4_gemv_rd's CONV epilogue, linear.cu), so a row's
+// bits depend only on its window: prefill of T tokens, T one-token decodes, the GEMV-fused decode and a
+// chain/tree gather of the same windows agree bitwise (batch invariance).
 //
 // State: [C, KC-1] bf16 per channel, the last KC-1 PRE-conv inputs, oldest first (lumo.model.Cache).
 // x: [T, C] bf16 pre-conv inputs with row stride x_rs (a view into the fused projection output is fine).
@@ -29,6 +30,7 @@
 
 #include <cuda_bf16.h>
 
+#include "conv.cuh"
 #include "pdl.cuh"
 
 #ifndef KC
@@ -42,16 +44,6 @@ static_assert(KC >= 2 && TT >= KC - 1, "conv_prefill's first token tile must cov
 typedef __nv_bfloat16 bf16;
 
 __device__ __forceinline__ float ldf(const bf16* p) { return __bfloat162float(*p); }
-
-// The one conv + SiLU every kernel shares (see the header for its rounding).
-__device__ __forceinline__ float conv_silu(const float (&win)[KC - 1], float xin, const float (&w)[KC]) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int j = 0; j < KC - 1; ++j) acc = fmaf(w[j], win[j], acc);
-  acc = fmaf(w[KC - 1], xin, acc);
-  const float a = __bfloat162float(__float2bfloat16_rn(acc));
-  return __fdiv_rn(a, __fadd_rn(1.0f, expf(-a)));  // torch silu: x / (1 + exp(-x))
-}
 
 __device__ __forceinline__ void load_w(const bf16* __restrict__ w, int c, float (&wv)[KC]) {
 #pragma unroll
@@ -68,7 +60,7 @@ __device__ __forceinline__ bf16 gathered_conv(const bf16* __restrict__ x, long l
     const int p = pred[t * (KC - 1) + j];
     win[j] = p >= 0 ? ldf(x + p * x_rs + c) : ldf(state + (size_t)c * (KC - 1) + (-1 - p));
   }
-  return __float2bfloat16_rn(conv_silu(win, ldf(x + t * x_rs + c), wv));
+  return __float2bfloat16_rn(conv_silu<KC>(win, ldf(x + t * x_rs + c), wv));
 }
 
 extern "C" __global__ void __launch_bounds__(CT)
@@ -93,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(CT)
   }
   for (int t = t0; t < t1; ++t) {
     const float xin = ldf(x + t * x_rs + c);
-    y[(size_t)t * C + c] = __float2bfloat16_rn(conv_silu(win, xin, wv));
+    y[(size_t)t * C + c] = __float2bfloat16_rn(conv_silu<KC>(win, xin, wv));
 #pragma unroll
     for (int j = 0; j < KC - 2; ++j) win[j] = win[j + 1];
     win[KC - 2] = xin;
@@ -153,7 +145,7 @@ extern "C" __global__ void __launch_bounds__(CT)
                 bf16* __restrict__ y, int C) {
   const int c = blockIdx.x * CT + threadIdx.x;
   bf16* st = state + (size_t)c * (KC - 1);
-  float wv[KC], win[KC - 1];
+  float wv[KC];
   if (c < C) {  // before the wait: the conv weight (no kernel writes it) and an L2 request for the state
     load_w(w, c, wv);
     pdl_prefetch_l2(st);
@@ -162,15 +154,8 @@ extern "C" __global__ void __launch_bounds__(CT)
   if (c >= C) return;
   bf16 keep[KC - 1];
 #pragma unroll
-  for (int j = 0; j < KC - 1; ++j) {
-    keep[j] = st[j];
-    win[j] = __bfloat162float(keep[j]);
-  }
-  const bf16 xin = x[c];
-  y[c] = __float2bfloat16_rn(conv_silu(win, __bfloat162float(xin), wv));
-#pragma unroll
-  for (int j = 0; j < KC - 2; ++j) st[j] = keep[j + 1];
-  st[KC - 2] = xin;
+  for (int j = 0; j < KC - 1; ++j) keep[j] = st[j];
+  conv_decode_channel<KC>(wv, keep, x[c], y + c, st);
 }
 
 #ifdef DVT

@@ -205,6 +205,14 @@ def conv_state_commit(state: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) 
     )
 
 
+def conv_decode_operands(w: torch.Tensor, state: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    """(C, K) of conv_decode's weights w [C, K], state [C, K-1] and output [1, C] (all contiguous bf16),
+    checked: conv_decode's and the GEMV-fused decode conv's (lumo.kernels.linear.nvfp4_linear(conv=...))."""
+    C, K = _check_wstate(w, state)
+    _out(out, 1, C, w.device)
+    return C, K
+
+
 def conv_decode(
     x: torch.Tensor, w: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:

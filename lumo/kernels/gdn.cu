@@ -44,6 +44,22 @@
 
 typedef __nv_bfloat16 bf16;
 
+// The b/a projection's split-K partials summed here (ba_splits > 0; decode, T == 1): raw a / b of head h =
+// bf16(sum over slices s in order of part[s * part_stride + h]) from pa / pb, splitk_reduce's arithmetic
+// (the bf16 GEMV's bits without its reduce launch; `a` / `b` are then not read). Every slice is loaded
+// before the first add (a loop of dependent loads took ~3 us per call on the H200). S <= BA_MAX_SPLITS.
+#define BA_MAX_SPLITS 16  // lumo.kernels.linear.MAX_SPLITS
+__device__ __forceinline__ float ba_sum(const float* __restrict__ part, int stride, int S, int h) {
+  float v[BA_MAX_SPLITS];
+#pragma unroll
+  for (int i = 0; i < BA_MAX_SPLITS; ++i) v[i] = i < S ? part[(size_t)i * stride + h] : 0.0f;
+  float s = v[0];
+#pragma unroll
+  for (int i = 1; i < BA_MAX_SPLITS; ++i)
+    if (i < S) s += v[i];
+  return __bfloat162float(__float2bfloat16_rn(s));
+}
+
 // Strides are in elements (rows of mixed / a / b may be views into wider fused outputs). T >= 1.
 // rows (nullable, int [T]): token t reads row rows[t] of mixed / a / b (commit replay of a tree path);
 // count (nullable, one int on the device): only the first min(T, *count) tokens run, so a captured graph
@@ -52,7 +68,8 @@ extern "C" __global__ void __launch_bounds__(32)
     gdn_recurrent(const bf16* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ a, int a_stride,
                   const bf16* __restrict__ b, int b_stride, const gdn_param_t* __restrict__ A_log,
                   const gdn_param_t* __restrict__ dt_bias, const float* state_in, float* state_out,
-                  gdn_out_t* __restrict__ o, int T, const int* __restrict__ rows, const int* __restrict__ count) {
+                  gdn_out_t* __restrict__ o, int T, const int* __restrict__ rows, const int* __restrict__ count,
+                  const float* __restrict__ pa, const float* __restrict__ pb, int part_stride, int ba_splits) {
   const int h = blockIdx.x, j0 = blockIdx.y * DVT, lane = threadIdx.x;
   const size_t soff = gdn_state_offset(h, j0, lane);
   // Before the wait: the gate parameters (no kernel writes them) and an L2 request for the state tile.
@@ -69,8 +86,12 @@ extern "C" __global__ void __launch_bounds__(32)
   }
   GdnRaw next;
   size_t r = rows != nullptr ? rows[0] : 0;
-  gdn_fetch(mixed + r * mixed_stride, h, j0, lane, __bfloat162float(a[r * a_stride + h]),
-            __bfloat162float(b[r * b_stride + h]), next);
+  if (ba_splits > 0)  // T == 1 (the launcher's rule)
+    gdn_fetch(mixed, h, j0, lane, ba_sum(pa, part_stride, ba_splits, h), ba_sum(pb, part_stride, ba_splits, h),
+              next);
+  else
+    gdn_fetch(mixed + r * mixed_stride, h, j0, lane, __bfloat162float(a[r * a_stride + h]),
+              __bfloat162float(b[r * b_stride + h]), next);
   for (int t = 0; t < T; ++t) {
     const GdnRaw raw = next;
     if (t + 1 < T) {  // prefetch token t+1 while token t is computed

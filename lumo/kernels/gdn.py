@@ -133,6 +133,7 @@ def gdn_decode(
     out_dtype: torch.dtype = torch.bfloat16,
     rows: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
+    ba_splitk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over T consecutive tokens of one sequence (decode: T = 1; commit replay: T > 1).
 
@@ -144,9 +145,25 @@ def gdn_decode(
     Commit replay: `rows` (int32 [T] on the device, values < mixed rows, not checked) makes token t read
     row rows[t] of mixed / a / b; `count` (int32 [1] on the device) runs only the first min(T, count)
     tokens (o rows past it are left as they were) so one captured graph serves any accepted length.
+    `ba_splitk` = (a_part, b_part), f32 [S, nv] views with unit column stride and one slice stride (the b/a
+    projection's split-K partials, lumo.kernels.linear.bf16_linear_partials), for one token (T = 1): a and
+    b are then bf16 of their slices' sums in slice order, splitk_reduce's bits, summed in this launch
+    instead of a reduce launch of their own; `a` and `b` are only checked for shape.
     """
     nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
     T = mixed.shape[0]
+    part = [ctypes.c_void_p(0), ctypes.c_void_p(0), 0, 0]
+    if ba_splitk is not None:
+        pa, pb = ba_splitk
+        ok = all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == nv for p in ba_splitk)
+        ok = ok and pa.stride(1) == pb.stride(1) == 1
+        if not ok or pa.shape[0] != pb.shape[0] or pa.stride(0) != pb.stride(0) or pa.device != mixed.device:
+            raise ValueError(f"ba_splitk must be two f32 [S, {nv}] views with one slice stride")
+        if not 1 <= pa.shape[0] <= 16:  # gdn.cu BA_MAX_SPLITS
+            raise ValueError(f"ba_splitk holds 1..16 slices, got {pa.shape[0]}")
+        if T != 1 or rows is not None or count is not None:
+            raise ValueError("ba_splitk serves the one-token decode (T = 1, no rows / count)")
+        part = [pa, pb, pa.stride(0), pa.shape[0]]
     for name, idx in (("rows", rows), ("count", count)):
         if idx is not None and (idx.dtype != torch.int32 or idx.dim() != 1 or not idx.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous int32 vector, got {idx.dtype} {tuple(idx.shape)}")
@@ -167,7 +184,7 @@ def gdn_decode(
         "gdn", "gdn_recurrent", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16
     )
     args = [mixed, mixed.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, state, state_out, out, T]
-    args += [ctypes.c_void_p(0) if t is None else t for t in (rows, count)]
+    args += [ctypes.c_void_p(0) if t is None else t for t in (rows, count)] + part
     kern.launch((nv, dv // gdn_dvt(dk, dv)), 32, args, pdl=True)
     return out
 

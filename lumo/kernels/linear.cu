@@ -48,6 +48,8 @@
 // lumo:test-defines NT=2 STAGES=4 RGW=2 TPW=2 MTW=1 KSW=4 PF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=3 RD_MINB=4
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 GLU=1
+// lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 CONV=4
+// lumo:test-defines NT=1 MTW=2 KSW=4 PF=2 RDCL=2 CONV=3
 // lumo:test-defines NT=4 MTW=2 PF=3 SXW=8
 // lumo:test-defines NT=1 MT=1 RPF=2 LUMO_ONLY=1 LUMO_ONLY_bf16_gemv=1
 // lumo:test-defines NT=4 MT=2 RPF=2 XPF=1 LUMO_ONLY=1 LUMO_ONLY_bf16_gemv=1
@@ -479,6 +481,68 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #ifndef GLU
 #define GLU 0  // nvfp4_gemv_rd: 1 for an MLP's [gate | up] packed for the fused SwiGLU (see below)
 #endif
+#ifndef CONV
+#define CONV 0  // nvfp4_gemv_rd: the GDN conv's kernel size KC to fuse conv_decode into the epilogue (below)
+#endif
+static_assert(!(CONV && GLU), "CONV and GLU are two different epilogues");
+#if CONV
+#include "conv.cuh"
+#endif
+
+// The decode conv fused into the epilogue (CONV = KC > 0; one activation row, M == 1, the launcher's rule):
+// the GDN q/k/v/z projection's first C output channels are the conv's pre-conv inputs. The lane that
+// stores channel n < C = cv.C also runs conv_decode's step for it (conv.cuh, conv_decode_channel: the same
+// function conv_decode calls on the same bf16 value): y[n] = silu(conv(state window, out[n])), the state
+// shifted with out[n] appended. Channel n is stored by exactly one lane, so its state has one reader and
+// writer. The channel's conv weights and window are loaded before the slices' barrier (an L2 request for
+// them before pdl_wait): no kernel of a step writes this layer's conv state but this one, and under PDL
+// every earlier kernel has completed once pdl_wait returns. out[n] itself is still stored (the raw
+// projection, as without CONV).
+struct ConvEpi {
+  const bf16* w;  // [C, CONV] conv weights
+  bf16* state;    // [C, CONV - 1] pre-conv window, oldest first (updated)
+  bf16* y;        // [C] post-conv, SiLU'd
+  int C;
+};
+#if CONV
+#define CONV_PARAMS , const bf16 *__restrict__ conv_w, bf16 *__restrict__ conv_state, bf16 *__restrict__ conv_y, \
+                      int conv_c
+#define CONV_EPI , ConvEpi{conv_w, conv_state, conv_y, conv_c}
+#else
+#define CONV_PARAMS
+#define CONV_EPI
+#endif
+
+// A lane's two channels n = row0 + g + 8h of one m16 tile (stored by the lanes with t == 0 at M == 1):
+// their conv weights and state windows (channels >= C: nothing).
+struct ConvPre {
+  float w[2][CONV > 0 ? CONV : 1];
+  bf16 keep[2][CONV > 1 ? CONV - 1 : 1];
+};
+__device__ __forceinline__ void conv_preload(const ConvEpi& cv, int row0, int lane, ConvPre& p) {
+#if CONV
+  const int g = lane >> 2;
+  if ((lane & 3) != 0) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = row0 + g + 8 * h;
+    if (n >= cv.C) continue;
+#pragma unroll
+    for (int j = 0; j < CONV; ++j) p.w[h][j] = __bfloat162float(cv.w[(size_t)n * CONV + j]);
+#pragma unroll
+    for (int j = 0; j < CONV - 1; ++j) p.keep[h][j] = cv.state[(size_t)n * (CONV - 1) + j];
+  }
+#endif
+}
+__device__ __forceinline__ void conv_prefetch(const ConvEpi& cv, int row0, int lane) {  // before pdl_wait
+#if CONV
+  const int n = row0 + 8 * (lane >> 3);  // lanes 0 and 8: the tile's two 8-channel halves
+  if ((lane & 7) == 0 && lane < 16 && n < cv.C) {
+    pdl_prefetch_l2(cv.w + (size_t)n * CONV);
+    pdl_prefetch_l2(cv.state + (size_t)n * (CONV - 1));
+  }
+#endif
+}
 
 // Epilogue of the in-CTA split-K kernel (nvfp4_gemv_rd): warp w of cluster rank r holds slice s = r * KSW
 // + w's accumulators of MTW m16 tiles from tile0 on (RDCL = 1: one CTA, r = 0). Every warp puts its slice
@@ -495,11 +559,13 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 // intermediate size (the output's width).
 __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
                                                 bf16* __restrict__ out, int M, int N, int tile0, int warp,
-                                                int lane) {
+                                                int lane, const ConvEpi& cv = ConvEpi{}) {
   extern __shared__ uint4 smem[];
   float* red = reinterpret_cast<float*>(smem);  // [warp][tile i][n8 tile j][e][lane]
   const int g = lane >> 2, t = lane & 3;
   const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;
+  ConvPre pre;  // CONV: the conv operands of this warp's first tile, loaded while the slices meet
+  if (CONV && slice < MTW * NT) conv_preload(cv, (tile0 + slice / NT) * 16, lane, pre);
 #pragma unroll
   for (int i = 0; i < MTW; ++i)
 #pragma unroll
@@ -538,6 +604,9 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
         out[(size_t)m * N + o] = __float2bfloat16_rn(silu_mul1(round_bf16(a[e] * sg), round_bf16(a[2 + e] * su)));
     }
 #else
+#if CONV
+    if (q != slice) conv_preload(cv, (tile0 + i) * 16, lane, pre);
+#endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = (tile0 + i) * 16 + g + 8 * h;
@@ -546,7 +615,13 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int m = 8 * j + 2 * t + e;
-        if (m < M) out[(size_t)m * N + n] = __float2bfloat16_rn(a[2 * h + e] * scale);
+        if (m >= M) continue;
+        const bf16 v = __float2bfloat16_rn(a[2 * h + e] * scale);
+        out[(size_t)m * N + n] = v;
+#if CONV
+        if (m == 0 && n < cv.C)
+          conv_decode_channel<CONV>(pre.w[h], pre.keep[h], v, cv.y + n, cv.state + (size_t)n * (CONV - 1));
+#endif
       }
     }
 #endif
@@ -624,7 +699,7 @@ __device__ __forceinline__ void prefetch_chunks(const uint4* qw, const unsigned 
 extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     nvfp4_gemv_rd(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
-                  int N, int K, int C, int cps, int npf) {
+                  int N, int K, int C, int cps, int npf CONV_PARAMS) {
 #if RDCL > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; linear.py never launches an RDCL build below
 #endif
@@ -682,6 +757,13 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
   if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
+#if CONV
+  {
+    const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;  // stores tile slice / NT (M == 1)
+    if (slice < MTW * NT)
+      conv_prefetch(ConvEpi{conv_w, conv_state, conv_y, conv_c}, (tile0 + slice / NT) * 16, lane);
+  }
+#endif
   pdl_wait();
   TRACE_AT(1);
 #pragma unroll
@@ -709,7 +791,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     if (i0 + u < nc) step(u, i0, false);
   TRACE_AT(2);
   pdl_trigger();
-  slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane);
+  slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
 #ifdef LUMO_TRACE
   if (threadIdx.x == 0) trace_store(trace_sm, qw);
 #endif

@@ -14,6 +14,7 @@ import torch
 
 from ..quant import nvfp4_dequantize
 from .compile import Kernel, compile_kernel, sm_count
+from .conv import conv_decode, conv_decode_operands
 
 MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
 ROWS = 16 * MT
@@ -315,6 +316,7 @@ def _launch_bf16(
     splits: int,
     rd: bool | None = None,
     reg: tuple[int, int, int] | None = None,
+    reduce: bool = True,
 ) -> None:
     m, (n, k) = x.shape[0], w.shape
     rg, chunks = -(-n // ROWS), -(-k // CHUNK)
@@ -336,7 +338,7 @@ def _launch_bf16(
         shmem = (KW - 1) * mt * nt * 512  # the warps' sum
         grid = (-(-n // (16 * mt)), splits)
         kern.launch(grid, 32 * KW, [w, x, out, part, m, n, k, chunks, cps], shmem, pdl=True)
-    if splits > 1:
+    if splits > 1 and reduce:
         _reduce(partial, ctypes.c_void_p(0), out, m, n, splits)  # bf16 weights: no global scale
 
 
@@ -499,9 +501,10 @@ def _rd_shape(rg: int, nt: int, mtw: int, splits: int, rdcl: int) -> tuple[tuple
 
 @functools.cache
 def _rd_kernel(
-    nt: int, mtw: int, pf: int, splits: int, probe: int = 0, glu: bool = False, rdcl: int = 1
+    nt: int, mtw: int, pf: int, splits: int, probe: int = 0, glu: bool = False, rdcl: int = 1, conv: int = 0
 ) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
+    defines |= {"CONV": conv} if conv else {}  # the decode conv's taps, fused into the epilogue
     if rdcl > 1:
         cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
         minb = minb if cl == rdcl else 1
@@ -526,10 +529,16 @@ def nvfp4_linear(
     l2pf: int | None = None,
     rows: torch.Tensor | None = None,
     rdcl: int | None = None,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
     holds the interleaved rows where the kernel does not fuse the activation (made per call if None).
+
+    `conv` = (w [C, K], state [C, K-1], yc [1, C]): the GDN decode conv of one token (M = 1) over the first
+    C <= N output columns, conv_decode(y[:, :C], w, state, out=yc) after the GEMV (y is returned whole). The
+    register-direct kernel (the default at M = 1) runs it in its epilogue, one launch fewer; the other
+    kernels are followed by conv_decode. The same bits either way (linear.cu, CONV).
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
@@ -556,6 +565,7 @@ def nvfp4_linear(
     # A fused-SwiGLU weight: nvfp4_gemv_rd applies silu(gate) * up in its epilogue; every other path
     # computes the interleaved rows into `rows`, then _glu_act gives the same bits.
     rows = _glu_rows(rows, m, packed, x.device) if packed.glu_n else None
+    conv_c, conv_k = _conv_operands(conv, m, packed) if conv is not None else (0, 0)
     if m > SMALL_M:
         y = _prefill(x, packed, rows() if rows else out)
         return _glu_act(y, out) if rows else y
@@ -587,10 +597,11 @@ def nvfp4_linear(
         elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
+        args += [*conv, conv_c] if conv is not None else []
         grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
-        kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
+        kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
         kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
         return out
     if rdcl is not None:
@@ -607,7 +618,24 @@ def nvfp4_linear(
         _launch_sx(x, packed, y, sx, splits, cps, cluster, probe, npf)
     else:
         _launch_ring(x, packed, y, splits, cps, stages, rgw, tpw, cluster, probe)
+    if conv is not None:
+        conv_decode(y[:, :conv_c], conv[0], conv[1], out=conv[2])
     return _glu_act(y, out) if rows else y
+
+
+def _conv_operands(
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m: int, packed: PackedNVFP4
+) -> tuple[int, int]:
+    """(C, K) of nvfp4_linear's `conv` operands, checked."""
+    if not isinstance(conv, tuple) or len(conv) != 3:
+        raise ValueError("conv must be (w [C, K], state [C, K-1], out [1, C])")
+    if m != 1 or packed.glu_n:
+        what = "a fused-SwiGLU weight" if packed.glu_n else f"M = {m}"
+        raise ValueError(f"conv is the one-token (M = 1) decode conv of a plain weight, got {what}")
+    C, K = conv_decode_operands(*conv)
+    if C > packed.out_features:
+        raise ValueError(f"conv over {C} channels of a weight with {packed.out_features} outputs")
+    return C, K
 
 
 def _launch_ring(
@@ -826,6 +854,27 @@ def bf16_linear(
         raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
     _launch_bf16(w, x, out, workspace, splits, rd, reg)
     return out
+
+
+def bf16_linear_partials(x: torch.Tensor, w: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor | None:
+    """bf16_linear(x, w)'s split-K partials without their reduce launch: an f32 [splits, M, N] view of
+    `workspace` ([>= splits, 32, N] f32) whose sums over the slices in slice order, rounded to bf16, are
+    bf16_linear's output bits (splitk_reduce's arithmetic; the GDN decode kernel sums the b/a projection's
+    this way, lumo.kernels.gdn.gdn_decode(ba_splitk=...)). None where the weight runs as one slice, or M >
+    SMALL_M: then bf16_linear writes its output directly."""
+    n, k = w.shape
+    m, splits = x.shape[0], _bf16_splits(n, k)
+    if splits == 1 or m > SMALL_M or m == 0:
+        return None
+    if (
+        workspace.dtype != torch.float32
+        or not workspace.is_contiguous()
+        or workspace.numel() < splits * m * n
+    ):
+        raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
+    _check_x(x, k)
+    _launch_bf16(w, x, ctypes.c_void_p(0), workspace, splits, reduce=False)
+    return workspace.view(-1)[: splits * m * n].view(splits, m, n)
 
 
 def nvfp4_linear_ref(x: torch.Tensor, weight, weight_scale, weight_scale_2) -> torch.Tensor:
