@@ -58,22 +58,23 @@ def test_decode_matches_reference(nk, nv, dk, dv, dtype):
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
-def test_decode_sums_the_ba_split_k_partials_as_splitk_reduce(nk, nv, dk, dv):
+@pytest.mark.parametrize("hid", [16 * 40, 16 * 160, 16 * 321], ids=["S2", "S8", "S16"])
+def test_decode_sums_the_ba_split_k_partials_as_splitk_reduce(nk, nv, dk, dv, hid):
     """gdn_decode(ba_splitk=...): the b/a projection's split-K partials of the runner's decode step
     (bf16_linear_partials of a [b | a] weight) summed in the kernel give bitwise the outputs and state of
     bf16_linear's reduced b / a (splitk_reduce) fed as usual; and the partials' slice-order sum in bf16 is
-    bf16_linear's output."""
+    bf16_linear's output. K sets the slice count (2, 8, 16)."""
     from lumo.kernels.linear import _bf16_splits, bf16_linear, bf16_linear_partials
 
     inp = make(1, nk, nv, dk, dv, seed=3 * nv + dk)
-    gen = torch.Generator(DEV).manual_seed(nv)
-    hid = 16 * 321  # K: the b/a weight runs split-K (asserted below)
+    gen = torch.Generator(DEV).manual_seed(nv + hid)
     w = (torch.randn(2 * nv, hid, generator=gen, device=DEV) * 0.02).to(torch.bfloat16)
     x = torch.randn(1, hid, generator=gen, device=DEV).to(torch.bfloat16)
     ws = torch.empty(16, 32, 2 * nv, device=DEV)
     ba = bf16_linear(x, w, workspace=torch.empty_like(ws))
     part = bf16_linear_partials(x, w, ws)
-    assert part is not None and part.shape == (_bf16_splits(2 * nv, hid), 1, 2 * nv) and part.shape[0] > 1
+    assert part is not None and part.shape == (_bf16_splits(2 * nv, hid), 1, 2 * nv)
+    assert part.shape[0] == {16 * 40: 2, 16 * 160: 8, 16 * 321: 16}[hid]
     total = part[0].clone()
     for s in range(1, part.shape[0]):
         total += part[s]

@@ -196,8 +196,9 @@ def _emulated_ops():
     def bf16_linear(x, w, out=None, workspace=None):
         return rows_linear(x, w.data_ptr(), lambda: w, out)
 
-    def bf16_linear_partials(x, w, workspace):  # one "slice" holding the bf16 result: its sum is exact
-        return bf16_linear(x, w).float()[None]
+    def bf16_linear_partials(x, w, workspace):  # the bf16 result and a zero slice: their sum is exact
+        y = bf16_linear(x, w).float()
+        return torch.stack([y, torch.zeros_like(y)])
 
     def rmsnorm1p(h, w, eps, delta=None, out=None):
         y, hn = rmsnorm1p_ref(h, w, eps, delta)
@@ -414,6 +415,44 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     L = rs.length
     for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
         assert torch.equal(a[:L], b[:L])
+
+
+def test_emulated_plain_step_with_the_ba_split_k_sum_equals_tree(monkeypatch):
+    """The runner's plain step with a split-K b/a projection (the 27B's: its slices summed by gdn_decode,
+    `ba_splitk`, not a reduce launch): the embedded model's b/a is one slice, so its parts are made to
+    report a split-K workspace here. Tree decoding (whose verify reduces b/a as before) must still equal
+    plain decoding token for token and in the committed state: a swapped (a, b) pair or a lost slice fails."""
+    import lumo.engine.runner as runner_mod
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    for lw in gw.layers:
+        if hasattr(lw.mixer, "ba"):
+            for part in lw.mixer.ba.parts:
+                monkeypatch.setattr(part, "workspace", torch.empty(1))
+    used = []
+    emulated = runner_mod.gdn_decode
+
+    def gdn_decode(*a, ba_splitk=None, **k):
+        used.append(ba_splitk is not None)
+        return emulated(*a, ba_splitk=ba_splitk, **k)
+
+    monkeypatch.setattr(runner_mod, "gdn_decode", gdn_decode)
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
+    spec = GPUSpecDecoder(rs, SamplingParams(temperature=0.0), tree)
+    plain = GPUDecoder(rp, SamplingParams(temperature=0.0), use_graph=False)
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    got = spec.prefill(prompt)
+    while len(got) < 12:
+        got += spec.step()
+    want = plain.prefill(prompt)
+    while rp.length < rs.length:
+        want += plain.step()
+    assert any(used), "the plain step did not take the split-K b/a path"
+    assert got[: len(want)] == want
+    for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_no_room_to_capture_runs_eagerly(monkeypatch):

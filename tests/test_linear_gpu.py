@@ -274,12 +274,14 @@ CONV_CASES = [(64 * 5 + 3, 16 * 33, 64 * 5 + 3, 4, 4), (300, 16 * 41, 211, 4, 8)
 @pytest.mark.parametrize(
     "n,k,c,taps,splits", CONV_CASES, ids=[f"N{n}-K{k}-C{c}-K{t}" for n, k, c, t, _ in CONV_CASES]
 )
-def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(n, k, c, taps, splits):
+def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k, c, taps, splits):
     """nvfp4_linear(conv=...) at M = 1 (the GDN decode: q/k/v/z, then the conv over its first C columns):
     through every kernel (the register-direct one runs conv_decode's step in its epilogue, the others are
     followed by conv_decode) the projection, the conv output and the updated state are bitwise the GEMV
     followed by conv_decode, over several steps (the state carries on). C not a multiple of 16 and C = N;
-    the conv output also against the fp32 conv reference."""
+    the conv output also against the fp32 conv reference. Where the register-direct kernel runs (the
+    default at M = 1 and the rd= knobs) the launcher must not fall back to conv_decode."""
+    from lumo.kernels import linear
     from lumo.kernels.conv import conv_decode, conv_gather_ref, conv_pred_chain
 
     gen = torch.Generator(DEV).manual_seed(n + k + c)
@@ -298,13 +300,20 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(n, k, c, taps, sp
         yc = conv_decode(y[:, :c], cw, want_state)
         assert rel_err(yc, ref.float()) < 1e-2
         want.append((y, yc))
+
+    def unfused(*a, **k):
+        raise AssertionError("the register-direct kernel fell back to conv_decode")
+
     for kw in knobs:
+        fused = kw.get("rd") is not False and "sx" not in kw  # the default at M = 1 is register-direct
+        monkeypatch.setattr(linear, "conv_decode", unfused if fused else conv_decode)
         state = state0.clone()
         for x, (y, yc) in zip(xs, want, strict=True):
             out, yc_out = poisoned(1, n), poisoned(1, c)
             got = nvfp4_linear(x, packed, out=out, conv=(cw, state, yc_out), **kw)
             assert got is out and torch.equal(out, y) and torch.equal(yc_out, yc), kw
         assert torch.equal(state, want_state), kw
+    monkeypatch.setattr(linear, "conv_decode", conv_decode)
     with pytest.raises(ValueError, match="one-token"):
         nvfp4_linear(torch.cat(xs[:2]), packed, conv=(cw, state0.clone(), poisoned(1, c)))
     with pytest.raises(ValueError, match="channels"):

@@ -110,7 +110,10 @@ class GPULinear:
         conv_decode after it (the same bits)."""
         if conv is not None:
             first, c = self.parts[0], conv[0].shape[0]
-            if first.packed is None or first.n < c or x.shape[0] != 1:
+            if x.shape[0] != 1:
+                raise ValueError(f"conv is the one-token decode conv, got {x.shape[0]} rows")
+            aligned = out is None or (out.is_contiguous() and out.data_ptr() % 16 == 0)
+            if first.packed is None or first.n < c or not aligned:
                 y = self(x, out, rows)
                 conv_decode(y[:, :c], conv[0], conv[1], out=conv[2])
                 return y

@@ -20,7 +20,9 @@
 // conv_state_commit: grid ceil(C / CT), block CT; appends x[rows[0]], x[rows[1]], ... (stops at the first
 //                negative entry: a fixed-size, -1-padded rows buffer replays in a CUDA graph) to the state.
 // conv_decode:   grid ceil(C / CT), block CT; one new token x[0]: conv_gather of the state's window, then
-//                conv_state_commit of row 0, in one launch (the plain decode step; the same bits).
+//                conv_state_commit of row 0, in one launch (the same bits). The plain decode step runs this
+//                step in the NVFP4 q/k/v/z GEMV's epilogue (linear.cu CONV) and launches conv_decode only
+//                where that kernel does not run (nvfp4_linear(conv=...), GPULinear).
 //
 // lumo:test-defines KC=4
 // lumo:test-defines KC=4 NK=16 NV=48 DK=128 DV=128 DVT=16

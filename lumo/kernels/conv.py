@@ -216,8 +216,9 @@ def conv_decode_operands(w: torch.Tensor, state: torch.Tensor, out: torch.Tensor
 def conv_decode(
     x: torch.Tensor, w: torch.Tensor, state: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """One new token (the plain decode step): y [1, C] = silu(conv(state's window, x[0])), then x[0] is
-    appended to the state, in one launch: the bits of conv_gather over the state + conv_state_commit."""
+    """One new token (a plain decode step): y [1, C] = silu(conv(state's window, x[0])), then x[0] is
+    appended to the state, in one launch: the bits of conv_gather over the state + conv_state_commit. The
+    runner's step usually runs it in the q/k/v/z GEMV's epilogue instead (nvfp4_linear(conv=...))."""
     C, K = _check_wstate(w, state)
     _check_x(x, C)
     if x.shape[0] != 1:

@@ -157,7 +157,8 @@ def gdn_decode(
         pa, pb = ba_splitk
         ok = all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == nv for p in ba_splitk)
         ok = ok and pa.stride(1) == pb.stride(1) == 1
-        if not ok or pa.shape[0] != pb.shape[0] or pa.stride(0) != pb.stride(0) or pa.device != mixed.device:
+        ok = ok and pa.shape[0] == pb.shape[0] and pa.stride(0) == pb.stride(0)
+        if not ok or pa.device != mixed.device or pb.device != mixed.device:
             raise ValueError(f"ba_splitk must be two f32 [S, {nv}] views with one slice stride")
         if not 1 <= pa.shape[0] <= 16:  # gdn.cu BA_MAX_SPLITS
             raise ValueError(f"ba_splitk holds 1..16 slices, got {pa.shape[0]}")

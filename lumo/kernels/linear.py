@@ -411,7 +411,13 @@ def wave_fill(ctas: int, per_sm: int, sms: int) -> float:
 
 @functools.cache  # on every launch's path: one answer per shape
 def _rd_fit_waves(
-    rd: tuple[int, int], tiles: int, nt: int, splits: int, device: torch.device, glu: bool = False
+    rd: tuple[int, int],
+    tiles: int,
+    nt: int,
+    splits: int,
+    device: torch.device,
+    glu: bool = False,
+    conv: int = 0,
 ) -> tuple[int, int]:
     """The table's (MTW, PF), or half its tile width (same PF) where that fills the device's CTA slots
     better by WAVE_MARGIN: twice the CTAs of fewer registers can fill whole waves where the wide tile leaves
@@ -423,16 +429,17 @@ def _rd_fit_waves(
     two tiles; at M = 32 gate+up 72.9 against 47.2, 6144 -> 5120 19.8 against 15.5), nor at NT = 2 with 16
     slices (session 18, bench_linear_session18_nt2.log: the down projection at M = 16 25.5 us against 24.2,
     the MTP head's fc 17.8 against 16.2; at 4 and 8 slices the narrower tile won as often as it lost). A
-    launch choice only (same bits)."""
+    launch choice only (same bits). `conv`: the fused decode conv's taps (the build judged is the one
+    launched)."""
     mtw, pf = rd
     if mtw == 1 or (mtw == 2 and (nt >= 3 or splits == MAX_SPLITS)):
         return rd
     sms = sm_count(device)
 
     def fill(w: int) -> float:  # the build the default launch would run at width w
-        cl = _rd_default_cluster(nt, w, pf, splits, tiles // MT, 0, glu, device)
+        cl = _rd_default_cluster(nt, w, pf, splits, tiles // MT, 0, glu, device, conv)
         grid, block, shmem = _rd_shape(tiles // MT, nt, w, splits, cl)
-        per_sm = _rd_kernel(nt, w, pf, splits, glu=glu, rdcl=cl).blocks_per_sm(block, shmem)
+        per_sm = _rd_kernel(nt, w, pf, splits, glu=glu, rdcl=cl, conv=conv).blocks_per_sm(block, shmem)
         return wave_fill(grid[0] * cl, per_sm, sms)
 
     return (mtw // 2, pf) if fill(mtw // 2) > fill(mtw) + WAVE_MARGIN else rd
@@ -473,24 +480,41 @@ RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (4, 2, 2, 8): (2, 1)}
 
 
 def _rd_cluster_fits(
-    nt: int, mtw: int, pf: int, splits: int, rdcl: int, rg: int, probe: int, glu: bool, device: torch.device
+    nt: int,
+    mtw: int,
+    pf: int,
+    splits: int,
+    rdcl: int,
+    rg: int,
+    probe: int,
+    glu: bool,
+    device: torch.device,
+    conv: int = 0,
 ) -> bool:
     """Whether the device schedules nvfp4_gemv_rd's slices in clusters of `rdcl` CTAs (1: always)."""
     if rdcl == 1:
         return True
     if not _clusters(device):
         return False
-    kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl)
+    kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv)
     return kern.max_cluster_size(*_rd_shape(rg, nt, mtw, splits, rdcl)) >= rdcl
 
 
 def _rd_default_cluster(
-    nt: int, mtw: int, pf: int, splits: int, rg: int, probe: int, glu: bool, device: torch.device
+    nt: int,
+    mtw: int,
+    pf: int,
+    splits: int,
+    rg: int,
+    probe: int,
+    glu: bool,
+    device: torch.device,
+    conv: int = 0,
 ) -> int:
     """CTAs per cluster of nvfp4_gemv_rd's default launch: RD_CLUSTERS' entry, or 1 where the device cannot
     schedule that cluster (one CTA holds every slice)."""
     rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0]
-    return rdcl if _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, device) else 1
+    return rdcl if _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, device, conv) else 1
 
 
 def _rd_shape(rg: int, nt: int, mtw: int, splits: int, rdcl: int) -> tuple[tuple[int, int, int], int, int]:
@@ -582,7 +606,7 @@ def nvfp4_linear(
     if not sx and rd is None and stages is None and rgw is None and cluster is None and tpw is None:
         rd = choose_rd(splits, m)
         if rd:
-            rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device, bool(packed.glu_n))
+            rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device, bool(packed.glu_n), conv_k)
         elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
             sx = SX_DEFAULT
     if rd:
@@ -591,10 +615,10 @@ def nvfp4_linear(
         mtw, pf = rd
         glu = bool(packed.glu_n)
         if rdcl is None:
-            rdcl = _rd_default_cluster(nt, mtw, pf, splits, rg, probe, glu, x.device)
+            rdcl = _rd_default_cluster(nt, mtw, pf, splits, rg, probe, glu, x.device, conv_k)
         elif rdcl < 1 or splits % rdcl:
             raise ValueError(f"rdcl must divide the {splits} slices, got {rdcl}")
-        elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device):
+        elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device, conv_k):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         args += [*conv, conv_c] if conv is not None else []
@@ -814,6 +838,20 @@ def _prefill(x: torch.Tensor, packed: PackedNVFP4, out: torch.Tensor) -> torch.T
     return out
 
 
+def _check_bf16_weight(w: torch.Tensor) -> tuple[int, int]:
+    if (
+        w.dtype != torch.bfloat16
+        or w.dim() != 2
+        or not w.is_contiguous()
+        or w.shape[1] % 16
+        or w.data_ptr() % 16
+    ):
+        raise ValueError(
+            f"w must be contiguous 16-byte aligned bf16 [N, K % 16 == 0], got {w.dtype} {list(w.shape)}"
+        )
+    return w.shape[0], w.shape[1]
+
+
 def bf16_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -831,11 +869,7 @@ def bf16_linear(
     bf16_gemv's m16 tiles per warp and weight / activation chunks in flight (default BF16_REG[NT]; XPF
     must divide RPF).
     """
-    n, k = w.shape
-    if w.dtype != torch.bfloat16 or not w.is_contiguous() or k % 16 or w.data_ptr() % 16:
-        raise ValueError(
-            f"w must be contiguous 16-byte aligned bf16 [N, K % 16 == 0], got {w.dtype} {w.shape}"
-        )
+    n, k = _check_bf16_weight(w)
     _check_x(x, k)
     out = _out(x, n, out)
     m = x.shape[0]
@@ -862,7 +896,8 @@ def bf16_linear_partials(x: torch.Tensor, w: torch.Tensor, workspace: torch.Tens
     bf16_linear's output bits (splitk_reduce's arithmetic; the GDN decode kernel sums the b/a projection's
     this way, lumo.kernels.gdn.gdn_decode(ba_splitk=...)). None where the weight runs as one slice, or M >
     SMALL_M: then bf16_linear writes its output directly."""
-    n, k = w.shape
+    n, k = _check_bf16_weight(w)
+    _check_x(x, k)
     m, splits = x.shape[0], _bf16_splits(n, k)
     if splits == 1 or m > SMALL_M or m == 0:
         return None
@@ -872,7 +907,6 @@ def bf16_linear_partials(x: torch.Tensor, w: torch.Tensor, workspace: torch.Tens
         or workspace.numel() < splits * m * n
     ):
         raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
-    _check_x(x, k)
     _launch_bf16(w, x, ctypes.c_void_p(0), workspace, splits, reduce=False)
     return workspace.view(-1)[: splits * m * n].view(splits, m, n)
 
