@@ -163,7 +163,7 @@ def test_wave_fit_sizes_the_clustered_build(monkeypatch):
             per_warp = math.ceil(regs[self.key] * 32 / 256) * 256
             return min(65536 // (per_warp * (block // 32)), 64 // (block // 32), 32)
 
-    def kernel(nt, mtw, pf, splits, probe=0, glu=False, rdcl=1):
+    def kernel(nt, mtw, pf, splits, probe=0, glu=False, rdcl=1, conv=0):
         return Fake(nt, mtw, rdcl)
 
     monkeypatch.setattr(linear, "_rd_kernel", kernel)
