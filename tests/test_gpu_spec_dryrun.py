@@ -417,6 +417,23 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
         assert torch.equal(a[:L], b[:L])
 
 
+def _tree_then_plain(cfg, gw, params: SamplingParams, tokens: int):
+    """Tree decoding (default-shaped small tree, prefill chunks of 10) of a code prompt for >= `tokens`
+    tokens, then plain decoding to the same length on a second runner: (spec, got, want, rs, rp)."""
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
+    spec = GPUSpecDecoder(rs, params, tree)
+    plain = GPUDecoder(rp, params, use_graph=False)
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    got = spec.prefill(prompt)
+    while len(got) < tokens:
+        got += spec.step()
+    want = plain.prefill(prompt)
+    while rp.length < rs.length:
+        want += plain.step()
+    return spec, got, want, rs, rp
+
+
 def test_emulated_plain_step_with_the_ba_split_k_sum_equals_tree(monkeypatch):
     """The runner's plain step with a split-K b/a projection (the 27B's: its slices summed by gdn_decode,
     `ba_splitk`, not a reduce launch): the embedded model's b/a is one slice, so its parts are made to
@@ -438,17 +455,7 @@ def test_emulated_plain_step_with_the_ba_split_k_sum_equals_tree(monkeypatch):
         return emulated(*a, ba_splitk=ba_splitk, **k)
 
     monkeypatch.setattr(runner_mod, "gdn_decode", gdn_decode)
-    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
-    rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
-    spec = GPUSpecDecoder(rs, SamplingParams(temperature=0.0), tree)
-    plain = GPUDecoder(rp, SamplingParams(temperature=0.0), use_graph=False)
-    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
-    got = spec.prefill(prompt)
-    while len(got) < 12:
-        got += spec.step()
-    want = plain.prefill(prompt)
-    while rp.length < rs.length:
-        want += plain.step()
+    _, got, want, rs, rp = _tree_then_plain(cfg, gw, SamplingParams(temperature=0.0), 12)
     assert any(used), "the plain step did not take the split-K b/a path"
     assert got[: len(want)] == want
     for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
@@ -492,17 +499,7 @@ def test_emulated_tree_decoding_with_an_nvfp4_drafter_equals_plain(monkeypatch, 
     assert all(part.packed is not None for lin in lins for part in lin.parts)
     assert m.draft_ids is None and m.draft_head.n == cfg.vocab_size
     assert all(part.packed is None for part in gw.lm_head.parts)
-    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
-    rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
-    spec = GPUSpecDecoder(rs, params, tree)
-    plain = GPUDecoder(rp, params, use_graph=False)
-    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
-    got = spec.prefill(prompt)
-    while len(got) < 24:
-        got += spec.step()
-    want = plain.prefill(prompt)
-    while rp.length < rs.length:
-        want += plain.step()
+    spec, got, want, rs, rp = _tree_then_plain(cfg, gw, params, 24)
     assert got[: len(want)] == want
     assert sum(spec.stats.accepted) / spec.stats.events > (0.5 if params.greedy else 0.0)
     for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):

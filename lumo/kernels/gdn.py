@@ -160,7 +160,7 @@ def gdn_decode(
         ok = ok and pa.shape[0] == pb.shape[0] and pa.stride(0) == pb.stride(0)
         if not ok or pa.device != mixed.device or pb.device != mixed.device:
             raise ValueError(f"ba_splitk must be two f32 [S, {nv}] views with one slice stride")
-        if not 1 <= pa.shape[0] <= 16:  # gdn.cu BA_MAX_SPLITS
+        if not 1 <= pa.shape[0] <= 16:  # gdn.cu BA_MAX_SPLITS = linear.MAX_SPLITS (gdn.py cannot import it)
             raise ValueError(f"ba_splitk holds 1..16 slices, got {pa.shape[0]}")
         if T != 1 or rows is not None or count is not None:
             raise ValueError("ba_splitk serves the one-token decode (T = 1, no rows / count)")

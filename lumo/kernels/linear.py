@@ -852,6 +852,16 @@ def _check_bf16_weight(w: torch.Tensor) -> tuple[int, int]:
     return w.shape[0], w.shape[1]
 
 
+def _check_workspace(workspace: torch.Tensor, splits: int, m: int, n: int) -> None:
+    """A bf16 GEMV's split-K partial buffer: contiguous f32 with room for [splits, m, n]."""
+    if (
+        workspace.dtype != torch.float32
+        or not workspace.is_contiguous()
+        or workspace.numel() < splits * m * n
+    ):
+        raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
+
+
 def bf16_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -880,12 +890,8 @@ def bf16_linear(
     splits = _bf16_splits(n, k)
     if splits > 1 and workspace is None:
         workspace = torch.empty(splits, SMALL_M, n, device=x.device)
-    if splits > 1 and (
-        workspace.dtype != torch.float32
-        or not workspace.is_contiguous()
-        or workspace.numel() < splits * m * n
-    ):
-        raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
+    if splits > 1:
+        _check_workspace(workspace, splits, m, n)
     _launch_bf16(w, x, out, workspace, splits, rd, reg)
     return out
 
@@ -901,12 +907,7 @@ def bf16_linear_partials(x: torch.Tensor, w: torch.Tensor, workspace: torch.Tens
     m, splits = x.shape[0], _bf16_splits(n, k)
     if splits == 1 or m > SMALL_M or m == 0:
         return None
-    if (
-        workspace.dtype != torch.float32
-        or not workspace.is_contiguous()
-        or workspace.numel() < splits * m * n
-    ):
-        raise ValueError(f"workspace must be contiguous f32 with >= {splits} x {m} x {n} elements")
+    _check_workspace(workspace, splits, m, n)
     _launch_bf16(w, x, ctypes.c_void_p(0), workspace, splits, reduce=False)
     return workspace.view(-1)[: splits * m * n].view(splits, m, n)
 
