@@ -104,6 +104,53 @@ def test_prefill_matches_chunked_reference(nk, nv, dk, dv, T):
     assert rel(o, o_ref) < 1e-4 and rel(state, s_ref) < 1e-4
 
 
+@pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 333])
+def test_chunked_prefill_matches_reference_and_sequential(nk, nv, dk, dv, T):
+    """gdn_chunk.cu (chunked=True) against the fp32 chunked reference and the sequential kernel; state_out
+    leaves `state` untouched; a ragged last chunk, one token and whole chunks."""
+    inp = make(T, nk, nv, dk, dv, seed=T * 3 + nv)
+    o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
+    s_seq = inp["state"].clone()
+    o_seq = gdn_prefill(**{**inp, "state": s_seq}, out_dtype=torch.float32, chunked=False)
+    state0 = inp["state"].clone()
+    s_out = torch.full_like(state0, float("nan"))
+    o = gdn_prefill(**inp, out=poisoned(T, nv, dv, torch.float32), state_out=s_out, chunked=True)
+    assert torch.equal(inp["state"], state0)
+    assert rel(o, o_ref) < 1e-4 and rel(s_out, s_ref) < 1e-4
+    assert rel(o, o_seq) < 1e-4 and rel(s_out, s_seq) < 1e-4
+    ob = gdn_prefill(**inp, out=poisoned(T, nv, dv, torch.bfloat16), chunked=True)  # in place, bf16 o
+    assert rel(ob, o_ref) < 5e-3 and rel(inp["state"], s_ref) < 1e-4
+
+
+@pytest.mark.parametrize("piece", [64, 128, 192])
+def test_chunked_prefill_pieces(monkeypatch, piece):
+    """Pieces of the prompt (prep + scan per piece) carry the state over, into state_out too."""
+    import lumo.kernels.gdn as G
+
+    inp = make(333, 2, 6, 32, 24, seed=piece)
+    o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
+    monkeypatch.setattr(G, "CHUNKED_PIECE_TOKENS", piece)
+    state0 = inp["state"].clone()
+    s_out = torch.full_like(state0, float("nan"))
+    o = gdn_prefill(**inp, out=poisoned(333, 6, 24, torch.float32), state_out=s_out, chunked=True)
+    assert torch.equal(inp["state"], state0)
+    assert rel(o, o_ref) < 1e-4 and rel(s_out, s_ref) < 1e-4
+
+
+@pytest.mark.parametrize("a_val,A_log", [(30.0, 1.0), (-30.0, -5.0)], ids=["strong-decay", "no-decay"])
+def test_chunked_prefill_extreme_gates(a_val, A_log):
+    """Decay ~exp(-80) per token (log decays far below float range inside a chunk) and ~1: finite, and
+    equal to the sequential kernel within fp32 rounding."""
+    inp = make(200, 2, 4, 64, 64, seed=11)
+    inp["a"] = torch.full_like(inp["a"], a_val)
+    inp["A_log"] = torch.full_like(inp["A_log"], A_log)
+    s_seq, s_chk = inp["state"].clone(), inp["state"].clone()
+    o_seq = gdn_prefill(**{**inp, "state": s_seq}, out_dtype=torch.float32, chunked=False)
+    o_chk = gdn_prefill(**{**inp, "state": s_chk}, out_dtype=torch.float32, chunked=True)
+    assert rel(o_chk, o_seq) < 1e-4 and rel(s_chk, s_seq) < 1e-4
+
+
 def test_long_prefill_27b():
     T = 3000
     inp = make(T, 16, 48, 128, 128, seed=9)

@@ -154,3 +154,36 @@ def test_launcher_rejects_bad_inputs_before_launching():
         gdn_decode(**{**inp, "state": inp["state"].transpose(1, 2)})
     with pytest.raises(ValueError, match="a must be bf16"):
         gdn_decode(**{**inp, "a": inp["a"][:1]})
+
+
+def test_chunked_prefill_launcher_facts():
+    """gdn.py's mirror of gdn_chunk.cu's workspace layout, the shared memory of its prep kernel on a GB10
+    (99 KB per CTA), and the shapes it refuses (checked before any launch, so on the CPU too)."""
+    import re
+    from pathlib import Path
+
+    from lumo.engine.gpu_weights import config_27b
+    from lumo.engine.runner import memory_plan
+    from lumo.kernels.gdn import (
+        CHUNKED_MIN_TOKENS,
+        _prep_smem,
+        chunk_floats,
+        chunked_fits,
+        chunked_workspace_bytes,
+        gdn_prefill,
+    )
+
+    src = (Path(__file__).parents[1] / "lumo/kernels/gdn_chunk.cu").read_text()
+    macros = dict(re.findall(r"^#define (OFF_\w+|CHUNK_FLOATS|GC) (.+?)(?:\s*//.*)?$", src, re.M))
+    for dk, dv in ((128, 128), (64, 64), (32, 24), (96, 48)):
+        assert chunked_fits(dk, dv) and _prep_smem(dk, dv) <= 99 * 1024
+        env = {"DK": dk, "DV": dv}
+        for name in ("GC", "OFF_U", "OFF_QG", "OFF_KT", "OFF_P", "OFF_GAMMA", "CHUNK_FLOATS"):
+            env[name] = eval(macros[name], {}, dict(env))  # the .cu's own expressions
+        assert env["CHUNK_FLOATS"] == chunk_floats(dk, dv)
+    assert not chunked_fits(130, 128) and not chunked_fits(128, 12) and not chunked_fits(128, 256)
+    inp = rand_inputs(200, 1, 2, 32, 12, seed=1)
+    with pytest.raises(ValueError, match="chunked GDN prefill needs"):
+        gdn_prefill(**inp, chunked=True)
+    plan = memory_plan(config_27b(), 4096)["prefill_chunk"]
+    assert 2048 >= CHUNKED_MIN_TOKENS and plan > chunked_workspace_bytes(2048, 48, 128, 128) > 100 << 20

@@ -24,7 +24,7 @@ from ..config import FULL, ModelConfig
 from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_prefill
-from ..kernels.gdn import gdn_decode, gdn_prefill
+from ..kernels.gdn import CHUNKED_MIN_TOKENS, chunked_fits, chunked_workspace_bytes, gdn_decode, gdn_prefill
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
@@ -455,10 +455,13 @@ def memory_plan(
     n_gdn = cfg.num_layers - n_full
     T = chunk
     # Prefill activations alive at once inside the widest block (the MLP): h, x, delta, gate_up, act,
-    # plus the GDN block's proj/conv/o/y or the attention block's proj/q/o (the larger), the NVFP4
-    # dequantised tile (lumo.kernels.linear.PREFILL_WORKSPACE) and the layer's output.
+    # plus the GDN block's proj/conv/o/y and its chunked recurrence's fp32 workspace or the attention
+    # block's proj/q/o (the larger), the NVFP4 dequantised tile (lumo.kernels.linear.PREFILL_WORKSPACE)
+    # and the layer's output.
     mlp = 2 * T * (3 * H + 2 * I + I)
     gdn = 2 * T * (3 * H + (C + nv * dv) + 2 * nv + C + 2 * nv * dv)
+    if T >= CHUNKED_MIN_TOKENS and chunked_fits(dk, dv):
+        gdn += chunked_workspace_bytes(T, nv, dk, dv)
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
     return {

@@ -1,4 +1,4 @@
-"""Gated delta rule (GDN) on the GPU: decode / replay / first-version prefill, and fp32 torch references.
+"""Gated delta rule (GDN) on the GPU: decode / replay / prefill (sequential or chunked), fp32 references.
 
 One kernel (gdn.cu `gdn_recurrent`) walks T tokens of one sequence with the [dk, DVT] state tile of each
 (value head, dv tile) in one warp's registers. Its per-token step is gdn_step.cuh, shared with the tree
@@ -190,6 +190,13 @@ def gdn_decode(
     return out
 
 
+# The chunked prefill (gdn_chunk.cu; H200 measurements in docs/kernels-gdn.md).
+CHUNK_TOKENS = 64  # gdn_chunk.cu GC
+CHUNKED_MIN_TOKENS = 128  # gdn_prefill's default switch (1.13x the sequential kernel at 128, 0.83x at 64)
+CHUNKED_PIECE_TOKENS = 1024  # tokens per prep + scan pair: bounds the workspace (113 MB at the 27B shape)
+CHUNK_SCAN_SPR = 2  # gdn_chunk_scan threads per chunk row (4: 1.35 against 1.19 ms at 2048 tokens)
+
+
 def gdn_prefill(
     mixed: torch.Tensor,
     a: torch.Tensor,
@@ -200,11 +207,91 @@ def gdn_prefill(
     out: torch.Tensor | None = None,
     state_out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    chunked: bool | None = None,
 ) -> torch.Tensor:
-    """Prefill T tokens from `state` (same arguments as gdn_decode). First version: the sequential kernel
-    (bitwise equal to T decode steps); a chunked tensor-core kernel is planned (docs/kernels-gdn.md).
-    Long prompts may be fed in pieces: the state carries over exactly."""
-    return gdn_decode(mixed, a, b, A_log, dt_bias, state, out, state_out, out_dtype)
+    """Prefill T tokens from `state` (same arguments as gdn_decode). From CHUNKED_MIN_TOKENS tokens on
+    (`chunked=None`), where the head shape allows it (`chunked_fits`), the chunked form
+    (gdn_chunk.cu: all chunks' intra-chunk solves at once, then one walk over the chunks); otherwise, or
+    with `chunked=False`, the sequential kernel (bitwise T decode steps). The chunked form is the same
+    function in another summation order (fp32 throughout; tests bound the difference). Long prompts may be
+    fed in pieces: the state carries over."""
+    nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
+    T = mixed.shape[0]
+    if chunked is None:
+        chunked = T >= CHUNKED_MIN_TOKENS and chunked_fits(dk, dv)
+    if not chunked or T == 0:
+        return gdn_decode(mixed, a, b, A_log, dt_bias, state, out, state_out, out_dtype)
+    if not chunked_fits(dk, dv):
+        raise ValueError(
+            f"the chunked GDN prefill needs dk % 4 == 0, dk <= 128, dv % 8 == 0, dk + dv <= 256: {dk}, {dv}"
+        )
+    if state_out is None:
+        state_out = state
+    else:
+        _check_state(state_out, (nv, dk, dv), "state_out")
+    out = _out_rows(out, T, nv, dv, out_dtype, mixed.device)
+    param_bf16, out_bf16 = A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16
+    dvs = 16 if dv % 16 == 0 else 8
+    prep = _chunk_kernel("gdn_chunk_prep", nk, nv, dk, dv, dvs, param_bf16, out_bf16)
+    spr = CHUNK_SCAN_SPR
+    scan = _chunk_kernel("gdn_chunk_scan", nk, nv, dk, dv, dvs, param_bf16, out_bf16, spr)
+    piece = CHUNKED_PIECE_TOKENS  # prep + scan per piece, the state carried over
+    ws = torch.empty(
+        -(-min(T, piece) // CHUNK_TOKENS) * nv * chunk_floats(dk, dv),
+        dtype=torch.float32,
+        device=mixed.device,
+    )
+    src = state
+    for s0 in range(0, T, piece):
+        tp = min(piece, T - s0)
+        n = -(-tp // CHUNK_TOKENS)
+        rows = slice(s0, s0 + tp)
+        args = [mixed[rows], mixed.stride(0), a[rows], a.stride(0), b[rows], b.stride(0)]
+        args += [A_log, dt_bias, tp, ws]
+        prep.launch((n, nv), 256, args, shmem=_prep_smem(dk, dv))
+        scan.launch((dv // dvs, nv), spr * CHUNK_TOKENS, [ws, n, tp, src, state_out, out[rows]])
+        src = state_out
+    return out
+
+
+def chunked_fits(dk: int, dv: int) -> bool:
+    """Head shapes gdn_chunk.cu takes (both model-family shapes do)."""
+    return dk % 4 == 0 and dk <= 128 and dv % 8 == 0 and dk + dv <= 256
+
+
+def chunk_floats(dk: int, dv: int) -> int:
+    """Workspace floats per (chunk, value head): gdn_chunk.cu CHUNK_FLOATS."""
+    c = CHUNK_TOKENS
+    return c * (3 * dk + dv) + c * c + 4
+
+
+def chunked_workspace_bytes(T: int, nv: int, dk: int, dv: int) -> int:
+    """The chunked prefill's fp32 workspace for T tokens (memory plans)."""
+    return -(-min(T, CHUNKED_PIECE_TOKENS) // CHUNK_TOKENS) * nv * chunk_floats(dk, dv) * 4
+
+
+def _prep_smem(dk: int, dv: int) -> int:
+    """gdn_chunk_prep's dynamic shared memory: kf, qf [GC][dk + 1], A [GC][GC + 4], l, beta [GC] (f32)."""
+    c = CHUNK_TOKENS
+    return 4 * (2 * c * (dk + 1) + c * (c + 4) + 2 * c)
+
+
+@functools.cache
+def _chunk_kernel(
+    name: str, nk: int, nv: int, dk: int, dv: int, dvs: int, param_bf16: bool, out_bf16: bool, spr: int = 2
+) -> Kernel:
+    """gdn_chunk_prep / gdn_chunk_scan for one head shape, DVS state columns per scan CTA."""
+    defines = {
+        "NK": nk,
+        "NV": nv,
+        "DK": dk,
+        "DV": dv,
+        "DVS": dvs,
+        "PARAM_BF16": int(param_bf16),
+        "OUT_BF16": int(out_bf16),
+        "SPR": spr,
+    }
+    return compile_kernel("gdn_chunk", name, defines)
 
 
 def _ref_operands(mixed, a, b, A_log, dt_bias, state):

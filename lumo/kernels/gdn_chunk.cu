@@ -1,0 +1,339 @@
+// Chunked Gated DeltaNet prefill (the WY / UT form of lumo.model.gdn_chunked), fp32 on CUDA cores: the
+// prompt's tokens in chunks of GC = 64; per chunk n and value head h, with l_t the cumulative log decay
+// inside the chunk (l_t <= 0, non-increasing), Γ_t = exp(l_t), γ = exp(l_last):
+//
+//   gdn_chunk_prep  (grid (chunks, NV), 256 threads; all chunks at once)
+//     A_tj = β_t (k_t . k_j) exp(l_t - l_j) for j < t;  [W | U] = (I + A)^-1 [β Γ k | β v]  (forward
+//     substitution, one column per thread, in registers), P_tj = (q_t . k_j) exp(l_t - l_j) for j <= t,
+//     Qg_t = Γ_t q_t, K~_t = exp(l_last - l_t) k_t, γ; written to the workspace (fp32, CHUNK_FLOATS per
+//     (chunk, head)).
+//   gdn_chunk_scan  (grid (DV / DVS, NV), SPR * 64 threads; one walk over the chunks)
+//     the [DK, DVS] state tile S in shared memory; per chunk: Uc = U - W S, o = Qg S + P Uc,
+//     S = γ S + K~^T Uc. Writes o [T, NV, DV] and the final state.
+//
+// q, k are l2-normalised (eps 1e-6), q scaled by DK^-0.5, g = -exp(A_log) softplus(a + dt_bias) (identity
+// above 20), β = sigmoid(b), as gdn_step.cuh; padded tokens past T have q = k = v = 0, g = β = 0, so they
+// change nothing. Every exponent taken is <= 0. Not bitwise the sequential kernel (another summation
+// order); the launcher (gdn.py gdn_prefill) and tests bound the difference. Launched without PDL (the
+// prefill's GEMMs are cuBLAS's anyway), so these kernels need no pdl_wait.
+//
+// lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVS=16 PARAM_BF16=0 OUT_BF16=1
+// lumo:test-defines NK=2 NV=4 DK=64 DV=64 DVS=16 PARAM_BF16=1 OUT_BF16=0
+// lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVS=8 PARAM_BF16=0 OUT_BF16=0
+// lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVS=16 PARAM_BF16=0 OUT_BF16=1 SPR=4
+
+#include <cuda_bf16.h>
+
+#ifndef NK
+#define NK 16
+#endif
+#ifndef NV
+#define NV 48
+#endif
+#ifndef DK
+#define DK 128
+#endif
+#ifndef DV
+#define DV 128
+#endif
+#ifndef DVS
+#define DVS 16  // state columns per scan CTA
+#endif
+#ifndef PARAM_BF16
+#define PARAM_BF16 0
+#endif
+#ifndef OUT_BF16
+#define OUT_BF16 1
+#endif
+
+#define GC 64  // tokens per chunk
+#define PREP_THREADS 256
+#ifndef SPR
+#define SPR 2  // gdn_chunk_scan threads per chunk row (a speed choice: every value's arithmetic is its own)
+#endif
+#define SCAN_THREADS (SPR * GC)
+// Workspace floats per (chunk, head): W [GC][DK], U [GC][DV], Qg [GC][DK], K~^T [DK][GC], P [GC][GC], γ (+3:
+// 16-byte blocks). gdn.py chunk_floats mirrors it.
+#define OFF_U (GC * DK)
+#define OFF_QG (OFF_U + GC * DV)
+#define OFF_KT (OFF_QG + GC * DK)
+#define OFF_P (OFF_KT + GC * DK)
+#define OFF_GAMMA (OFF_P + GC * GC)
+#define CHUNK_FLOATS (OFF_GAMMA + 4)
+
+static_assert(DK % 4 == 0 && DK <= 128 && DV % DVS == 0 && (DVS == 8 || DVS == 16),
+              "gdn_chunk.cu: DK % 4 == 0, DK <= 128, DV % DVS == 0, DVS in {8, 16}");
+static_assert(DK + DV <= PREP_THREADS && NV % NK == 0, "gdn_chunk.cu: shape");
+static_assert((SPR == 2 || SPR == 4) && DVS % SPR == 0, "gdn_chunk_scan: SPR in {2, 4}");
+
+typedef __nv_bfloat16 bf16;
+#if PARAM_BF16
+typedef bf16 param_t;
+#else
+typedef float param_t;
+#endif
+#if OUT_BF16
+typedef bf16 out_t;
+#else
+typedef float out_t;
+#endif
+
+__device__ __forceinline__ float param(const param_t* p, int h) {
+#if PARAM_BF16
+  return __bfloat162float(p[h]);
+#else
+  return p[h];
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ void store_out(bf16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void store_out(float* p, float x) { *p = x; }
+
+// Dynamic shared memory of gdn_chunk_prep: kf [GC][DK + 1], qf [GC][DK + 1], A [GC][GC + 4] (16-byte
+// rows), l [GC], beta [GC]. gdn.py _prep_smem mirrors it.
+#define KF_LD (DK + 1)
+#define A_LD (GC + 4)
+
+extern "C" __global__ void __launch_bounds__(PREP_THREADS)
+    gdn_chunk_prep(const bf16* __restrict__ mixed, int mixed_stride, const bf16* __restrict__ a, int a_stride,
+                   const bf16* __restrict__ b, int b_stride, const param_t* __restrict__ A_log,
+                   const param_t* __restrict__ dt_bias, int T, float* __restrict__ ws) {
+  extern __shared__ float4 smem4[];
+  float* kf = reinterpret_cast<float*>(smem4);
+  float* qf = kf + GC * KF_LD;
+  float* As = qf + GC * KF_LD;  // 16-byte aligned: 2 * GC * KF_LD is a multiple of 4
+  float* l = As + GC * A_LD;
+  float* beta = l + GC;
+  const int n = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int t0 = n * GC, kh = h / (NV / NK);
+  float* out = ws + ((size_t)n * NV + h) * CHUNK_FLOATS;
+
+  // Gates: thread t < GC computes token t0 + t's log decay and beta; then l = inclusive prefix sum.
+  if (tid < GC) {
+    float g = 0.f, bt = 0.f;
+    if (t0 + tid < T) {
+      const size_t r = (size_t)(t0 + tid);
+      const float x = __bfloat162float(a[r * a_stride + h]) + param(dt_bias, h);
+      const float sp = x > 20.f ? x : log1pf(expf(x));
+      g = -expf(param(A_log, h)) * sp;
+      bt = 1.f / (1.f + expf(-__bfloat162float(b[r * b_stride + h])));
+    }
+    l[tid] = g;
+    beta[tid] = bt;
+  }
+  // q and k rows, l2-normalised: warp w takes rows w, w + 8, ...; lane i holds columns i, i + 32, ...
+  for (int t = warp; t < GC; t += PREP_THREADS / 32) {
+    const bool valid = t0 + t < T;
+    const bf16* row = mixed + (size_t)(valid ? t0 + t : 0) * mixed_stride;
+    float qv[(DK + 31) / 32], kv[(DK + 31) / 32], sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int i = 0; i < (DK + 31) / 32; ++i) {
+      const int c = lane + 32 * i;
+      qv[i] = valid && c < DK ? __bfloat162float(row[kh * DK + c]) : 0.f;
+      kv[i] = valid && c < DK ? __bfloat162float(row[NK * DK + kh * DK + c]) : 0.f;
+      sq = fmaf(qv[i], qv[i], sq);
+      sk = fmaf(kv[i], kv[i], sk);
+    }
+#pragma unroll
+    for (int off = 16; off; off >>= 1) {
+      sq += __shfl_xor_sync(0xffffffffu, sq, off);
+      sk += __shfl_xor_sync(0xffffffffu, sk, off);
+    }
+    const float rq = rsqrtf(sq + 1e-6f) * (float)(1.0 / sqrt((double)DK)), rk = rsqrtf(sk + 1e-6f);
+#pragma unroll
+    for (int i = 0; i < (DK + 31) / 32; ++i) {
+      const int c = lane + 32 * i;
+      if (c < DK) {
+        qf[t * KF_LD + c] = qv[i] * rq;
+        kf[t * KF_LD + c] = kv[i] * rk;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float s = 0.f;
+    for (int t = 0; t < GC; ++t) l[t] = s += l[t];
+  }
+  __syncthreads();
+
+  // P (to the workspace) and A (shared) in 4 x 4 blocks: thread (bt, bj) = (tid / 16, tid % 16) takes rows
+  // 4 bt .., columns 4 bj .. of q k^T and k k^T.
+  {
+    const int bt = tid / 16, bj = tid % 16;
+    float dq[4][4] = {}, dk[4][4] = {};
+#pragma unroll 4
+    for (int c = 0; c < DK; ++c) {
+      float qa[4], ka[4], kb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        qa[i] = qf[(4 * bt + i) * KF_LD + c];
+        ka[i] = kf[(4 * bt + i) * KF_LD + c];
+        kb[i] = kf[(4 * bj + i) * KF_LD + c];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          dq[i][j] = fmaf(qa[i], kb[j], dq[i][j]);
+          dk[i][j] = fmaf(ka[i], kb[j], dk[i][j]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = 4 * bt + i;
+      float p[4], ak[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int jj = 4 * bj + j;
+        const float d = jj <= t ? expf(l[t] - l[jj]) : 0.f;
+        p[j] = dq[i][j] * d;
+        ak[j] = jj < t ? beta[t] * dk[i][j] * d : 0.f;
+      }
+      *reinterpret_cast<float4*>(out + OFF_P + t * GC + 4 * bj) = make_float4(p[0], p[1], p[2], p[3]);
+      *reinterpret_cast<float4*>(As + t * A_LD + 4 * bj) = make_float4(ak[0], ak[1], ak[2], ak[3]);
+    }
+  }
+  // Qg [GC][DK] and K~^T [DK][GC] (to the workspace).
+  for (int e = tid; e < GC * DK; e += PREP_THREADS) {
+    const int t = e / DK, c = e % DK;
+    out[OFF_QG + e] = qf[t * KF_LD + c] * expf(l[t]);
+    const int k = e / GC, u = e % GC;
+    out[OFF_KT + e] = kf[u * KF_LD + k] * expf(l[GC - 1] - l[u]);
+  }
+  if (tid == 0) out[OFF_GAMMA] = expf(l[GC - 1]);
+  __syncthreads();  // A complete
+
+  // Forward substitution, one column of [β Γ k | β v] per thread, the column in registers:
+  // x_t -= sum_{j < t} A_tj x_j, t in order.
+  const int c = tid;
+  if (c < DK + DV) {
+    float x[GC];
+#pragma unroll
+    for (int t = 0; t < GC; ++t) {
+      if (c < DK)
+        x[t] = beta[t] * expf(l[t]) * kf[t * KF_LD + c];
+      else
+        x[t] = t0 + t < T ? beta[t] * __bfloat162float(mixed[(size_t)(t0 + t) * mixed_stride + 2 * NK * DK +
+                                                             h * DV + c - DK])
+                          : 0.f;
+    }
+#pragma unroll
+    for (int t = 1; t < GC; ++t) {
+      const float4* at = reinterpret_cast<const float4*>(As + t * A_LD);
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+      for (int j4 = 0; j4 < (t + 3) / 4; ++j4) {
+        const float4 av = at[j4];  // A_tj = 0 for j >= t
+        s0 = fmaf(av.x, x[4 * j4], s0);
+        if (4 * j4 + 1 < t) s1 = fmaf(av.y, x[4 * j4 + 1], s1);
+        if (4 * j4 + 2 < t) s2 = fmaf(av.z, x[4 * j4 + 2], s2);
+        if (4 * j4 + 3 < t) s3 = fmaf(av.w, x[4 * j4 + 3], s3);
+      }
+      x[t] -= (s0 + s1) + (s2 + s3);
+    }
+    float* dst = c < DK ? out + c : out + OFF_U + (c - DK);
+    const int ld = c < DK ? DK : DV;
+#pragma unroll
+    for (int t = 0; t < GC; ++t) dst[t * ld] = x[t];
+  }
+}
+
+// One walk over the chunks for the [DK, DVS] state tile of value head h, columns j0 ..: S and the current
+// chunk's corrected values Uc in shared memory, the rest streamed from the workspace (L2: the head's DV /
+// DVS CTAs are neighbours in the grid and read the same chunk at about the same time).
+// Thread tid: row t = tid / SPR of Uc and o and state rows k = t, t + 64, ..., columns c0 = (tid % SPR) * CPT
+// .. + CPT.
+#define CPT (DVS / SPR)
+
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
+    gdn_chunk_scan(const float* __restrict__ ws, int nchunks, int T, const float* state_in, float* state_out,
+                   out_t* __restrict__ o) {
+  __shared__ __align__(16) float S[DK][DVS];
+  __shared__ __align__(16) float Uc[GC][DVS];
+  const int h = blockIdx.y, j0 = blockIdx.x * DVS, tid = threadIdx.x;
+  const int t = tid / SPR, c0 = (tid % SPR) * CPT;
+  const float* s_in = state_in + (size_t)h * DK * DV + j0;
+  for (int e = tid; e < DK * DVS; e += SCAN_THREADS) S[e / DVS][e % DVS] = s_in[(size_t)(e / DVS) * DV + e % DVS];
+  __syncthreads();
+  for (int n = 0; n < nchunks; ++n) {
+    const float* base = ws + ((size_t)n * NV + h) * CHUNK_FLOATS;
+    if (n + 1 < nchunks) {  // ask L2 for this thread's lines of the next chunk while this one runs
+      const char* nb = reinterpret_cast<const char*>(base + (size_t)NV * CHUNK_FLOATS);
+      for (int i = 0; i < DK * 4; i += 128) {
+        prefetch_l2(nb + (size_t)t * DK * 4 + i);
+        prefetch_l2(nb + (size_t)(OFF_QG + t * DK) * 4 + i);
+      }
+      prefetch_l2(nb + (size_t)(OFF_P + t * GC) * 4);
+      prefetch_l2(nb + (size_t)(OFF_P + t * GC) * 4 + 128);
+      prefetch_l2(nb + (size_t)(OFF_U + t * DV + j0) * 4);
+      for (int k = t; k < DK; k += GC) {
+        prefetch_l2(nb + (size_t)(OFF_KT + k * GC) * 4);
+        prefetch_l2(nb + (size_t)(OFF_KT + k * GC) * 4 + 128);
+      }
+    }
+    float uc[CPT], acc[CPT];
+#pragma unroll
+    for (int i = 0; i < CPT; ++i) {
+      uc[i] = __ldg(base + OFF_U + t * DV + j0 + c0 + i);
+      acc[i] = 0.f;
+    }
+    const float4* W = reinterpret_cast<const float4*>(base + t * DK);
+    const float4* Qg = reinterpret_cast<const float4*>(base + OFF_QG + t * DK);
+#pragma unroll 4
+    for (int k4 = 0; k4 < DK / 4; ++k4) {
+      const float4 w = __ldg(W + k4), q = __ldg(Qg + k4);
+      const float wk[4] = {w.x, w.y, w.z, w.w}, qk[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const float* srow = &S[4 * k4 + kk][c0];
+#pragma unroll
+        for (int i = 0; i < CPT; ++i) {
+          uc[i] = fmaf(-wk[kk], srow[i], uc[i]);
+          acc[i] = fmaf(qk[kk], srow[i], acc[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < CPT; ++i) Uc[t][c0 + i] = uc[i];
+    __syncthreads();  // Uc complete; S read for the last time this chunk
+    // o = Qg S + P Uc (P_tj = 0 for j > t).
+    const float4* P = reinterpret_cast<const float4*>(base + OFF_P + t * GC);
+#pragma unroll 4
+    for (int j4 = 0; j4 < GC / 4; ++j4) {
+      const float4 p = __ldg(P + j4);
+      const float pj[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+        for (int i = 0; i < CPT; ++i) acc[i] = fmaf(pj[jj], Uc[4 * j4 + jj][c0 + i], acc[i]);
+    }
+    if (n * GC + t < T) {
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) store_out(o + ((size_t)(n * GC + t) * NV + h) * DV + j0 + c0 + i, acc[i]);
+    }
+    // S = γ S + K~^T Uc.
+    const float gamma = __ldg(base + OFF_GAMMA);
+    for (int k = t; k < DK; k += GC) {
+      const float4* kt = reinterpret_cast<const float4*>(base + OFF_KT + k * GC);
+      float x[CPT] = {};
+#pragma unroll 4
+      for (int u4 = 0; u4 < GC / 4; ++u4) {
+        const float4 kv = __ldg(kt + u4);
+        const float ku[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+        for (int uu = 0; uu < 4; ++uu)
+#pragma unroll
+          for (int i = 0; i < CPT; ++i) x[i] = fmaf(ku[uu], Uc[4 * u4 + uu][c0 + i], x[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) S[k][c0 + i] = fmaf(gamma, S[k][c0 + i], x[i]);
+    }
+    __syncthreads();  // S updated, Uc free for the next chunk
+  }
+  float* s_out = state_out + (size_t)h * DK * DV + j0;
+  for (int e = tid; e < DK * DVS; e += SCAN_THREADS) s_out[(size_t)(e / DVS) * DV + e % DVS] = S[e / DVS][e % DVS];
+}
