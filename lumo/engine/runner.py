@@ -454,7 +454,7 @@ def memory_plan(
     n_full = len(cfg.full_attention_layers)
     n_gdn = cfg.num_layers - n_full
     T = chunk
-    # Prefill activations alive at once inside the widest block (the MLP): h, x, delta, gate_up, act,
+    # Prefill activations alive at once inside the widest block (MLP or GDN): h, x, delta, gate_up, act,
     # plus the GDN block's proj/conv/o/y and its chunked recurrence's fp32 workspace or the attention
     # block's proj/q/o (the larger), the NVFP4 dequantised tile (lumo.kernels.linear.PREFILL_WORKSPACE)
     # and the layer's output.

@@ -2,7 +2,7 @@
 // prompt's tokens in chunks of GC = 64; per chunk n and value head h, with l_t the cumulative log decay
 // inside the chunk (l_t <= 0, non-increasing), Γ_t = exp(l_t), γ = exp(l_last):
 //
-//   gdn_chunk_prep  (grid (chunks, NV), 256 threads; all chunks at once)
+//   gdn_chunk_prep  (grid (chunks, NV), 256 threads; all chunks of a piece of the prompt at once)
 //     A_tj = β_t (k_t . k_j) exp(l_t - l_j) for j < t;  [W | U] = (I + A)^-1 [β Γ k | β v]  (forward
 //     substitution, one column per thread, in registers), P_tj = (q_t . k_j) exp(l_t - l_j) for j <= t,
 //     Qg_t = Γ_t q_t, K~_t = exp(l_last - l_t) k_t, γ; written to the workspace (fp32, CHUNK_FLOATS per
