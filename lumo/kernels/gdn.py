@@ -32,16 +32,13 @@ def _kernel(
     source: str, name: str, nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool
 ) -> Kernel:
     """A GDN kernel (gdn_recurrent, gdn_tree) for one head shape; DVT is part of the arithmetic."""
-    defines = {
-        "NK": nk,
-        "NV": nv,
-        "DK": dk,
-        "DV": dv,
-        "DVT": gdn_dvt(dk, dv),
-        "PARAM_BF16": int(param_bf16),
-        "OUT_BF16": int(out_bf16),
-    }
+    defines = _head_defines(nk, nv, dk, dv, param_bf16, out_bf16) | {"DVT": gdn_dvt(dk, dv)}
     return compile_kernel(source, name, defines)
+
+
+def _head_defines(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool) -> dict[str, int]:
+    """The defines every GDN kernel source takes: head shape and parameter / output dtypes."""
+    return {"NK": nk, "NV": nv, "DK": dk, "DV": dv, "PARAM_BF16": int(param_bf16), "OUT_BF16": int(out_bf16)}
 
 
 def _out_rows(
@@ -281,16 +278,7 @@ def _chunk_kernel(
     name: str, nk: int, nv: int, dk: int, dv: int, dvs: int, param_bf16: bool, out_bf16: bool, spr: int = 2
 ) -> Kernel:
     """gdn_chunk_prep / gdn_chunk_scan for one head shape, DVS state columns per scan CTA."""
-    defines = {
-        "NK": nk,
-        "NV": nv,
-        "DK": dk,
-        "DV": dv,
-        "DVS": dvs,
-        "PARAM_BF16": int(param_bf16),
-        "OUT_BF16": int(out_bf16),
-        "SPR": spr,
-    }
+    defines = _head_defines(nk, nv, dk, dv, param_bf16, out_bf16) | {"DVS": dvs, "SPR": spr}
     return compile_kernel("gdn_chunk", name, defines)
 
 

@@ -249,6 +249,22 @@ extern "C" __global__ void __launch_bounds__(PREP_THREADS)
 // .. + CPT.
 #define CPT (DVS / SPR)
 
+// x[i] += sum_j row[j] * Uc[j][c0 + i] over the chunk's GC rows j, in j order (row: GC floats, 16-byte
+// aligned): P Uc for o and K~^T Uc for S.
+__device__ __forceinline__ void add_row_times_uc(const float* row, const float (*Uc)[DVS], int c0,
+                                                 float (&x)[CPT]) {
+  const float4* r4 = reinterpret_cast<const float4*>(row);
+#pragma unroll 4
+  for (int j4 = 0; j4 < GC / 4; ++j4) {
+    const float4 v = __ldg(r4 + j4);
+    const float vj[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+      for (int i = 0; i < CPT; ++i) x[i] = fmaf(vj[jj], Uc[4 * j4 + jj][c0 + i], x[i]);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     gdn_chunk_scan(const float* __restrict__ ws, int nchunks, int T, const float* state_in, float* state_out,
                    out_t* __restrict__ o) {
@@ -300,17 +316,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 #pragma unroll
     for (int i = 0; i < CPT; ++i) Uc[t][c0 + i] = uc[i];
     __syncthreads();  // Uc complete; S read for the last time this chunk
-    // o = Qg S + P Uc (P_tj = 0 for j > t).
-    const float4* P = reinterpret_cast<const float4*>(base + OFF_P + t * GC);
-#pragma unroll 4
-    for (int j4 = 0; j4 < GC / 4; ++j4) {
-      const float4 p = __ldg(P + j4);
-      const float pj[4] = {p.x, p.y, p.z, p.w};
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-        for (int i = 0; i < CPT; ++i) acc[i] = fmaf(pj[jj], Uc[4 * j4 + jj][c0 + i], acc[i]);
-    }
+    add_row_times_uc(base + OFF_P + t * GC, Uc, c0, acc);  // o = Qg S + P Uc (P_tj = 0 for j > t)
     if (n * GC + t < T) {
 #pragma unroll
       for (int i = 0; i < CPT; ++i) store_out(o + ((size_t)(n * GC + t) * NV + h) * DV + j0 + c0 + i, acc[i]);
@@ -318,17 +324,8 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
     // S = γ S + K~^T Uc.
     const float gamma = __ldg(base + OFF_GAMMA);
     for (int k = t; k < DK; k += GC) {
-      const float4* kt = reinterpret_cast<const float4*>(base + OFF_KT + k * GC);
       float x[CPT] = {};
-#pragma unroll 4
-      for (int u4 = 0; u4 < GC / 4; ++u4) {
-        const float4 kv = __ldg(kt + u4);
-        const float ku[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-        for (int uu = 0; uu < 4; ++uu)
-#pragma unroll
-          for (int i = 0; i < CPT; ++i) x[i] = fmaf(ku[uu], Uc[4 * u4 + uu][c0 + i], x[i]);
-      }
+      add_row_times_uc(base + OFF_KT + k * GC, Uc, c0, x);
 #pragma unroll
       for (int i = 0; i < CPT; ++i) S[k][c0 + i] = fmaf(gamma, S[k][c0 + i], x[i]);
     }
