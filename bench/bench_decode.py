@@ -178,6 +178,20 @@ def profile_step(runner: GPURunner, context: int, steps: int = 5) -> dict:
     }
 
 
+def profile_prefill(runner: GPURunner, n: int, vocab: int) -> dict:
+    """Kernels of one n-token prefill (eager, as the runner prefills), exclusive time per kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    runner.reset()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.prefill(ids)
+        torch.cuda.synchronize()
+    kernels = kernel_breakdown(kernel_events(prof), 1)
+    return {"tokens": n, "busy_ms": sum(k["excl_us"] for k in kernels) / 1e3, "kernels": kernels}
+
+
 # ---------------------------------------------------------------------------------------------
 # The peer: transformers on the same weights in BF16.
 
@@ -287,6 +301,7 @@ def main() -> None:
     ap.add_argument("--peer-layers", type=int, default=64, help="0: no peer; else its depth (BF16)")
     ap.add_argument("--peer-tokens", type=int, default=16)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--prefill-profile", action="store_true", help="kernels of one prefill (first length)")
     ap.add_argument("--bf16-head", action="store_true", help="a bf16 lm_head (as ModelOpt ships it)")
     args = ap.parse_args()
 
@@ -324,6 +339,9 @@ def main() -> None:
     plan = memory_plan(cfg, max_len, partial_min_splits=min_splits)
 
     prof = None if args.no_profile else profile_step(runner, args.contexts[0])
+    pprof = None
+    if args.prefill_profile and args.prefill:
+        pprof = profile_prefill(runner, args.prefill[0], cfg.vocab_size)
     peer = None
     if args.peer_layers:
         n = min(args.peer_layers, cfg.num_layers)
@@ -387,6 +405,13 @@ def main() -> None:
             x, c = k["excl_us"], k["calls"]
             print(f"| {k['name'][:70]} | {c:.0f} | {x:.1f} | {x / max(c, 1):.2f} | {k['us']:.1f} |")
 
+    if pprof:
+        print(f"\nprefill profile ({pprof['tokens']} tokens, eager): kernels busy {pprof['busy_ms']:.1f} ms")
+        print("| kernel | calls | exclusive ms | summed durations ms |")
+        print("|---|---|---|---|")
+        for k in pprof["kernels"][:15]:
+            print(f"| {k['name'][:70]} | {k['calls']:.0f} | {k['excl_us'] / 1e3:.2f} | {k['us'] / 1e3:.2f} |")
+
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_decode.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
@@ -398,6 +423,7 @@ def main() -> None:
         "peak_gb": peak_all / GB,
         "memory_plan_gb": {k: v / GB for k, v in plan.items()},
         "peer": peer,
+        "prefill_profile": pprof,
         "profile": prof,
     }
     out.write_text(json.dumps(result, indent=1))

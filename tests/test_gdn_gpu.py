@@ -104,42 +104,93 @@ def test_prefill_matches_chunked_reference(nk, nv, dk, dv, T):
     assert rel(o, o_ref) < 1e-4 and rel(state, s_ref) < 1e-4
 
 
-@pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)
+# (head shape, walk kernel): every kernel at each shape it takes; (2, 4, 64, 40) runs the tensor-core walk
+# with one n8 tile (DVS = 8).
+CHUNK_CASES = [
+    (shape, scan) for shape in SHAPES for scan in ("tc", "tc1", "fma") if scan == "fma" or shape[2] % 64 == 0
+]
+CHUNK_CASES += [((2, 4, 64, 40), "tc"), ((2, 4, 64, 40), "fma")]
+CHUNK_IDS = ["nk{}-nv{}-dk{}-dv{}-{}".format(*shape, scan) for shape, scan in CHUNK_CASES]
+TOL = {
+    "tc": 1e-4,
+    "tc1": 5e-3,
+    "fma": 1e-4,
+}  # relative error bounds; "tc1": one tf32 pass (~2^-11 per operand)
+
+
+@pytest.mark.parametrize("shape,scan", CHUNK_CASES, ids=CHUNK_IDS)
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 333])
-def test_chunked_prefill_matches_reference_and_sequential(nk, nv, dk, dv, T):
+def test_chunked_prefill_matches_reference_and_sequential(shape, scan, T):
     """gdn_chunk.cu (chunked=True) against the fp32 chunked reference and the sequential kernel; state_out
     leaves `state` untouched; a ragged last chunk, one token and whole chunks."""
+    nk, nv, dk, dv = shape
+    tol = TOL[scan]
     inp = make(T, nk, nv, dk, dv, seed=T * 3 + nv)
     o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
     s_seq = inp["state"].clone()
     o_seq = gdn_prefill(**{**inp, "state": s_seq}, out_dtype=torch.float32, chunked=False)
     state0 = inp["state"].clone()
     s_out = torch.full_like(state0, float("nan"))
-    o = gdn_prefill(**inp, out=poisoned(T, nv, dv, torch.float32), state_out=s_out, chunked=True)
+    o = gdn_prefill(**inp, out=poisoned(T, nv, dv, torch.float32), state_out=s_out, chunked=True, scan=scan)
     assert torch.equal(inp["state"], state0)
-    assert rel(o, o_ref) < 1e-4 and rel(s_out, s_ref) < 1e-4
-    assert rel(o, o_seq) < 1e-4 and rel(s_out, s_seq) < 1e-4
-    ob = gdn_prefill(**inp, out=poisoned(T, nv, dv, torch.bfloat16), chunked=True)  # in place, bf16 o
-    assert rel(ob, o_ref) < 5e-3 and rel(inp["state"], s_ref) < 1e-4
+    assert rel(o, o_ref) < tol and rel(s_out, s_ref) < tol
+    assert rel(o, o_seq) < tol and rel(s_out, s_seq) < tol
+    ob = gdn_prefill(
+        **inp, out=poisoned(T, nv, dv, torch.bfloat16), chunked=True, scan=scan
+    )  # in place, bf16 o
+    assert rel(ob, o_ref) < 5e-3 + tol and rel(inp["state"], s_ref) < tol
 
 
+@pytest.mark.parametrize("tile", [8, 16, 32])
+@pytest.mark.parametrize("shape", [(16, 48, 128, 128), (2, 4, 64, 64)], ids=["27b", "dk64"])
+def test_chunked_tc_tile_widths(monkeypatch, shape, tile):
+    """gdn_chunk_scan_tc at each state tile width (CHUNK_TC_DVS: 32 columns by default, 16 / 8 where dv
+    needs it) against the fp32 reference."""
+    import lumo.kernels.gdn as G
+
+    monkeypatch.setattr(G, "CHUNK_TC_DVS", tile)
+    nk, nv, dk, dv = shape
+    inp = make(200, nk, nv, dk, dv, seed=tile)
+    o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
+    o = gdn_prefill(**inp, out=poisoned(200, nv, dv, torch.float32), chunked=True, scan="tc")
+    assert rel(o, o_ref) < 1e-4 and rel(inp["state"], s_ref) < 1e-4
+
+
+def test_chunked_prefill_default_walk_and_refusals():
+    """The tensor-core walk is the default where dk % 64 == 0 (the same bits as scan="tc"); unknown walks
+    and a tensor-core walk at dk % 64 != 0 are refused."""
+    inp = make(130, 2, 4, 64, 40, seed=3)
+    o_dflt = gdn_prefill(**{**inp, "state": inp["state"].clone()}, out_dtype=torch.float32)
+    o_tc = gdn_prefill(**{**inp, "state": inp["state"].clone()}, out_dtype=torch.float32, scan="tc")
+    o_fma = gdn_prefill(**{**inp, "state": inp["state"].clone()}, out_dtype=torch.float32, scan="fma")
+    assert torch.equal(o_dflt, o_tc) and not torch.equal(o_tc, o_fma)
+    with pytest.raises(ValueError, match="scan"):
+        gdn_prefill(**inp, chunked=True, scan="wgmma")
+    small = make(130, 2, 6, 32, 24, seed=3)
+    with pytest.raises(ValueError, match="dk % 64"):
+        gdn_prefill(**small, chunked=True, scan="tc")
+
+
+@pytest.mark.parametrize("shape,scan", [((2, 6, 32, 24), "fma"), ((2, 4, 64, 40), "tc")], ids=["fma", "tc"])
 @pytest.mark.parametrize("piece", [64, 128, 192])
-def test_chunked_prefill_pieces(monkeypatch, piece):
+def test_chunked_prefill_pieces(monkeypatch, piece, shape, scan):
     """Pieces of the prompt (prep + scan per piece) carry the state over, into state_out too."""
     import lumo.kernels.gdn as G
 
-    inp = make(333, 2, 6, 32, 24, seed=piece)
+    nk, nv, dk, dv = shape
+    inp = make(333, nk, nv, dk, dv, seed=piece)
     o_ref, s_ref = gdn_prefill_ref(**cpu(inp))
     monkeypatch.setattr(G, "CHUNKED_PIECE_TOKENS", piece)
     state0 = inp["state"].clone()
     s_out = torch.full_like(state0, float("nan"))
-    o = gdn_prefill(**inp, out=poisoned(333, 6, 24, torch.float32), state_out=s_out, chunked=True)
+    o = gdn_prefill(**inp, out=poisoned(333, nv, dv, torch.float32), state_out=s_out, chunked=True, scan=scan)
     assert torch.equal(inp["state"], state0)
     assert rel(o, o_ref) < 1e-4 and rel(s_out, s_ref) < 1e-4
 
 
+@pytest.mark.parametrize("scan", ["tc", "fma"])
 @pytest.mark.parametrize("a_val,A_log", [(30.0, 1.0), (-30.0, -5.0)], ids=["strong-decay", "no-decay"])
-def test_chunked_prefill_extreme_gates(a_val, A_log):
+def test_chunked_prefill_extreme_gates(a_val, A_log, scan):
     """Decay ~exp(-80) per token (log decays far below float range inside a chunk) and ~1: finite, and
     equal to the sequential kernel within fp32 rounding."""
     inp = make(200, 2, 4, 64, 64, seed=11)
@@ -147,7 +198,7 @@ def test_chunked_prefill_extreme_gates(a_val, A_log):
     inp["A_log"] = torch.full_like(inp["A_log"], A_log)
     s_seq, s_chk = inp["state"].clone(), inp["state"].clone()
     o_seq = gdn_prefill(**{**inp, "state": s_seq}, out_dtype=torch.float32, chunked=False)
-    o_chk = gdn_prefill(**{**inp, "state": s_chk}, out_dtype=torch.float32, chunked=True)
+    o_chk = gdn_prefill(**{**inp, "state": s_chk}, out_dtype=torch.float32, chunked=True, scan=scan)
     assert rel(o_chk, o_seq) < 1e-4 and rel(s_chk, s_seq) < 1e-4
 
 

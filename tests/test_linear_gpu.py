@@ -268,6 +268,26 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
     assert rel_err(nvfp4_linear(x, fused), torch.nn.functional.silu(g) * u) < 1e-2
 
 
+def test_prefill_in_several_dequant_tiles(monkeypatch):
+    """The large-M path with a workspace of one or two row groups: every tile's GEMM writes its column
+    slice of the output in place (strided; a NaN-poisoned output shows any slice left out), plain and
+    fused-SwiGLU weights, against the fp32 reference."""
+    import lumo.kernels.linear as L
+
+    gen = torch.Generator(DEV).manual_seed(7)
+    n, k, i = 64 * 5 + 3, 16 * 33, 100
+    w = rand_nvfp4(n, k, gen)
+    gate, up = rand_nvfp4(i, k, gen), rand_nvfp4(i, k, gen)
+    packed, fused = pack_nvfp4(*w), pack_fused([gate, up], glu=True)
+    x = torch.randn(70, k, generator=gen, device=DEV).to(torch.bfloat16)
+    ref = nvfp4_linear_ref(x, *w)
+    ref_glu = torch.nn.functional.silu(nvfp4_linear_ref(x, *gate)) * nvfp4_linear_ref(x, *up)
+    for groups in (1, 2, 64):  # 64: the whole weight in one tile
+        monkeypatch.setattr(L, "PREFILL_WORKSPACE", groups * 64 * k * 2)
+        assert rel_err(nvfp4_linear(x, packed, out=poisoned(70, n)), ref) < 1e-2, groups
+        assert rel_err(nvfp4_linear(x, fused, out=poisoned(70, i)), ref_glu) < 1e-2, groups
+
+
 CONV_CASES = [(64 * 5 + 3, 16 * 33, 64 * 5 + 3, 4, 4), (300, 16 * 41, 211, 4, 8), (77, 16 * 9, 40, 3, 1)]
 
 

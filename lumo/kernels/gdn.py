@@ -192,6 +192,8 @@ CHUNK_TOKENS = 64  # gdn_chunk.cu GC
 CHUNKED_MIN_TOKENS = 128  # gdn_prefill's default switch (1.13x the sequential kernel at 128, 0.83x at 64)
 CHUNKED_PIECE_TOKENS = 1024  # tokens per prep + scan pair: bounds the workspace (113 MB at the 27B shape)
 CHUNK_SCAN_SPR = 2  # gdn_chunk_scan threads per chunk row (4: 1.35 against 1.19 ms at 2048 tokens)
+CHUNK_TC_DVS = 16  # gdn_chunk_scan_tc's widest state tile (32: 3.37 against 3.20 ms per 8k tokens and layer)
+CHUNK_SCANS = ("tc", "tc1", "fma")  # gdn_chunk_scan_tc in 3 / 1 tf32 passes, gdn_chunk_scan (CUDA cores)
 
 
 def gdn_prefill(
@@ -205,13 +207,18 @@ def gdn_prefill(
     state_out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     chunked: bool | None = None,
+    scan: str | None = None,
 ) -> torch.Tensor:
     """Prefill T tokens from `state` (same arguments as gdn_decode). From CHUNKED_MIN_TOKENS tokens on
     (`chunked=None`), where the head shape allows it (`chunked_fits`), the chunked form
     (gdn_chunk.cu: all chunks' intra-chunk solves at once, then one walk over the chunks); otherwise, or
     with `chunked=False`, the sequential kernel (bitwise T decode steps). The chunked form is the same
-    function in another summation order (fp32 throughout; tests bound the difference). Long prompts may be
-    fed in pieces: the state carries over."""
+    function in another summation order (fp32 operands; tests bound the difference). Long prompts may be
+    fed in pieces: the state carries over.
+
+    `scan` (one of CHUNK_SCANS; default `chunk_scan_default(dk)`) picks the walk's kernel: "tc" the tensor
+    cores in three tf32 passes (about fp32's accuracy; dk % 64 == 0), "tc1" one pass (tf32's ~1e-3, a
+    benchmark knob), "fma" fp32 on CUDA cores."""
     nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
     T = mixed.shape[0]
     if chunked is None:
@@ -230,8 +237,18 @@ def gdn_prefill(
     param_bf16, out_bf16 = A_log.dtype == torch.bfloat16, out.dtype == torch.bfloat16
     dvs = 16 if dv % 16 == 0 else 8
     prep = _chunk_kernel("gdn_chunk_prep", nk, nv, dk, dv, dvs, param_bf16, out_bf16)
-    spr = CHUNK_SCAN_SPR
-    scan = _chunk_kernel("gdn_chunk_scan", nk, nv, dk, dv, dvs, param_bf16, out_bf16, spr)
+    scan = chunk_scan_default(dk) if scan is None else scan
+    if scan not in CHUNK_SCANS or (scan != "fma" and dk % 64):
+        raise ValueError(
+            f"scan must be one of {CHUNK_SCANS} ('tc*' needs dk % 64 == 0), got {scan!r} at dk={dk}"
+        )
+    if scan == "fma":
+        threads = CHUNK_SCAN_SPR * CHUNK_TOKENS
+        walk = _chunk_kernel("gdn_chunk_scan", nk, nv, dk, dv, dvs, param_bf16, out_bf16, CHUNK_SCAN_SPR)
+    else:
+        threads, passes = 128, 3 if scan == "tc" else 1
+        dvs = next(d for d in (32, 16, 8) if d <= CHUNK_TC_DVS and dv % d == 0)
+        walk = _chunk_kernel("gdn_chunk_scan_tc", nk, nv, dk, dv, dvs, param_bf16, out_bf16, tf32=passes)
     piece = CHUNKED_PIECE_TOKENS  # prep + scan per piece, the state carried over
     ws = torch.empty(
         -(-min(T, piece) // CHUNK_TOKENS) * nv * chunk_floats(dk, dv),
@@ -246,7 +263,7 @@ def gdn_prefill(
         args = [mixed[rows], mixed.stride(0), a[rows], a.stride(0), b[rows], b.stride(0)]
         args += [A_log, dt_bias, tp, ws]
         prep.launch((n, nv), 256, args, shmem=_prep_smem(dk, dv))
-        scan.launch((dv // dvs, nv), spr * CHUNK_TOKENS, [ws, n, tp, src, state_out, out[rows]])
+        walk.launch((dv // dvs, nv), threads, [ws, n, tp, src, state_out, out[rows]])
         src = state_out
     return out
 
@@ -254,6 +271,11 @@ def gdn_prefill(
 def chunked_fits(dk: int, dv: int) -> bool:
     """Head shapes gdn_chunk.cu takes (both model-family shapes do)."""
     return dk % 4 == 0 and dk <= 128 and dv % 8 == 0 and dk + dv <= 256
+
+
+def chunk_scan_default(dk: int) -> str:
+    """The chunked walk's kernel: the tensor cores (3 tf32 passes) where dk % 64 == 0, else CUDA cores."""
+    return "tc" if dk % 64 == 0 else "fma"
 
 
 def chunk_floats(dk: int, dv: int) -> int:
@@ -275,10 +297,21 @@ def _prep_smem(dk: int, dv: int) -> int:
 
 @functools.cache
 def _chunk_kernel(
-    name: str, nk: int, nv: int, dk: int, dv: int, dvs: int, param_bf16: bool, out_bf16: bool, spr: int = 2
+    name: str,
+    nk: int,
+    nv: int,
+    dk: int,
+    dv: int,
+    dvs: int,
+    param_bf16: bool,
+    out_bf16: bool,
+    spr: int = 2,
+    tf32: int = 3,
 ) -> Kernel:
-    """gdn_chunk_prep / gdn_chunk_scan for one head shape, DVS state columns per scan CTA."""
+    """A gdn_chunk.cu kernel for one head shape, DVS state columns per walking CTA (SPR: gdn_chunk_scan's
+    threads per row, TF32: gdn_chunk_scan_tc's passes)."""
     defines = _head_defines(nk, nv, dk, dv, param_bf16, out_bf16) | {"DVS": dvs, "SPR": spr}
+    defines |= {"TF32_PASSES": tf32} if name == "gdn_chunk_scan_tc" else {}
     return compile_kernel("gdn_chunk", name, defines)
 
 

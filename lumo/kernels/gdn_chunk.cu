@@ -21,6 +21,7 @@
 // lumo:test-defines NK=2 NV=4 DK=64 DV=64 DVS=16 PARAM_BF16=1 OUT_BF16=0
 // lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVS=8 PARAM_BF16=0 OUT_BF16=0
 // lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVS=16 PARAM_BF16=0 OUT_BF16=1 SPR=4
+// lumo:test-defines NK=2 NV=4 DK=64 DV=40 DVS=8 PARAM_BF16=0 OUT_BF16=1 TF32_PASSES=1
 
 #include <cuda_bf16.h>
 
@@ -61,8 +62,8 @@
 #define OFF_GAMMA (OFF_P + GC * GC)
 #define CHUNK_FLOATS (OFF_GAMMA + 4)
 
-static_assert(DK % 4 == 0 && DK <= 128 && DV % DVS == 0 && (DVS == 8 || DVS == 16),
-              "gdn_chunk.cu: DK % 4 == 0, DK <= 128, DV % DVS == 0, DVS in {8, 16}");
+static_assert(DK % 4 == 0 && DK <= 128 && DV % DVS == 0 && (DVS == 8 || DVS == 16 || DVS == 32),
+              "gdn_chunk.cu: DK % 4 == 0, DK <= 128, DV % DVS == 0, DVS in {8, 16, 32}");
 static_assert(DK + DV <= PREP_THREADS && NV % NK == 0, "gdn_chunk.cu: shape");
 static_assert((SPR == 2 || SPR == 4) && DVS % SPR == 0, "gdn_chunk_scan: SPR in {2, 4}");
 
@@ -334,3 +335,240 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
   float* s_out = state_out + (size_t)h * DK * DV + j0;
   for (int e = tid; e < DK * DVS; e += SCAN_THREADS) s_out[(size_t)(e / DVS) * DV + e % DVS] = S[e / DVS][e % DVS];
 }
+
+// The same walk on tensor cores (DK % 64 == 0: both model-family shapes): gdn_chunk_scan_tc, grid (DV /
+// DVS, NV), 128 threads. Per chunk, warp w:
+//   1. rows 16w .. of Uc = U - W S and of o = Qg S (mma.sync m16n8k8 tf32, k = DK): A from the workspace,
+//      B = S from shared memory; Uc to shared memory.
+//   2. o += P Uc over the chunk's rows j <= 16w + 15 (P_tj = 0 for j > t); o stored.
+//   3. state rows (DK / 4) w .. of S = γ S + K~^T Uc, S held in the mma accumulators across chunks and
+//      copied to shared memory for step 1 of the next chunk.
+// Each product runs in TF32_PASSES tf32 passes: 3 splits both operands into a tf32 high part and a tf32
+// remainder and adds lo*hi + hi*lo + hi*hi ("3xTF32", about fp32's accuracy); 1 is hi*hi alone (~1e-3).
+// K order inside a k8 step: in each 16-column block kb of A, lane t's float4 of columns kb + 4t .. + 3
+// serves two mma k-steps, logical k t, t + 4 -> columns kb + 4t + 2e, + 1 for step e = 0, 1; B (rows of S
+// or Uc) is read in the same order. Sums over k are the mma's, so not the FMA kernel's bits either.
+#if DK % 64 == 0
+#ifndef TF32_PASSES
+#define TF32_PASSES 3
+#endif
+static_assert(TF32_PASSES == 1 || TF32_PASSES == 3, "gdn_chunk_scan_tc: TF32_PASSES in {1, 3}");
+#define TC_THREADS 128
+#define NTL (DVS / 8)    // n8 tiles of the CTA's state columns
+#define SLD (DVS + 2)    // shared row stride of S and Uc: fragment reads hit 32 distinct banks
+#define SMT (DK / 64)    // m16 tiles of state rows per warp
+#ifndef P1B
+#define P1B (DVS >= 32 ? 2 : 4)  // step 1's k-blocks of 16 per load batch (registers: fewer at wide tiles)
+#endif
+#define TC_MINB (DVS >= 32 ? 2 : 3)  // CTAs per SM the register allocation must allow
+static_assert(DK % (16 * P1B) == 0, "gdn_chunk_scan_tc: DK % (16 P1B) == 0");
+
+struct frag_tf32 {
+  unsigned hi, lo;
+};
+__device__ __forceinline__ frag_tf32 split_tf32(float x) {
+  unsigned hi, lo = 0;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+#if TF32_PASSES == 3
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+#endif
+  return {hi, lo};
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += A B for one m16n8k8 step: a = A rows (g, g + 8) x logical k (t, t + 4), b = B logical k (t, t + 4).
+__device__ __forceinline__ void mma_x(float (&d)[4], const frag_tf32 (&a)[4], const frag_tf32 (&b)[2]) {
+#if TF32_PASSES == 3
+  mma_tf32(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b[0].hi, b[1].hi);
+  mma_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].lo, b[1].lo);
+#endif
+  mma_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].hi, b[1].hi);
+}
+
+// A fragments of one k8 step e from a lane's float4s of rows g (r0) and g + 8 (r8).
+__device__ __forceinline__ void a_frag(frag_tf32 (&a)[4], const float4& r0, const float4& r8, int e) {
+  a[0] = split_tf32(e ? r0.z : r0.x);
+  a[1] = split_tf32(e ? r8.z : r8.x);
+  a[2] = split_tf32(e ? r0.w : r0.y);
+  a[3] = split_tf32(e ? r8.w : r8.y);
+}
+
+// B fragments of k8 step e of the 16-row block kb for n8 tile nt, from a [.][SLD] shared matrix.
+__device__ __forceinline__ void b_frag(frag_tf32 (&b)[2], const float* m, int kb, int e, int nt, int g, int t) {
+  b[0] = split_tf32(m[(kb + 4 * t + 2 * e) * SLD + nt * 8 + g]);
+  b[1] = split_tf32(m[(kb + 4 * t + 2 * e + 1) * SLD + nt * 8 + g]);
+}
+
+__device__ __forceinline__ float4 ldg4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
+extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MINB)
+    gdn_chunk_scan_tc(const float* __restrict__ ws, int nchunks, int T, const float* state_in, float* state_out,
+                      out_t* __restrict__ o) {
+  __shared__ __align__(16) float Ss[DK * SLD];
+  __shared__ __align__(16) float Us[GC * SLD];
+  const int h = blockIdx.y, j0 = blockIdx.x * DVS, tid = threadIdx.x;
+  const int lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int r0 = 16 * w;  // this warp's chunk rows (steps 1, 2)
+
+  // S in accumulator layout: sacc[mt][nt] holds rows (DK / 4) w + 16 mt + {g, g + 8}, columns nt * 8 + 2t + {0, 1}.
+  float sacc[SMT][NTL][4];
+  const float* s_in = state_in + (size_t)h * DK * DV + j0;
+#pragma unroll
+  for (int mt = 0; mt < SMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = (DK / 4) * w + 16 * mt + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
+        sacc[mt][nt][i] = s_in[(size_t)row * DV + col];
+        Ss[row * SLD + col] = sacc[mt][nt][i];
+      }
+  __syncthreads();
+
+  for (int n = 0; n < nchunks; ++n) {
+    const float* base = ws + ((size_t)n * NV + h) * CHUNK_FLOATS;
+    if (n + 1 < nchunks) {  // the head's CTAs share out asking L2 for the next chunk's lines
+      const char* nb = reinterpret_cast<const char*>(base + (size_t)NV * CHUNK_FLOATS);
+      for (int i = tid + blockIdx.x * TC_THREADS; i < CHUNK_FLOATS / 32; i += gridDim.x * TC_THREADS)
+        prefetch_l2(nb + (size_t)i * 128);
+    }
+    // 1. W S and Qg S for rows r0 + {g, g + 8}, the A fragments loaded P1B k-blocks at a time (one L2
+    // round trip per batch, not one per k-block).
+    float wsacc[NTL][4] = {}, oacc[NTL][4] = {};
+    float2 u[NTL][2];
+#pragma unroll
+    for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr)
+        u[nt][hr] = __ldg(reinterpret_cast<const float2*>(base + OFF_U + (r0 + g + 8 * hr) * DV + j0 + nt * 8 + 2 * t));
+#pragma unroll
+    for (int k0 = 0; k0 < DK; k0 += 16 * P1B) {
+      float4 w0[P1B], w8[P1B], q0[P1B], q8[P1B];
+#pragma unroll
+      for (int i = 0; i < P1B; ++i) {
+        const int col = k0 + 16 * i + 4 * t;
+        w0[i] = ldg4(base + (r0 + g) * DK + col);
+        w8[i] = ldg4(base + (r0 + g + 8) * DK + col);
+        q0[i] = ldg4(base + OFF_QG + (r0 + g) * DK + col);
+        q8[i] = ldg4(base + OFF_QG + (r0 + g + 8) * DK + col);
+      }
+#pragma unroll
+      for (int i = 0; i < P1B; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          frag_tf32 aw[4], aq[4];
+          a_frag(aw, w0[i], w8[i], e);
+          a_frag(aq, q0[i], q8[i], e);
+#pragma unroll
+          for (int nt = 0; nt < NTL; ++nt) {
+            frag_tf32 b[2];
+            b_frag(b, Ss, k0 + 16 * i, e, nt, g, t);
+            mma_x(wsacc[nt], aw, b);
+            mma_x(oacc[nt], aq, b);
+          }
+        }
+    }
+    // Steps 2 and 3's A fragments (P rows r0 + {g, g + 8} up to column r0 + 15, K~^T rows of this warp's
+    // state tiles), asked for before the barrier.
+    float4 p0[GC / 16], p8[GC / 16], kt0[SMT][GC / 16], kt8[SMT][GC / 16];
+#pragma unroll
+    for (int i = 0; i < GC / 16; ++i) {
+      const int col = 16 * i + 4 * t;
+      if (16 * i <= r0) {
+        p0[i] = ldg4(base + OFF_P + (r0 + g) * GC + col);
+        p8[i] = ldg4(base + OFF_P + (r0 + g + 8) * GC + col);
+      }
+#pragma unroll
+      for (int mt = 0; mt < SMT; ++mt) {
+        const int R = (DK / 4) * w + 16 * mt;
+        kt0[mt][i] = ldg4(base + OFF_KT + (R + g) * GC + col);
+        kt8[mt][i] = ldg4(base + OFF_KT + (R + g + 8) * GC + col);
+      }
+    }
+    const float gamma = __ldg(base + OFF_GAMMA);
+    // Uc = U - W S.
+#pragma unroll
+    for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        float* dst = Us + (r0 + g + 8 * hr) * SLD + nt * 8 + 2 * t;
+        dst[0] = u[nt][hr].x - wsacc[nt][2 * hr];
+        dst[1] = u[nt][hr].y - wsacc[nt][2 * hr + 1];
+      }
+    __syncthreads();  // Uc complete; S read for the last time this chunk
+
+    // 2. o += P Uc (blocks of 16 chunk rows up to this warp's last row), then o stored.
+#pragma unroll
+    for (int i = 0; i < GC / 16; ++i) {
+      if (16 * i > r0) break;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        frag_tf32 ap[4];
+        a_frag(ap, p0[i], p8[i], e);
+#pragma unroll
+        for (int nt = 0; nt < NTL; ++nt) {
+          frag_tf32 b[2];
+          b_frag(b, Us, 16 * i, e, nt, g, t);
+          mma_x(oacc[nt], ap, b);
+        }
+      }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int tok = n * GC + r0 + g + 8 * hr;
+      if (tok < T) {
+        out_t* dst = o + ((size_t)tok * NV + h) * DV + j0 + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < NTL; ++nt) {
+          store_out(dst + nt * 8, oacc[nt][2 * hr]);
+          store_out(dst + nt * 8 + 1, oacc[nt][2 * hr + 1]);
+        }
+      }
+    }
+
+    // 3. S = γ S + K~^T Uc for this warp's state rows.
+#pragma unroll
+    for (int mt = 0; mt < SMT; ++mt) {
+      const int R = (DK / 4) * w + 16 * mt;
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sacc[mt][nt][i] *= gamma;
+#pragma unroll
+      for (int i = 0; i < GC / 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          frag_tf32 ak[4];
+          a_frag(ak, kt0[mt][i], kt8[mt][i], e);
+#pragma unroll
+          for (int nt = 0; nt < NTL; ++nt) {
+            frag_tf32 b[2];
+            b_frag(b, Us, 16 * i, e, nt, g, t);
+            mma_x(sacc[mt][nt], ak, b);
+          }
+        }
+#pragma unroll
+      for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) Ss[(R + g + 8 * (i >> 1)) * SLD + nt * 8 + 2 * t + (i & 1)] = sacc[mt][nt][i];
+    }
+    __syncthreads();  // S updated, Uc free for the next chunk
+  }
+  float* s_out = state_out + (size_t)h * DK * DV + j0;
+#pragma unroll
+  for (int mt = 0; mt < SMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NTL; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        s_out[(size_t)((DK / 4) * w + 16 * mt + g + 8 * (i >> 1)) * DV + nt * 8 + 2 * t + (i & 1)] = sacc[mt][nt][i];
+}
+#endif  // DK % 64 == 0
