@@ -1,4 +1,4 @@
-// Chunked Gated DeltaNet prefill (the WY / UT form of lumo.model.gdn_chunked), fp32 on CUDA cores: the
+// Chunked Gated DeltaNet prefill (the WY / UT form of lumo.model.gdn_chunked), fp32 operands: the
 // prompt's tokens in chunks of GC = 64; per chunk n and value head h, with l_t the cumulative log decay
 // inside the chunk (l_t <= 0, non-increasing), Γ_t = exp(l_t), γ = exp(l_last):
 //
@@ -7,9 +7,10 @@
 //     substitution, one column per thread, in registers), P_tj = (q_t . k_j) exp(l_t - l_j) for j <= t,
 //     Qg_t = Γ_t q_t, K~_t = exp(l_last - l_t) k_t, γ; written to the workspace (fp32, CHUNK_FLOATS per
 //     (chunk, head)).
-//   gdn_chunk_scan  (grid (DV / DVS, NV), SPR * 64 threads; one walk over the chunks)
+//   gdn_chunk_scan  (grid (DV / DVS, NV), SPR * 64 threads; one walk over the chunks, CUDA cores)
 //     the [DK, DVS] state tile S in shared memory; per chunk: Uc = U - W S, o = Qg S + P Uc,
 //     S = γ S + K~^T Uc. Writes o [T, NV, DV] and the final state.
+//   gdn_chunk_scan_tc  (DK % 64 == 0: the same walk on tensor cores, at the end of this file)
 //
 // q, k are l2-normalised (eps 1e-6), q scaled by DK^-0.5, g = -exp(A_log) softplus(a + dt_bias) (identity
 // above 20), β = sigmoid(b), as gdn_step.cuh; padded tokens past T have q = k = v = 0, g = β = 0, so they
@@ -366,13 +367,15 @@ static_assert(DK % (16 * P1B) == 0, "gdn_chunk_scan_tc: DK % (16 P1B) == 0");
 struct frag_tf32 {
   unsigned hi, lo;
 };
+// tf32 parts by truncation (the low 13 mantissa bits cleared: one LOP3; cvt.rna.tf32 is a ~6-instruction
+// sequence on sm_90): x = hi + r exactly, lo = r truncated, so |x - hi - lo| <= 2^-20 |x|.
 __device__ __forceinline__ frag_tf32 split_tf32(float x) {
-  unsigned hi, lo = 0;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+  const unsigned hi = __float_as_uint(x) & 0xffffe000u;
 #if TF32_PASSES == 3
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  return {hi, __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u};
+#else
+  return {hi, 0u};
 #endif
-  return {hi, lo};
 }
 
 __device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
