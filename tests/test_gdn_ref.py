@@ -185,5 +185,11 @@ def test_chunked_prefill_launcher_facts():
     inp = rand_inputs(200, 1, 2, 32, 12, seed=1)
     with pytest.raises(ValueError, match="chunked GDN prefill needs"):
         gdn_prefill(**inp, chunked=True)
+    # The walk is checked before anything else, whichever path the call would take.
+    for chunked in (True, False):
+        with pytest.raises(ValueError, match="dk % 64"):
+            gdn_prefill(**inp, chunked=chunked, scan="tc")
+        with pytest.raises(ValueError, match="scan must be one of"):
+            gdn_prefill(**rand_inputs(200, 1, 2, 64, 16, seed=1), chunked=chunked, scan="wgmma")
     plan = memory_plan(config_27b(), 4096)["prefill_chunk"]
     assert 2048 >= CHUNKED_MIN_TOKENS and plan > chunked_workspace_bytes(2048, 48, 128, 128) > 100 << 20

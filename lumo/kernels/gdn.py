@@ -189,7 +189,8 @@ def gdn_decode(
 
 # The chunked prefill (gdn_chunk.cu; H200 measurements in docs/kernels-gdn.md).
 CHUNK_TOKENS = 64  # gdn_chunk.cu GC
-CHUNKED_MIN_TOKENS = 128  # gdn_prefill's default switch (1.13x the sequential kernel at 128, 0.83x at 64)
+CHUNKED_MIN_TOKENS = 128  # gdn_prefill's default switch (CUDA-core walk: 1.13x the sequential kernel at 128,
+# 0.83x at 64, session 20; tensor-core walk: 1.31x at 128, session 21; not re-tuned below 128)
 CHUNKED_PIECE_TOKENS = 1024  # tokens per prep + scan pair: bounds the workspace (113 MB at the 27B shape)
 CHUNK_SCAN_SPR = 2  # gdn_chunk_scan threads per chunk row (4: 1.35 against 1.19 ms at 2048 tokens)
 CHUNK_TC_DVS = 16  # gdn_chunk_scan_tc's widest state tile (32: 3.37 against 3.20 ms per 8k tokens and layer)
@@ -217,9 +218,13 @@ def gdn_prefill(
     fed in pieces: the state carries over.
 
     `scan` (one of CHUNK_SCANS; default `chunk_scan_default(dk)`) picks the walk's kernel: "tc" the tensor
-    cores in three tf32 passes (about fp32's accuracy; dk % 64 == 0), "tc1" one pass (tf32's ~1e-3, a
-    benchmark knob), "fma" fp32 on CUDA cores."""
+    cores in three tf32 passes (about fp32's accuracy; dk % 64 == 0), "tc1" one pass (tf32's ~1e-3 bound,
+    3e-4 measured; a benchmark knob), "fma" fp32 on CUDA cores."""
     nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
+    if scan is not None and (scan not in CHUNK_SCANS or (scan != "fma" and dk % 64)):
+        raise ValueError(
+            f"scan must be one of {CHUNK_SCANS} ('tc*' needs dk % 64 == 0), got {scan!r} at dk={dk}"
+        )
     T = mixed.shape[0]
     if chunked is None:
         chunked = T >= CHUNKED_MIN_TOKENS and chunked_fits(dk, dv)
@@ -238,10 +243,6 @@ def gdn_prefill(
     dvs = 16 if dv % 16 == 0 else 8
     prep = _chunk_kernel("gdn_chunk_prep", nk, nv, dk, dv, dvs, param_bf16, out_bf16)
     scan = chunk_scan_default(dk) if scan is None else scan
-    if scan not in CHUNK_SCANS or (scan != "fma" and dk % 64):
-        raise ValueError(
-            f"scan must be one of {CHUNK_SCANS} ('tc*' needs dk % 64 == 0), got {scan!r} at dk={dk}"
-        )
     if scan == "fma":
         threads = CHUNK_SCAN_SPR * CHUNK_TOKENS
         walk = _chunk_kernel("gdn_chunk_scan", nk, nv, dk, dv, dvs, param_bf16, out_bf16, CHUNK_SCAN_SPR)

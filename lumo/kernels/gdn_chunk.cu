@@ -23,6 +23,7 @@
 // lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVS=8 PARAM_BF16=0 OUT_BF16=0
 // lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVS=16 PARAM_BF16=0 OUT_BF16=1 SPR=4
 // lumo:test-defines NK=2 NV=4 DK=64 DV=40 DVS=8 PARAM_BF16=0 OUT_BF16=1 TF32_PASSES=1
+// lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVS=32 PARAM_BF16=0 OUT_BF16=1
 
 #include <cuda_bf16.h>
 
@@ -345,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS)
 //   3. state rows (DK / 4) w .. of S = γ S + K~^T Uc, S held in the mma accumulators across chunks and
 //      copied to shared memory for step 1 of the next chunk.
 // Each product runs in TF32_PASSES tf32 passes: 3 splits both operands into a tf32 high part and a tf32
-// remainder and adds lo*hi + hi*lo + hi*hi ("3xTF32", about fp32's accuracy); 1 is hi*hi alone (~1e-3).
+// remainder and adds lo*hi + hi*lo + hi*hi ("3xTF32", about fp32's accuracy); 1 is hi*hi alone (tf32's ~1e-3 bound).
 // K order inside a k8 step: in each 16-column block kb of A, lane t's float4 of columns kb + 4t .. + 3
 // serves two mma k-steps, logical k t, t + 4 -> columns kb + 4t + 2e, + 1 for step e = 0, 1; B (rows of S
 // or Uc) is read in the same order. Sums over k are the mma's, so not the FMA kernel's bits either.
