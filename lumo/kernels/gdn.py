@@ -248,7 +248,7 @@ def gdn_prefill(
         walk = _chunk_kernel("gdn_chunk_scan", nk, nv, dk, dv, dvs, param_bf16, out_bf16, CHUNK_SCAN_SPR)
     else:
         threads, passes = 128, 3 if scan == "tc" else 1
-        dvs = next(d for d in (32, 16, 8) if d <= CHUNK_TC_DVS and dv % d == 0)
+        dvs = next(d for d in (32, 16, 8) if d <= CHUNK_TC_DVS and dv % d == 0)  # this walk's own tile
         walk = _chunk_kernel("gdn_chunk_scan_tc", nk, nv, dk, dv, dvs, param_bf16, out_bf16, tf32=passes)
     piece = CHUNKED_PIECE_TOKENS  # prep + scan per piece, the state carried over
     ws = torch.empty(

@@ -27,6 +27,8 @@
 
 #include <cuda_bf16.h>
 
+#include "mma.cuh"
+
 #ifndef NK
 #define NK 16
 #endif
@@ -379,15 +381,6 @@ __device__ __forceinline__ frag_tf32 split_tf32(float x) {
 #endif
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // d += A B for one m16n8k8 step: a = A rows (g, g + 8) x logical k (t, t + 4), b = B logical k (t, t + 4).
 __device__ __forceinline__ void mma_x(float (&d)[4], const frag_tf32 (&a)[4], const frag_tf32 (&b)[2]) {
 #if TF32_PASSES == 3
@@ -422,8 +415,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MINB)
   const int lane = tid & 31, w = tid >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = 16 * w;  // this warp's chunk rows (steps 1, 2)
 
-  // S in accumulator layout: sacc[mt][nt] holds rows (DK / 4) w + 16 mt + {g, g + 8}, columns nt * 8 + 2t + {0, 1}.
+  // S in accumulator layout: sacc[mt][nt][i] holds state row s_row(mt, i), column s_col(nt, i).
   float sacc[SMT][NTL][4];
+  auto s_row = [&](int mt, int i) { return (DK / 4) * w + 16 * mt + g + 8 * (i >> 1); };
+  auto s_col = [&](int nt, int i) { return nt * 8 + 2 * t + (i & 1); };
   const float* s_in = state_in + (size_t)h * DK * DV + j0;
 #pragma unroll
   for (int mt = 0; mt < SMT; ++mt)
@@ -431,9 +426,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MINB)
     for (int nt = 0; nt < NTL; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const int row = (DK / 4) * w + 16 * mt + g + 8 * (i >> 1), col = nt * 8 + 2 * t + (i & 1);
-        sacc[mt][nt][i] = s_in[(size_t)row * DV + col];
-        Ss[row * SLD + col] = sacc[mt][nt][i];
+        sacc[mt][nt][i] = s_in[(size_t)s_row(mt, i) * DV + s_col(nt, i)];
+        Ss[s_row(mt, i) * SLD + s_col(nt, i)] = sacc[mt][nt][i];
       }
   __syncthreads();
 
@@ -541,7 +535,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MINB)
     // 3. S = γ S + K~^T Uc for this warp's state rows.
 #pragma unroll
     for (int mt = 0; mt < SMT; ++mt) {
-      const int R = (DK / 4) * w + 16 * mt;
 #pragma unroll
       for (int nt = 0; nt < NTL; ++nt)
 #pragma unroll
@@ -562,7 +555,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MINB)
 #pragma unroll
       for (int nt = 0; nt < NTL; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) Ss[(R + g + 8 * (i >> 1)) * SLD + nt * 8 + 2 * t + (i & 1)] = sacc[mt][nt][i];
+        for (int i = 0; i < 4; ++i) Ss[s_row(mt, i) * SLD + s_col(nt, i)] = sacc[mt][nt][i];
     }
     __syncthreads();  // S updated, Uc free for the next chunk
   }
@@ -573,6 +566,6 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, TC_MINB)
     for (int nt = 0; nt < NTL; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        s_out[(size_t)((DK / 4) * w + 16 * mt + g + 8 * (i >> 1)) * DV + nt * 8 + 2 * t + (i & 1)] = sacc[mt][nt][i];
+        s_out[(size_t)s_row(mt, i) * DV + s_col(nt, i)] = sacc[mt][nt][i];
 }
 #endif  // DK % 64 == 0
