@@ -56,6 +56,8 @@
 // lumo:test-defines NT=4 KW=4 BPF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 RDCL=2 RD_MINB=5
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
+// lumo:test-defines NT=1 MTW=1 KSW=8 BKS=6 RDCL=2 CONV=4 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_bk=1
+// lumo:test-defines NT=1 MTW=2 KSW=4 BKS=3 GLU=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_bk=1
 
 #include <cuda_bf16.h>
 
@@ -794,6 +796,152 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
 #ifdef LUMO_TRACE
   if (threadIdx.x == 0) trace_store(trace_sm, qw);
+#endif
+}
+#endif
+
+// Bulk-copy weight stream (nvfp4_gemv_bk, M <= 8): nvfp4_gemv_rd's split, arithmetic and epilogue (bitwise
+// the same), but each warp's weights and scale pairs come through its own ring of BKS shared-memory stages
+// filled by the bulk-copy engine (cp.async.bulk, one mbarrier per stage), not through registers, so a warp
+// keeps BKS chunks in flight at no register cost, and its first BKS chunks land in shared memory while the
+// previous kernel still runs (weights only: nothing earlier in the stream writes them). Lane 0 refills a
+// stage once the warp has consumed it (its loads are used by the mma before the refill is issued). The
+// warp's activations (rows 0..M-1 of its slice's columns, as nvfp4_gemv_rd reads them: rows >= M read row 0,
+// columns >= K are zero) are one bulk copy per row after pdl_wait. sm_90+ (bulk copies and mbarrier
+// transaction counts); linear.py launches it nowhere below. Dynamic shared memory per CTA: KSW warps x (BKS
+// stages of MTW * 576 bytes + M * cps * 128 bytes of activations) + KSW * (BKS + 1) mbarriers, and at least
+// the epilogue's KSW * MTW * NT * 512 bytes (reused after every warp's ring is done).
+#ifndef BKS
+#define BKS 6  // nvfp4_gemv_bk: ring stages (chunks in flight) per warp
+#endif
+#define BK_STAGE (MTW * 576)  // a stage: MTW m16 tiles' weights (512 bytes each), then their scale pairs
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// mbarriers and bulk-copy destinations by their 32-bit shared-memory addresses (smem_u32).
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {  // the inits, visible to the bulk-copy engine
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// This thread's arrival, and `bytes` more for the current phase to wait for.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+// bytes (a multiple of 16, both addresses 16-byte aligned) from global to this CTA's shared memory,
+// counted on `bar`'s transaction count.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#endif
+}
+
+#if (!defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_bk)) && NT == 1  // it stages activation rows: M <= 8
+extern "C" __global__ void __launch_bounds__(KSW * 32)
+    nvfp4_gemv_bk(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
+                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
+                  int N, int K, int C, int cps, int npf CONV_PARAMS) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // bulk copies need sm_90; linear.py never launches it below
+#else
+  extern __shared__ uint4 smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = lane & 3;
+  const int tile0 = blockIdx.x * MTW;
+  const int c0 = (blockIdx.y * KSW + warp) * cps;  // slice blockIdx.y * KSW + warp, as nvfp4_gemv_rd
+  const int nc = max(0, min(C, c0 + cps) - c0);
+  const size_t unit = ((size_t)(tile0 / MT) * C + c0) * MT + tile0 % MT;
+  const char* wsrc = reinterpret_cast<const char*>(qw + unit * 32);  // chunk i at + i * MT * 512
+  const char* ssrc = reinterpret_cast<const char*>(qs + unit * 32);  // chunk i at + i * MT * 64
+  const int xrow = cps * 64;                                         // staged columns per activation row
+  char* ring = reinterpret_cast<char*>(smem) + warp * (BKS * BK_STAGE + M * xrow * 2);
+  bf16* xs = reinterpret_cast<bf16*>(ring + BKS * BK_STAGE);  // [M][xrow]
+  const u32 ring_sa = smem_u32(ring);
+  const u32 bar = smem_u32(smem) + KSW * (BKS * BK_STAGE + M * xrow * 2) + warp * (BKS + 1) * 8;
+  // 8-byte mbarriers: BKS stages', then the activations'
+
+  auto issue = [&](int stage, int i) {  // lane 0: chunk i's weights and scales into `stage`
+    const u32 st = ring_sa + stage * BK_STAGE, b = bar + stage * 8;
+    mbar_expect(b, BK_STAGE);
+    bulk_load(st, wsrc + (size_t)i * MT * 512, MTW * 512, b);
+    bulk_load(st + MTW * 512, ssrc + (size_t)i * MT * 64, MTW * 64, b);
+  };
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s <= BKS; ++s) mbar_init(bar + s * 8, 1);
+    mbar_init_fence();
+#pragma unroll
+    for (int i = 0; i < BKS; ++i)  // before the wait for the previous kernel (PDL): weights only
+      if (i < nc) issue(i, i);
+    if (tile0 % MT == 0) prefetch_chunks(qw, qs, unit, BKS, min(nc, npf));
+  }
+#if CONV
+  {
+    const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;
+    if (slice < MTW * NT)
+      conv_prefetch(ConvEpi{conv_w, conv_state, conv_y, conv_c}, (tile0 + slice / NT) * 16, lane);
+  }
+#endif
+  __syncwarp();
+  pdl_wait();
+  // The slice's activations: columns c0 * 64 .. + nc * 64 of rows 0..M-1; those >= K are zero.
+  const int xcols = max(0, min(K - c0 * 64, nc * 64));  // a multiple of 16 (K % 16 == 0)
+  if (nc > 0) {
+    if (lane == 0) {
+      mbar_expect(bar + BKS * 8, M * xcols * 2);
+      for (int m = 0; m < M; ++m)
+        bulk_load(smem_u32(xs + m * xrow), x + (size_t)m * K + c0 * 64, xcols * 2, bar + BKS * 8);
+    }
+    for (int q = xcols / 8 + lane; q < nc * 8; q += 32)  // 16-byte pieces past K
+      for (int m = 0; m < M; ++m) reinterpret_cast<uint4*>(xs + m * xrow)[q] = make_uint4(0u, 0u, 0u, 0u);
+    mbar_wait(bar + BKS * 8, 0);
+    __syncwarp();
+  }
+  // B fragments of chunk i: row g of x (rows >= M: row 0), columns 64 (c0 + i) + 16t + 8h.
+  const int g = lane >> 2;
+  const bf16* xl = xs + (g < M ? g : 0) * xrow + 16 * t;
+
+  float acc[MTW][NT][4] = {};
+  u32 phase = 0;
+  for (int i0 = 0; i0 < nc; i0 += BKS, phase ^= 1) {
+#pragma unroll
+    for (int u = 0; u < BKS; ++u) {
+      const int i = i0 + u;
+      if (i >= nc) break;
+      mbar_wait(bar + u * 8, phase);
+      const char* st = ring + u * BK_STAGE;
+      uint4 xv[NT][2];
+      xv[0][0] = *reinterpret_cast<const uint4*>(xl + i * 64);
+      xv[0][1] = *reinterpret_cast<const uint4*>(xl + i * 64 + 8);
+#pragma unroll
+      for (int p = 0; p < MTW; ++p) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(st + p * 512 + lane * 16);
+        const u32 sv = *reinterpret_cast<const unsigned short*>(st + MTW * 512 + p * 64 + lane * 2);
+        fp4_tile_mma(acc[p], wv, sv, xv);
+      }
+      __syncwarp();  // every lane has used the stage (its loads fed the mma above)
+      if (lane == 0 && i + BKS < nc) issue(u, i + BKS);
+    }
+  }
+  pdl_trigger();
+  __syncthreads();  // every warp is done with its ring: the epilogue reuses the shared memory
+  slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
 #endif
 }
 #endif
