@@ -100,8 +100,7 @@ def config_kwargs(cfg: str) -> dict:
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
     per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF (its slices in RD_CLUSTERS'
     clusters where that table names the config; "rMxPcC": over clusters of C CTAs, "rMxPc1" one CTA),
-    "sWxMxP" the slice-activations kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P, "bkN" the
-    default split with the weights through a bulk-copy ring of N stages (nvfp4_gemv_bk, M <= 8). A suffix
+    "sWxMxP" the slice-activations kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix
     "@B" sets the L2 prefetch budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0". On the fused gate+up only
     the register-direct kernel applies the SwiGLU in its epilogue: the other configs' times include the
     separate silu_mul launch."""
@@ -114,8 +113,6 @@ def config_kwargs(cfg: str) -> dict:
         return dict(rd=False, cluster=False)
     if cfg == "cl":
         return dict(rd=False, cluster=True)
-    if cfg.startswith("bk"):
-        return dict(bk=int(cfg[2:]))
     if cfg[0] == "c":  # "clTxR" / "cTxR": cluster-reduced / cross-CTA with T m16 tiles per warp, R row groups
         tpw, rgw = (int(v) for v in cfg[2 if cfg.startswith("cl") else 1 :].split("x"))
         return dict(rd=False, cluster=cfg.startswith("cl"), tpw=tpw, rgw=rgw)

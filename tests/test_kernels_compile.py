@@ -50,8 +50,7 @@ def test_linear_compiles_one_kernel_at_a_time(arch):
     """linear.py builds one kernel per NVRTC call (LUMO_ONLY): each compiles alone and holds only itself."""
     assert len(LINEAR_KERNELS) >= 9
     for name in LINEAR_KERNELS:
-        nt = 1 if name == "nvfp4_gemv_bk" else 4  # the bulk-copy kernel exists at NT = 1 only
-        defines = {"NT": nt, "MTW": 2, "PF": 3, "KSW": 4, "SXW": 8, "LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
+        defines = {"NT": 4, "MTW": 2, "PF": 3, "KSW": 4, "SXW": 8, "LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
         cubin = compile_to_cubin(LINEAR.read_text(), arch, define_options(defines), LINEAR.name)
         held = [k for k in LINEAR_KERNELS if b"\x00" + k.encode() + b"\x00" in cubin]
         assert held == [name], (name, held)

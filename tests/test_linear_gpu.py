@@ -193,60 +193,6 @@ def test_split_k_variants_equal_cross_cta(splits):
             assert torch.equal(y, cross), (m, kw)
 
 
-BULK = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-
-
-@pytest.mark.skipif(not BULK, reason="bulk copies need sm_90")
-@pytest.mark.parametrize("splits", [1, 4, 5, 16])
-def test_bulk_copy_kernel_equals_register_direct(monkeypatch, splits):
-    """nvfp4_gemv_bk (the weights through a per-warp shared-memory ring filled by bulk copies, the slice's
-    activations staged) gives nvfp4_gemv_rd's bits at M <= 8 for every tile width, ring depth and cluster
-    size: K not a multiple of 64 (the last chunk half past K), a short last slice, 7 row groups plus
-    3 rows; also as the default launch at M = 1 (BK_STAGES) and from a CUDA graph. Above 8 rows, below
-    sm_90 or from an unaligned x it is refused with a clear error."""
-    from lumo.kernels import linear
-
-    gen = torch.Generator(DEV).manual_seed(41 + splits)
-    n, k = 64 * 7 + 3, 16 * 16 * splits + 16 * 3
-    w, s, s2 = rand_nvfp4(n, k, gen)
-    packed = pack_nvfp4(w, s, s2, splits=splits)
-    for m in (1, 2, 5, 8):
-        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        want = nvfp4_linear(x, packed, rd=(1, 2), bk=0)
-        assert rel_err(want, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
-        for rd in ((1, 2), (2, 3), (4, 2)):
-            for bk in (1, 2, 6):
-                for rdcl in [c for c in (1, 2, 4) if splits % c == 0]:
-                    cps = -(-packed.chunks // splits)
-                    shmem = linear._bk_shape(packed.row_groups, m, rd[0], splits, 1, cps, bk)[2]
-                    if shmem > smem_limit(x.device):
-                        continue  # (the launcher's error for it is tested below)
-                    y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd, rdcl=rdcl, bk=bk)
-                    assert torch.equal(y, want), (m, rd, bk, rdcl)
-    x = torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16)
-    want = nvfp4_linear(x, packed, bk=0)
-    monkeypatch.setattr(linear, "BK_STAGES", 4)
-    y = poisoned(1, n)
-    assert torch.equal(nvfp4_linear(x, packed, out=y), want)  # the default launch
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        nvfp4_linear(x, packed, out=y)
-    for _ in range(2):
-        x.copy_(torch.randn(1, k, generator=gen, device=DEV))
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, nvfp4_linear(x, packed, bk=0))
-    with pytest.raises(ValueError, match="bytes of shared memory"):
-        nvfp4_linear(x, packed, rd=(4, 2), bk=64)
-    with pytest.raises(ValueError, match="at most 8 activation rows"):
-        nvfp4_linear(torch.zeros(9, k, dtype=torch.bfloat16, device=DEV), packed, rd=(1, 2), bk=2)
-    unaligned = torch.zeros(2 * k + 1, dtype=torch.bfloat16, device=DEV)[1:].view(2, k)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        nvfp4_linear(unaligned, packed, rd=(1, 2), bk=2)
-    assert torch.equal(nvfp4_linear(unaligned[:1], packed), nvfp4_linear(unaligned[:1].clone(), packed, bk=0))
-
-
 @pytest.mark.parametrize("rd", [True, False], ids=["one-warp", "bf16_gemv"])
 def test_bf16_batch_invariant(rd):
     gen = torch.Generator(DEV).manual_seed(5)
@@ -312,12 +258,10 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
     knobs = [{}, dict(rd=False, cluster=False), dict(rd=(1, 2)), dict(rd=(4, 2)), dict(sx=(8, 2, 3))]
     if torch.cuda.get_device_capability()[0] >= 9:
         knobs += [dict(rd=False, cluster=True)] + ([dict(rd=(1, 2), rdcl=2)] if splits % 2 == 0 else [])
-    bulk = [dict(rd=(1, 2), bk=3), dict(rd=(2, 3), bk=1)]
-    bulk += [dict(rd=(1, 2), rdcl=2, bk=2)] if splits % 2 == 0 else []
     for m in (1, 2, 7, 9, 17, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
         want = silu_mul_ref(nvfp4_linear(x, plain))
-        for kw in knobs + (bulk if BULK and m <= 8 else []):
+        for kw in knobs:
             assert torch.equal(nvfp4_linear(x, fused, out=poisoned(m, i), **kw), want), (m, kw)
     x = torch.randn(45, k, generator=gen, device=DEV).to(torch.bfloat16)
     g, u = nvfp4_linear_ref(x, *gate), nvfp4_linear_ref(x, *up)
@@ -367,9 +311,7 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
     state0 = torch.randn(c, taps - 1, generator=gen, device=DEV).to(torch.bfloat16)
     knobs = [{}, dict(rd=(1, 2)), dict(rd=(2, 3)), dict(rd=False, cluster=False), dict(sx=(8, 2, 3))]
     if torch.cuda.get_device_capability()[0] >= 9 and splits % 2 == 0:
-        knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True), dict(rd=(1, 2), rdcl=2, bk=3)]
-    if BULK:
-        knobs += [dict(rd=(1, 2), bk=4), dict(rd=(2, 3), bk=1)]
+        knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True)]
     xs = [torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]
     want_state = state0.clone()
     want = []

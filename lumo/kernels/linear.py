@@ -538,59 +538,6 @@ def _rd_kernel(
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
 
-# Ring depth of nvfp4_gemv_bk (linear.cu: the weights through a per-warp shared-memory ring filled by bulk
-# copies) where the default launch at M = 1 takes it instead of nvfp4_gemv_rd; 0: never.
-BK_STAGES = 0
-
-
-def _bk_shape(
-    rg: int, m: int, mtw: int, splits: int, rdcl: int, cps: int, bks: int
-) -> tuple[tuple[int, int, int], int, int]:
-    """nvfp4_gemv_bk's grid, block and dynamic shared memory: nvfp4_gemv_rd's split, each warp with a ring of
-    `bks` stages, its slice's M activation rows and bks + 1 mbarriers (the epilogue reuses the rings)."""
-    ksw = splits // rdcl
-    shmem = ksw * (bks * mtw * 576 + m * cps * 128 + (bks + 1) * 8)
-    return (rg * MT // mtw, rdcl, 1), 32 * ksw, max(shmem, ksw * mtw * 512)
-
-
-@functools.cache
-def _bk_kernel(mtw: int, splits: int, bks: int, glu: bool = False, rdcl: int = 1, conv: int = 0) -> Kernel:
-    defines = {"NT": 1, "MT": MT, "MTW": mtw, "KSW": splits // rdcl, "BKS": bks} | ({"GLU": 1} if glu else {})
-    defines |= ({"CONV": conv} if conv else {}) | ({"RDCL": rdcl} if rdcl > 1 else {})
-    return _compile("nvfp4_gemv_bk", defines, 0)
-
-
-def _bk_plan(
-    x: torch.Tensor,
-    packed: PackedNVFP4,
-    m: int,
-    mtw: int,
-    splits: int,
-    rdcl: int,
-    cps: int,
-    bks: int,
-    conv_k: int,
-) -> tuple[Kernel, tuple[tuple[int, int, int], int, int], int] | str:
-    """nvfp4_gemv_bk's build, launch shape and cluster size for nvfp4_gemv_rd's (MTW, cluster) split, or why
-    it cannot run: one CTA per tile group where the device cannot schedule the cluster at this build's
-    shared memory."""
-    if m > 8:
-        return f"it stages at most 8 activation rows, got M = {m}"
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "bulk copies need sm_90 or newer"
-    if x.data_ptr() % 16:
-        return "its activation rows must start 16-byte aligned"
-    glu = bool(packed.glu_n)
-    for cl in (rdcl, 1) if rdcl > 1 else (1,):
-        shape = _bk_shape(packed.row_groups, m, mtw, splits, cl, cps, bks)
-        if shape[2] > smem_limit(x.device):
-            return f"it needs {shape[2]} bytes of shared memory per CTA"
-        kern = _bk_kernel(mtw, splits, bks, glu, cl, conv_k)
-        if cl == 1 or kern.max_cluster_size(*shape) >= cl:
-            return kern, shape, cl
-    raise AssertionError("unreachable")
-
-
 def nvfp4_linear(
     x: torch.Tensor,
     packed: PackedNVFP4,
@@ -607,7 +554,6 @@ def nvfp4_linear(
     rows: torch.Tensor | None = None,
     rdcl: int | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    bk: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -629,8 +575,6 @@ def nvfp4_linear(
     wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none). `rdcl`: the register-direct kernel's
     slices spread over clusters of that many CTAs (a divisor of the slice count; > 1 needs sm_90+; default
     RD_CLUSTERS, falling back to one CTA where the device cannot schedule that cluster).
-    `bk`: ring stages of nvfp4_gemv_bk, the register-direct kernel's split with the weights streamed by
-    bulk copies into shared memory (M <= 8, sm_90+; 0 forbids it; default BK_STAGES at M = 1 where it fits).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -678,20 +622,6 @@ def nvfp4_linear(
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         args += [*conv, conv_c] if conv is not None else []
-        if bk is None and m == 1 and BK_STAGES and not probe:
-            plan = _bk_plan(x, packed, m, mtw, splits, rdcl, cps, BK_STAGES, conv_k)
-        elif bk:
-            if probe:
-                raise ValueError("bk has no probe builds")
-            plan = _bk_plan(x, packed, m, mtw, splits, rdcl, cps, bk, conv_k)
-            if isinstance(plan, str):
-                raise ValueError(f"bk={bk}: {plan}")
-        else:
-            plan = None
-        if isinstance(plan, tuple):  # the bulk-copy build of the same split
-            kern, (grid, block, shmem), cl = plan
-            kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, cl, 1) if cl > 1 else None)
-            return out
         grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
