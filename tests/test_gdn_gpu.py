@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lumo.kernels.gdn import gdn_decode, gdn_decode_ref, gdn_prefill, gdn_prefill_ref
+from lumo.kernels.gdn import (
+    fused_norm_ok,
+    gdn_decode,
+    gdn_decode_norm,
+    gdn_decode_ref,
+    gdn_prefill,
+    gdn_prefill_ref,
+)
+from lumo.kernels.norms import gated_rmsnorm, gated_rmsnorm_ref
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -92,6 +100,73 @@ def test_decode_sums_the_ba_split_k_partials_as_splitk_reduce(nk, nv, dk, dv, hi
     with pytest.raises(ValueError, match="one-token"):
         two = make(2, nk, nv, dk, dv, seed=1)
         gdn_decode(**two, ba_splitk=(part[:, 0, nv:], part[:, 0, :nv]))
+
+
+# Head shapes of the fused recurrence + norm (dv % 32 == 0): 27B, embedded model, 6 and 2 dv tiles a head.
+NORM_SHAPES = [(16, 48, 128, 128), (2, 4, 64, 64), (3, 9, 64, 96), (1, 2, 32, 32)]
+
+
+@pytest.mark.parametrize(
+    "nk,nv,dk,dv", NORM_SHAPES, ids=[f"nk{a}-nv{b}-dk{c}-dv{d}" for a, b, c, d in NORM_SHAPES]
+)
+@pytest.mark.parametrize("param_bf16", [False, True], ids=["pf32", "pbf16"])
+@pytest.mark.parametrize("splitk", [False, True], ids=["ba", "ba_splitk"])
+@pytest.mark.parametrize("early", [False, True], ids=["state_after_wait", "state_early"])
+def test_decode_norm_equals_decode_then_gated_norm(nk, nv, dk, dv, param_bf16, splitk, early):
+    """gdn_decode_norm (one launch) gives bitwise gdn_decode's state and gated_rmsnorm(gdn_decode's bf16 o)'s
+    y, z read from a view into a wider projection row as the runner's; both within bf16 tolerance of the fp32
+    references. With ba_splitk the b/a split-K partials are summed in the kernel as gdn_decode does."""
+    from lumo.kernels.linear import bf16_linear, bf16_linear_partials
+
+    assert fused_norm_ok(dk, dv)
+    inp = make(1, nk, nv, dk, dv, seed=5 * nv + dv)
+    if param_bf16:
+        inp["A_log"], inp["dt_bias"] = inp["A_log"].to(torch.bfloat16), inp["dt_bias"].to(torch.bfloat16)
+    gen = torch.Generator(DEV).manual_seed(dv + nv)
+    proj = torch.randn(1, 3 * nv * dv, generator=gen, device=DEV).to(torch.bfloat16)
+    z = proj[:, nv * dv : 2 * nv * dv].view(1, nv, dv)
+    w = (1 + 0.2 * torch.randn(dv, generator=gen, device=DEV)).to(torch.bfloat16)
+    eps = 1e-6
+    ba_splitk = None
+    if splitk:
+        hid = 16 * 321
+        wba = (torch.randn(2 * nv, hid, generator=gen, device=DEV) * 0.02).to(torch.bfloat16)
+        x = torch.randn(1, hid, generator=gen, device=DEV).to(torch.bfloat16)
+        ba = bf16_linear(x, wba, workspace=torch.empty(16, 32, 2 * nv, device=DEV))
+        part = bf16_linear_partials(x, wba, torch.empty(16, 32, 2 * nv, device=DEV))
+        inp["b"], inp["a"] = ba[:, :nv].contiguous(), ba[:, nv:].contiguous()
+        ba_splitk = (part[:, 0, nv:], part[:, 0, :nv])
+    want_state, state = inp["state"].clone(), inp["state"].clone()
+    o = gdn_decode(**{**inp, "state": want_state}, out=poisoned(1, nv, dv, torch.bfloat16))
+    want = gated_rmsnorm(o, z, w, eps)
+    fed = dict(inp)
+    if splitk:  # a / b are not read
+        fed["a"] = fed["b"] = torch.full_like(inp["a"], float("nan"))
+    out = torch.full((1, nv * dv), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = gdn_decode_norm(
+        **{**fed, "state": state}, z=z, norm_w=w, eps=eps, out=out, ba_splitk=ba_splitk, state_early=early
+    )
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, want) and torch.equal(state, want_state)
+    o_ref, s_ref = gdn_decode_ref(**cpu(inp))
+    y_ref = gated_rmsnorm_ref(o_ref, z.cpu(), w.cpu(), eps)
+    assert rel(got, y_ref) < 1e-2 and rel(state, s_ref) < 1e-5
+
+
+def test_decode_norm_refusals():
+    inp = make(2, 2, 4, 64, 64, seed=1)
+    z = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device=DEV)
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="one token"):
+        gdn_decode_norm(**inp, z=z, norm_w=w, eps=1e-6)
+    one = make(1, 2, 6, 32, 24, seed=1)
+    with pytest.raises(ValueError, match="dv % 32"):
+        gdn_decode_norm(
+            **one, z=torch.zeros(1, 6, 24, dtype=torch.bfloat16, device=DEV), norm_w=w[:24], eps=1e-6
+        )
+    one = make(1, 2, 4, 64, 64, seed=1)
+    with pytest.raises(ValueError, match="z must be"):
+        gdn_decode_norm(**one, z=z.float(), norm_w=w, eps=1e-6)
 
 
 @pytest.mark.parametrize("nk,nv,dk,dv", SHAPES, ids=IDS)

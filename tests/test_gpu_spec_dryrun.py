@@ -294,6 +294,10 @@ def _emulated_ops():
             o[idx.index(i) if rows is not None else i] = oi[0]
         return o
 
+    def gdn_decode_norm(mixed, a, b, A_log, dt_bias, state, z, norm_w, eps, out=None, ba_splitk=None, **_):
+        o = gdn_decode(mixed, a, b, A_log, dt_bias, state, ba_splitk=ba_splitk)  # bf16 o, as the kernel
+        return gated_rmsnorm(o, z, norm_w, eps, out=out)
+
     def gdn_prefill(mixed, a, b, A_log, dt_bias, state, out=None, state_out=None, out_dtype=bf):
         return gdn_decode(mixed, a, b, A_log, dt_bias, state, out, state_out, out_dtype)
 
@@ -448,13 +452,18 @@ def test_emulated_plain_step_with_the_ba_split_k_sum_equals_tree(monkeypatch):
             for part in lw.mixer.ba.parts:
                 monkeypatch.setattr(part, "workspace", torch.empty(1))
     used = []
-    emulated = runner_mod.gdn_decode
 
-    def gdn_decode(*a, ba_splitk=None, **k):
-        used.append(ba_splitk is not None)
-        return emulated(*a, ba_splitk=ba_splitk, **k)
+    def recording(name):  # the plain step calls gdn_decode_norm (fused, the default) or gdn_decode
+        emulated = getattr(runner_mod, name)
 
-    monkeypatch.setattr(runner_mod, "gdn_decode", gdn_decode)
+        def call(*a, ba_splitk=None, **k):
+            used.append(ba_splitk is not None)
+            return emulated(*a, ba_splitk=ba_splitk, **k)
+
+        monkeypatch.setattr(runner_mod, name, call)
+
+    recording("gdn_decode")
+    recording("gdn_decode_norm")
     _, got, want, rs, rp = _tree_then_plain(cfg, gw, SamplingParams(temperature=0.0), 12)
     assert any(used), "the plain step did not take the split-K b/a path"
     assert got[: len(want)] == want

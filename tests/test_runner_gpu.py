@@ -96,6 +96,30 @@ def test_graph_replay_equals_eager_bitwise(variant):
         assert torch.equal(ka[:n], kb[:n])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_gdn_norm_step_equals_two_launches(variant, monkeypatch):
+    """The decode step with the GDN recurrence and output norm in one launch (the default) against the same
+    step with gdn_decode + gated_rmsnorm: logits, tokens and every state bitwise equal at each of 12 steps
+    (sampling on), the fused runner graph-captured."""
+    cfg, _, gw, _ = model(variant)
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=9)
+    ids = rand_ids(37, cfg.vocab_size, seed=4)
+    a, b = GPURunner(cfg, gw, max_len=64), GPURunner(cfg, gw, max_len=64)
+    monkeypatch.setattr(a, "fuse_gdn_norm", False)  # instance attribute: b keeps the class default
+    assert b.fuse_gdn_norm
+    for r in (a, b):
+        r.set_sampling(params)
+        r.prefill(ids)
+    b.capture()
+    for step in range(12):
+        a.decode_step(use_graph=False)
+        b.decode_step()
+        assert torch.equal(a.logits, b.logits), f"step {step}"
+        assert a.token() == b.token(), f"step {step}"
+    for sa, sb in zip(a.gdn_state + a.conv_state, b.gdn_state + b.conv_state, strict=True):
+        assert torch.equal(sa, sb)
+
+
 @pytest.mark.parametrize("chunk", [39, 16], ids=["2-chunks", "5-chunks-gemv"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_chunked_prefill_matches_one_chunk(variant, chunk):

@@ -24,7 +24,15 @@ from ..config import FULL, ModelConfig
 from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_prefill
-from ..kernels.gdn import CHUNKED_MIN_TOKENS, chunked_fits, chunked_workspace_bytes, gdn_decode, gdn_prefill
+from ..kernels.gdn import (
+    CHUNKED_MIN_TOKENS,
+    chunked_fits,
+    chunked_workspace_bytes,
+    fused_norm_ok,
+    gdn_decode,
+    gdn_decode_norm,
+    gdn_prefill,
+)
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
@@ -55,6 +63,12 @@ def join(side: torch.cuda.Stream | None) -> None:
 
 class GPURunner:
     """One sequence on the GPU: packed weights, caches of capacity max_len, static decode buffers."""
+
+    # The decode step's GDN recurrence and output norm in one launch (gdn_decode_norm; the same bits as
+    # gdn_decode + gated_rmsnorm, which run where it is False or the head shape has no fused kernel).
+    fuse_gdn_norm = True
+    # ... loading the layer's state before its PDL wait: the kernel before it (q/k/v/z, b/a) never writes it.
+    gdn_state_early = True
 
     def __init__(
         self,
@@ -340,12 +354,18 @@ class GPURunner:
         # q/k/v/z, then the conv over the state's window and x appended, in the GEMV's epilogue where it can
         g.qkvz(self.x, out=self.gdn_proj, conv=(g.conv1d, cs, self.conv_out))
         join(self.side)
-        nv = self._a.shape[1]
+        nv, eps = self._a.shape[1], self.cfg.rms_norm_eps
         ba_splitk = None if part is None else (part[:, 0, nv:], part[:, 0, :nv])  # [b | a] columns
-        gdn_decode(
-            self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o, ba_splitk=ba_splitk
-        )
-        gated_rmsnorm(self.gdn_o, self._z, g.norm, self.cfg.rms_norm_eps, out=self.gdn_y)
+        if self.fuse_gdn_norm and fused_norm_ok(ss.shape[1], ss.shape[2]):
+            gdn_decode_norm(
+                self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, self._z, g.norm, eps,
+                out=self.gdn_y, ba_splitk=ba_splitk, state_early=self.gdn_state_early,
+            )  # fmt: skip
+        else:
+            gdn_decode(
+                self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o, ba_splitk=ba_splitk
+            )
+            gated_rmsnorm(self.gdn_o, self._z, g.norm, eps, out=self.gdn_y)
         g.out_proj(self.gdn_y, out=self.delta)
 
     @torch.inference_mode()

@@ -29,7 +29,7 @@ from .conv import (
     conv_state_commit,
     conv_state_commit_ref,
 )
-from .gdn import gdn_decode, gdn_decode_ref, gdn_dvt, gdn_prefill, gdn_prefill_ref
+from .gdn import gdn_decode, gdn_decode_norm, gdn_decode_ref, gdn_dvt, gdn_prefill, gdn_prefill_ref
 from .gdn_tree import gdn_qk, gdn_qk_ref, gdn_tree, gdn_tree_ref
 from .linear import (
     PackedNVFP4,
@@ -96,6 +96,7 @@ __all__ = [
     "gated_rmsnorm",
     "gated_rmsnorm_ref",
     "gdn_decode",
+    "gdn_decode_norm",
     "gdn_decode_ref",
     "gdn_dvt",
     "gdn_prefill",

@@ -13,6 +13,7 @@
 // lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVT=16 PARAM_BF16=0 OUT_BF16=1
 // lumo:test-defines NK=2 NV=4 DK=64 DV=64 DVT=16 PARAM_BF16=1 OUT_BF16=0
 // lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVT=8 PARAM_BF16=0 OUT_BF16=0
+// lumo:test-defines NK=3 NV=9 DK=64 DV=96 DVT=16 PARAM_BF16=1 OUT_BF16=1
 
 #include <cuda_bf16.h>
 
@@ -106,3 +107,62 @@ extern "C" __global__ void __launch_bounds__(32)
   }
   gdn_store_state(state_out + soff, S);
 }
+
+// ------------------------------------------------------------------------------------------------
+// gdn_recurrent_norm: the one-token decode (T = 1) of gdn_recurrent with the GDN output norm fused (norms.cu
+// gated_rmsnorm: y = w * rmsnorm(bf16(o)) * silu(z) per value head), one launch instead of two. Grid NV,
+// block 32 * DV / DVT: warp w of CTA h runs gdn_recurrent's warp (h, w) unchanged (same tile, same
+// arithmetic, the state updated in place), rounds its o columns to bf16 into shared memory, and after one
+// barrier warp 0 normalises the head with gated_norm.cuh, the code gated_rmsnorm runs: y, o and the state
+// are bitwise those of gdn_recurrent + gated_rmsnorm. o itself is not written. z [NV * DV] bf16 (the
+// projection's z columns of the one row), norm_w [DV] bf16, y [NV * DV] bf16.
+// state_early != 0 loads the state tile before pdl_wait. Legal only where no kernel that may still be
+// running when this one starts writes the state: under PDL that is any kernel but the one right before it
+// (the one before that has completed once its successor's pdl_wait returned, and so on back). In the
+// runner's decode step the kernel before it is the q/k/v/z GEMV (and the b/a GEMV on the side stream).
+#if DV % 32 == 0 && DV / DVT <= 32
+#include "gated_norm.cuh"
+#include "vec.cuh"
+
+extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
+    gdn_recurrent_norm(const bf16* __restrict__ mixed, const bf16* __restrict__ a, const bf16* __restrict__ b,
+                       const gdn_param_t* __restrict__ A_log, const gdn_param_t* __restrict__ dt_bias,
+                       float* state, const bf16* __restrict__ z, const bf16* __restrict__ norm_w,
+                       bf16* __restrict__ y, float eps, const float* __restrict__ pa,
+                       const float* __restrict__ pb, int part_stride, int ba_splits, int state_early) {
+  constexpr int E = DV / 32;
+  __shared__ __align__(16) bf16 o_head[DV];
+  const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j0 = warp * DVT;
+  const size_t soff = gdn_state_offset(h, j0, lane);
+  // Before the wait: the gate parameters and norm weight (no kernel writes them), and the state tile itself
+  // where the caller vouches that no kernel still running may write it (state_early), else an L2 request.
+  const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
+  float wv[E], zv[E];
+  if (warp == 0) ld_bf16<E>(norm_w + lane * E, wv);
+  float4 S[GDN_R];
+  if (state_early)
+    gdn_load_state(state + soff, S);
+  else
+    gdn_prefetch_state(state + soff, lane);
+  pdl_begin();
+  if (!state_early) gdn_load_state(state + soff, S);
+  if (warp == 0) ld_bf16<E>(z + h * DV + lane * E, zv);
+  GdnRaw raw;
+  if (ba_splits > 0)
+    gdn_fetch(mixed, h, j0, lane, ba_sum(pa, part_stride, ba_splits, h), ba_sum(pb, part_stride, ba_splits, h),
+              raw);
+  else
+    gdn_fetch(mixed, h, j0, lane, __bfloat162float(a[h]), __bfloat162float(b[h]), raw);
+  GdnToken tok;
+  gdn_prepare(raw, A, dtb, tok);
+  const float4 o = gdn_step(S, tok);
+  if (lane < GDN_CQ) gdn_write_o(o_head + j0 + 4 * lane, o);
+  gdn_store_state(state + soff, S);
+  __syncthreads();
+  if (warp != 0) return;
+  float ov[E], out[E];
+  ld_bf16<E>(o_head + lane * E, ov);
+  gated_norm_warp<DV>(ov, zv, wv, eps, out);
+  st_bf16<E>(y + h * DV + lane * E, out);
+}
+#endif

@@ -149,19 +149,9 @@ def gdn_decode(
     """
     nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
     T = mixed.shape[0]
-    part = [ctypes.c_void_p(0), ctypes.c_void_p(0), 0, 0]
-    if ba_splitk is not None:
-        pa, pb = ba_splitk
-        ok = all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == nv for p in ba_splitk)
-        ok = ok and pa.stride(1) == pb.stride(1) == 1
-        ok = ok and pa.shape[0] == pb.shape[0] and pa.stride(0) == pb.stride(0)
-        if not ok or pa.device != mixed.device or pb.device != mixed.device:
-            raise ValueError(f"ba_splitk must be two f32 [S, {nv}] views with one slice stride")
-        if not 1 <= pa.shape[0] <= 16:  # gdn.cu BA_MAX_SPLITS = linear.MAX_SPLITS (gdn.py cannot import it)
-            raise ValueError(f"ba_splitk holds 1..16 slices, got {pa.shape[0]}")
-        if T != 1 or rows is not None or count is not None:
-            raise ValueError("ba_splitk serves the one-token decode (T = 1, no rows / count)")
-        part = [pa, pb, pa.stride(0), pa.shape[0]]
+    if ba_splitk is not None and (T != 1 or rows is not None or count is not None):
+        raise ValueError("ba_splitk serves the one-token decode (T = 1, no rows / count)")
+    part = _ba_parts(ba_splitk, nv, mixed.device)
     for name, idx in (("rows", rows), ("count", count)):
         if idx is not None and (idx.dtype != torch.int32 or idx.dim() != 1 or not idx.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous int32 vector, got {idx.dtype} {tuple(idx.shape)}")
@@ -185,6 +175,76 @@ def gdn_decode(
     args += [ctypes.c_void_p(0) if t is None else t for t in (rows, count)] + part
     kern.launch((nv, dv // gdn_dvt(dk, dv)), 32, args, pdl=True)
     return out
+
+
+def _ba_parts(ba_splitk: tuple[torch.Tensor, torch.Tensor] | None, nv: int, device: torch.device) -> list:
+    """The kernels' (pa, pb, part_stride, ba_splits) arguments for gdn_decode's `ba_splitk` (checked)."""
+    if ba_splitk is None:
+        return [ctypes.c_void_p(0), ctypes.c_void_p(0), 0, 0]
+    pa, pb = ba_splitk
+    ok = all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == nv for p in ba_splitk)
+    ok = ok and pa.stride(1) == pb.stride(1) == 1
+    ok = ok and pa.shape[0] == pb.shape[0] and pa.stride(0) == pb.stride(0)
+    if not ok or pa.device != device or pb.device != device:
+        raise ValueError(f"ba_splitk must be two f32 [S, {nv}] views with one slice stride")
+    if not 1 <= pa.shape[0] <= 16:  # gdn.cu BA_MAX_SPLITS = linear.MAX_SPLITS (gdn.py cannot import it)
+        raise ValueError(f"ba_splitk holds 1..16 slices, got {pa.shape[0]}")
+    return [pa, pb, pa.stride(0), pa.shape[0]]
+
+
+def gdn_decode_norm(
+    mixed: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    z: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+    ba_splitk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    state_early: bool = False,
+) -> torch.Tensor:
+    """One decode token's GDN recurrence and output norm in one launch (gdn.cu `gdn_recurrent_norm`):
+    y = gated_rmsnorm(gdn_decode(...), z, norm_w, eps), bitwise those two launches (o rounded to bf16
+    first, as the model does), the state updated in place the same way. o itself is not returned.
+
+    mixed [1, C], a, b [1, nv], A_log, dt_bias, state and ba_splitk as gdn_decode (T = 1); z [1, nv, dv]
+    bf16 with contiguous heads (a view into the fused projection output is fine), norm_w [dv] bf16.
+    Returns y [1, nv * dv] bf16 (`out` if given). Needs dv % 32 == 0 and dv / gdn_dvt(dk, dv) <= 32
+    (every model-family shape; `fused_norm_ok`).
+    `state_early`: the kernel loads the state before its PDL wait, overlapping the kernel before it. Pass
+    True only when the kernel launched right before this one (on this stream, or joined into it) does not
+    write `state`; every earlier one has completed by then (gdn.cu says why). Same bits either way.
+    """
+    nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
+    if mixed.shape[0] != 1:
+        raise ValueError(f"gdn_decode_norm runs one token, got {mixed.shape[0]} rows")
+    if not fused_norm_ok(dk, dv):
+        raise ValueError(f"gdn_decode_norm needs dv % 32 == 0 and at most 32 dv tiles, got dk={dk} dv={dv}")
+    part = _ba_parts(ba_splitk, nv, mixed.device)
+    if z.dtype != torch.bfloat16 or tuple(z.shape) != (1, nv, dv) or z.stride(2) != 1 or z.stride(1) != dv:
+        raise ValueError(
+            f"z must be bf16 [1, {nv}, {dv}] with contiguous heads, got {z.dtype} {tuple(z.shape)}"
+        )
+    if norm_w.dtype != torch.bfloat16 or tuple(norm_w.shape) != (dv,) or not norm_w.is_contiguous():
+        raise ValueError(f"norm_w must be contiguous bf16 [{dv}]")
+    if out is None:
+        out = torch.empty(1, nv * dv, dtype=torch.bfloat16, device=mixed.device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (1, nv * dv) or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous bf16 [1, {nv * dv}]")
+    if any(t.data_ptr() % 16 for t in (z, norm_w, out)):
+        raise ValueError("z, norm_w and out must be 16-byte aligned")
+    kern = _kernel("gdn", "gdn_recurrent_norm", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, True)
+    args = [mixed, a, b, A_log, dt_bias, state, z, norm_w, out, float(eps), *part, int(state_early)]
+    kern.launch(nv, 32 * (dv // gdn_dvt(dk, dv)), args, pdl=True)
+    return out
+
+
+def fused_norm_ok(dk: int, dv: int) -> bool:
+    """Whether gdn_decode_norm serves this head shape (its norm warp needs dv % 32 == 0; one CTA a head)."""
+    return dv % 32 == 0 and dv // gdn_dvt(dk, dv) <= 32
 
 
 # The chunked prefill (gdn_chunk.cu; H200 measurements in docs/kernels-gdn.md).

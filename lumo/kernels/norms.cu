@@ -41,6 +41,7 @@ static_assert(NT % 32 == 0 && NT <= 1024, "NT must be a multiple of 32");
 static_assert(DV % 32 == 0, "DV must be a multiple of 32");
 
 #include "act.cuh"
+#include "gated_norm.cuh"
 #include "pdl.cuh"
 #include "vec.cuh"
 
@@ -156,13 +157,7 @@ extern "C" __global__ void __launch_bounds__(32 * GWARPS)
   ld_bf16<EPL>(o + t * o_rs + col, ov);
 #endif
   ld_bf16<EPL>(z + t * z_rs + col, zv);
-  float ss = 0.0f;
-#pragma unroll
-  for (int j = 0; j < EPL; ++j) ss = fmaf(ov[j], ov[j], ss);
-  ss = warp_sum(ss);
-  const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)DV), eps));
-#pragma unroll
-  for (int j = 0; j < EPL; ++j) out[j] = __fmul_rn(__fmul_rn(__fmul_rn(ov[j], r), wv[j]), silu(zv[j]));
+  gated_norm_warp<DV>(ov, zv, wv, eps, out);
   st_bf16<EPL>(y + (size_t)t * nv * DV + col, out);
 }
 
