@@ -294,7 +294,7 @@ def _emulated_ops():
             o[idx.index(i) if rows is not None else i] = oi[0]
         return o
 
-    def gdn_decode_norm(mixed, a, b, A_log, dt_bias, state, z, norm_w, eps, out=None, ba_splitk=None, **_):
+    def gdn_decode_norm(mixed, a, b, A_log, dt_bias, state, z, norm_w, eps, out=None, ba_splitk=None):
         o = gdn_decode(mixed, a, b, A_log, dt_bias, state, ba_splitk=ba_splitk)  # bf16 o, as the kernel
         return gated_rmsnorm(o, z, norm_w, eps, out=out)
 

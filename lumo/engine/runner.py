@@ -67,8 +67,6 @@ class GPURunner:
     # The decode step's GDN recurrence and output norm in one launch (gdn_decode_norm; the same bits as
     # gdn_decode + gated_rmsnorm, which run where it is False or the head shape has no fused kernel).
     fuse_gdn_norm = True
-    # ... loading the layer's state before its PDL wait: the kernel before it (q/k/v/z, b/a) never writes it.
-    gdn_state_early = True
 
     def __init__(
         self,
@@ -359,7 +357,7 @@ class GPURunner:
         if self.fuse_gdn_norm and fused_norm_ok(ss.shape[1], ss.shape[2]):
             gdn_decode_norm(
                 self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, self._z, g.norm, eps,
-                out=self.gdn_y, ba_splitk=ba_splitk, state_early=self.gdn_state_early,
+                out=self.gdn_y, ba_splitk=ba_splitk,
             )  # fmt: skip
         else:
             gdn_decode(

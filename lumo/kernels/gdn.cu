@@ -116,10 +116,6 @@ extern "C" __global__ void __launch_bounds__(32)
 // barrier warp 0 normalises the head with gated_norm.cuh, the code gated_rmsnorm runs: y, o and the state
 // are bitwise those of gdn_recurrent + gated_rmsnorm. o itself is not written. z [NV * DV] bf16 (the
 // projection's z columns of the one row), norm_w [DV] bf16, y [NV * DV] bf16.
-// state_early != 0 loads the state tile before pdl_wait. Legal only where no kernel that may still be
-// running when this one starts writes the state: under PDL that is any kernel but the one right before it
-// (the one before that has completed once its successor's pdl_wait returned, and so on back). In the
-// runner's decode step the kernel before it is the q/k/v/z GEMV (and the b/a GEMV on the side stream).
 #if DV % 32 == 0 && DV / DVT <= 32
 #include "gated_norm.cuh"
 #include "vec.cuh"
@@ -129,23 +125,19 @@ extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
                        const gdn_param_t* __restrict__ A_log, const gdn_param_t* __restrict__ dt_bias,
                        float* state, const bf16* __restrict__ z, const bf16* __restrict__ norm_w,
                        bf16* __restrict__ y, float eps, const float* __restrict__ pa,
-                       const float* __restrict__ pb, int part_stride, int ba_splits, int state_early) {
+                       const float* __restrict__ pb, int part_stride, int ba_splits) {
   constexpr int E = DV / 32;
   __shared__ __align__(16) bf16 o_head[DV];
   const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j0 = warp * DVT;
   const size_t soff = gdn_state_offset(h, j0, lane);
-  // Before the wait: the gate parameters and norm weight (no kernel writes them), and the state tile itself
-  // where the caller vouches that no kernel still running may write it (state_early), else an L2 request.
+  // Before the wait: the gate parameters and norm weight (no kernel writes them), an L2 request for the tile.
   const float A = gdn_param(A_log, h), dtb = gdn_param(dt_bias, h);
   float wv[E], zv[E];
   if (warp == 0) ld_bf16<E>(norm_w + lane * E, wv);
-  float4 S[GDN_R];
-  if (state_early)
-    gdn_load_state(state + soff, S);
-  else
-    gdn_prefetch_state(state + soff, lane);
+  gdn_prefetch_state(state + soff, lane);
   pdl_begin();
-  if (!state_early) gdn_load_state(state + soff, S);
+  float4 S[GDN_R];
+  gdn_load_state(state + soff, S);
   if (warp == 0) ld_bf16<E>(z + h * DV + lane * E, zv);
   GdnRaw raw;
   if (ba_splits > 0)

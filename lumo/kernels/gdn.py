@@ -204,7 +204,6 @@ def gdn_decode_norm(
     eps: float,
     out: torch.Tensor | None = None,
     ba_splitk: tuple[torch.Tensor, torch.Tensor] | None = None,
-    state_early: bool = False,
 ) -> torch.Tensor:
     """One decode token's GDN recurrence and output norm in one launch (gdn.cu `gdn_recurrent_norm`):
     y = gated_rmsnorm(gdn_decode(...), z, norm_w, eps), bitwise those two launches (o rounded to bf16
@@ -214,9 +213,6 @@ def gdn_decode_norm(
     bf16 with contiguous heads (a view into the fused projection output is fine), norm_w [dv] bf16.
     Returns y [1, nv * dv] bf16 (`out` if given). Needs dv % 32 == 0 and dv / gdn_dvt(dk, dv) <= 32
     (every model-family shape; `fused_norm_ok`).
-    `state_early`: the kernel loads the state before its PDL wait, overlapping the kernel before it. Pass
-    True only when the kernel launched right before this one (on this stream, or joined into it) does not
-    write `state`; every earlier one has completed by then (gdn.cu says why). Same bits either way.
     """
     nk, nv, dk, dv = _check_operands(mixed, a, b, A_log, dt_bias, state)
     if mixed.shape[0] != 1:
@@ -237,7 +233,7 @@ def gdn_decode_norm(
     if any(t.data_ptr() % 16 for t in (z, norm_w, out)):
         raise ValueError("z, norm_w and out must be 16-byte aligned")
     kern = _kernel("gdn", "gdn_recurrent_norm", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, True)
-    args = [mixed, a, b, A_log, dt_bias, state, z, norm_w, out, float(eps), *part, int(state_early)]
+    args = [mixed, a, b, A_log, dt_bias, state, z, norm_w, out, float(eps), *part]
     kern.launch(nv, 32 * (dv // gdn_dvt(dk, dv)), args, pdl=True)
     return out
 
