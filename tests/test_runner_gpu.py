@@ -46,6 +46,21 @@ def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def lockstep(a: GPURunner, b: GPURunner, steps: int, capture_at: int) -> None:
+    """Runner a decodes eagerly, runner b captures its graph before step `capture_at` and replays it: logits
+    and tokens bitwise equal at every step, then every GDN / conv state."""
+    for step in range(steps):
+        if step == capture_at:
+            b.capture()
+            assert b.length == a.length and b.token() == a.token()  # capture left the state untouched
+        a.decode_step(use_graph=False)
+        b.decode_step()
+        assert torch.equal(a.logits, b.logits), f"step {step}"
+        assert a.token() == b.token(), f"step {step}"
+    for sa, sb in zip(a.gdn_state + a.conv_state, b.gdn_state + b.conv_state, strict=True):
+        assert torch.equal(sa, sb)
+
+
 @pytest.mark.parametrize("T", [77, 250], ids=["T77", "T250"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_vs_cpu_reference(variant, T):
@@ -81,16 +96,7 @@ def test_graph_replay_equals_eager_bitwise(variant):
         r.set_sampling(params)
         r.prefill(ids)
     assert a.token() == b.token()
-    for step in range(23):
-        if step == 3:
-            b.capture()
-            assert b.length == a.length and b.token() == a.token()  # capture left the state untouched
-        a.decode_step(use_graph=False)
-        b.decode_step()
-        assert torch.equal(a.logits, b.logits), f"step {step}"
-        assert a.token() == b.token(), f"step {step}"
-    for sa, sb in zip(a.gdn_state + a.conv_state, b.gdn_state + b.conv_state, strict=True):
-        assert torch.equal(sa, sb)
+    lockstep(a, b, steps=23, capture_at=3)
     n = a.length
     for ka, kb in zip(a.kv_k + a.kv_v, b.kv_k + b.kv_v, strict=True):
         assert torch.equal(ka[:n], kb[:n])
@@ -110,14 +116,7 @@ def test_fused_gdn_norm_step_equals_two_launches(variant, monkeypatch):
     for r in (a, b):
         r.set_sampling(params)
         r.prefill(ids)
-    b.capture()
-    for step in range(12):
-        a.decode_step(use_graph=False)
-        b.decode_step()
-        assert torch.equal(a.logits, b.logits), f"step {step}"
-        assert a.token() == b.token(), f"step {step}"
-    for sa, sb in zip(a.gdn_state + a.conv_state, b.gdn_state + b.conv_state, strict=True):
-        assert torch.equal(sa, sb)
+    lockstep(a, b, steps=12, capture_at=0)
 
 
 @pytest.mark.parametrize("chunk", [39, 16], ids=["2-chunks", "5-chunks-gemv"])
