@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lumo.kernels.gdn import gdn_decode_ref, gdn_dvt, gdn_prefill_ref
+from lumo.kernels.gdn import gdn_decode, gdn_decode_norm, gdn_decode_ref, gdn_dvt, gdn_prefill_ref
 from lumo.model import causal_conv, gated_rmsnorm, gdn_mixer, linear
 from lumo.weights import DenseLinear, GDNWeights
 
@@ -193,3 +193,18 @@ def test_chunked_prefill_launcher_facts():
             gdn_prefill(**rand_inputs(200, 1, 2, 64, 16, seed=1), chunked=chunked, scan="wgmma")
     plan = memory_plan(config_27b(), 4096)["prefill_chunk"]
     assert 2048 >= CHUNKED_MIN_TOKENS and plan > chunked_workspace_bytes(2048, 48, 128, 128) > 100 << 20
+
+
+def test_launchers_refuse_operands_on_another_device():
+    """The GDN decode launchers check devices before any launch (CPU: meta tensors stand in for a second
+    device; nothing is computed)."""
+    nv, dv = 4, 64
+    inp = rand_inputs(1, 2, nv, 64, dv, seed=0)
+    z = torch.zeros(1, nv, dv, dtype=torch.bfloat16)
+    w = torch.ones(dv, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="state is on meta"):
+        gdn_decode(**{**inp, "state": inp["state"].to("meta")})
+    for name, t in (("z", z), ("norm_w", w), ("out", torch.empty(1, nv * dv, dtype=torch.bfloat16))):
+        args = dict(z=z, norm_w=w, out=None) | {name: t.to("meta")}
+        with pytest.raises(ValueError, match=f"{name} is on meta"):
+            gdn_decode_norm(**inp, eps=1e-6, **args)

@@ -3,7 +3,7 @@
 // Lane L holds values L * E .. L * E + E - 1 (E = DVN / 32) of o' = f32(bf16(o)), z and the norm weight w:
 //   y = ((o' * rsqrt(sum(o'^2) / DVN + eps)) * w) * silu(z)   (the caller rounds y to bf16)
 // The sum of squares is the lane's fmaf chain in value order, then an xor butterfly 16, 8, .., 1 (every lane
-// ends with the same bits); each product and sum is rounded separately.
+// ends with the same bits); every other product and sum is rounded separately (no contraction).
 #pragma once
 #include "act.cuh"
 

@@ -113,8 +113,8 @@ extern "C" __global__ void __launch_bounds__(32)
 // gated_rmsnorm: y = w * rmsnorm(bf16(o)) * silu(z) per value head), one launch instead of two. Grid NV,
 // block 32 * DV / DVT: warp w of CTA h runs gdn_recurrent's warp (h, w) unchanged (same tile, same
 // arithmetic, the state updated in place), rounds its o columns to bf16 into shared memory, and after one
-// barrier warp 0 normalises the head with gated_norm.cuh, the code gated_rmsnorm runs: y, o and the state
-// are bitwise those of gdn_recurrent + gated_rmsnorm. o itself is not written. z [NV * DV] bf16 (the
+// barrier warp 0 normalises the head with gated_norm.cuh, the code gated_rmsnorm runs: y and the state are
+// bitwise those of gdn_recurrent (bf16 o) + gated_rmsnorm. o itself is not written. z [NV * DV] bf16 (the
 // projection's z columns of the one row), norm_w [DV] bf16, y [NV * DV] bf16.
 #if DV % 32 == 0 && DV / DVT <= 32
 #include "gated_norm.cuh"

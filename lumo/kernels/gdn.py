@@ -101,7 +101,15 @@ def _check_operands(mixed, a, b, A_log, dt_bias, state) -> tuple[int, int, int, 
     _check_rows(b, R, nv, "b")
     _check_gates(A_log, dt_bias, nv)
     _check_state(state, (nv, dk, dv), "state")
+    _check_device(mixed.device, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state)
     return nk, nv, dk, dv
+
+
+def _check_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Every operand on `device` (a kernel handed another device's pointer would fault, not explain)."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the other operands on {device}")
 
 
 def _check_mixed(mixed: torch.Tensor, C: int) -> None:
@@ -230,6 +238,7 @@ def gdn_decode_norm(
         out = torch.empty(1, nv * dv, dtype=torch.bfloat16, device=mixed.device)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (1, nv * dv) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous bf16 [1, {nv * dv}]")
+    _check_device(mixed.device, z=z, norm_w=norm_w, out=out)
     if any(t.data_ptr() % 16 for t in (z, norm_w, out)):
         raise ValueError("z, norm_w and out must be 16-byte aligned")
     kern = _kernel("gdn", "gdn_recurrent_norm", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, True)

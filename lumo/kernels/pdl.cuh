@@ -8,8 +8,10 @@
 // more use for SM resources that the next kernel's prologue could use well. In lumo every kernel but the
 // prefill's weight dequantisation is PDL-launched: the GEMVs read weights, wait, and trigger after their
 // main loop; the row kernels load their weights (norm, conv, A_log / dt_bias) and ask L2 for the rows
-// they will read (pdl_prefetch_l2), then pdl_begin() (wait, then trigger), except the two before the
-// out-projections, which trigger first (pdl_begin_early, below).
+// they will read (pdl_prefetch_l2), then pdl_begin() (wait, then trigger), except the gated norm and the
+// attention merge, the row kernels right before the out-projections, which trigger first (pdl_begin_early,
+// below). The plain decode step's fused GDN recurrence + norm (gdn_recurrent_norm) waits first: its
+// trigger then places the out-projection where the gated norm's did, right after the recurrence's wait.
 //
 // Contract of what a GEMV reads before pdl_wait(): its weights, which no kernel of the step writes (they
 // are packed at load). A kernel that writes a weight right before a PDL GEMV would need a pdl_wait()
