@@ -130,6 +130,7 @@ class GPURunner:
         self._qg, self._k, self._v = self._attn_views(self.attn_proj, 1)
         self._z = self.gdn_proj[:, C:].view(1, nv, dv)  # q/k/v (pre-conv) are the first C columns
         self._b, self._a = self.gdn_ba[:, :nv], self.gdn_ba[:, nv:]
+        self._gdn_norm_fits = fused_norm_ok(dk, dv)  # the head shape has a fused recurrence + norm kernel
         # The GDN b/a projection (5120 -> 96 on the 27B: a few CTAs, latency-bound) runs on a side
         # stream beside the q/k/v/z GEMV (whose epilogue runs the conv), joined before the GDN kernel,
         # which sums its split-K slices itself (no reduce launch): in the captured graph a parallel branch,
@@ -354,7 +355,7 @@ class GPURunner:
         join(self.side)
         nv, eps = self._a.shape[1], self.cfg.rms_norm_eps
         ba_splitk = None if part is None else (part[:, 0, nv:], part[:, 0, :nv])  # [b | a] columns
-        if self.fuse_gdn_norm and fused_norm_ok(ss.shape[1], ss.shape[2]):
+        if self.fuse_gdn_norm and self._gdn_norm_fits:
             gdn_decode_norm(
                 self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, self._z, g.norm, eps,
                 out=self.gdn_y, ba_splitk=ba_splitk,
