@@ -193,6 +193,45 @@ def test_split_k_variants_equal_cross_cta(splits):
             assert torch.equal(y, cross), (m, kw)
 
 
+@pytest.mark.parametrize("splits", [2, 8, 16])
+def test_staged_weights_keep_the_bits(monkeypatch, splits):
+    """nvfp4_linear(stage=True): the register-direct kernel with every warp's slice copied into shared
+    memory before its wait (linear.cu STG) gives the bits of the usual launch for every tile width,
+    prefetch depth, cluster size and M <= 32 (a short last slice, empty slices, a partial row group); where
+    one wave cannot hold the grid the usual kernel runs, the same bits."""
+    from lumo.kernels import linear
+
+    gen = torch.Generator(DEV).manual_seed(31 + splits)
+    n, k = 64 * 5 + 27, 16 * 8 * splits + 16 * 5
+    w, s, s2 = rand_nvfp4(n, k, gen)
+    packed = pack_nvfp4(w, s, s2, splits=splits)
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    staged = []  # (staged?, its shared memory per CTA) of each launch
+    fits = linear._stage_fits
+    monkeypatch.setattr(linear, "_stage_fits", lambda *a: staged.append((fits(*a), a[3])) or staged[-1][0])
+    for m in (1, 3, 9, 17, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        want = nvfp4_linear(x, packed)
+        assert rel_err(want, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
+        for rd in (None, (1, 2), (2, 2), (2, 3), (4, 2)):
+            for rdcl in [None] + [c for c in (2, 4) if clusters and splits % c == 0 and rd is not None]:
+                staged.clear()
+                y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=rd, rdcl=rdcl, stage=True)
+                assert torch.equal(y, want), (m, rd, rdcl)
+                if rd is None and linear.choose_rd(splits, m) is None:
+                    assert staged == [], m  # the default is a ring kernel there: nothing to stage
+                    continue
+                # A grid of ~20 CTAs: one wave holds it wherever a CTA's copy fits shared memory.
+                assert len(staged) == 1 and staged[0][0] == (staged[0][1] <= smem_limit(x.device)), (m, rd)
+                assert rd is not None or staged[0][0], m  # the default launch stages here
+    x = x[:1]
+    want = nvfp4_linear(x, packed)
+    monkeypatch.setattr(linear, "sm_count", lambda device: 0)  # no CTA slot: never one wave
+    staged.clear()
+    y = nvfp4_linear(x, packed, out=poisoned(1, n), stage=True)
+    assert staged[0][0] is False and torch.equal(y, want)
+
+
 @pytest.mark.parametrize("rd", [True, False], ids=["one-warp", "bf16_gemv"])
 def test_bf16_batch_invariant(rd):
     gen = torch.Generator(DEV).manual_seed(5)
@@ -256,6 +295,7 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
     fused = pack_fused([gate, up], splits=splits, glu=True)
     assert fused.out_features == i and fused.splits == splits
     knobs = [{}, dict(rd=False, cluster=False), dict(rd=(1, 2)), dict(rd=(4, 2)), dict(sx=(8, 2, 3))]
+    knobs += [dict(stage=True), dict(rd=(2, 2), stage=True)]  # the weights staged in shared memory
     if torch.cuda.get_device_capability()[0] >= 9:
         knobs += [dict(rd=False, cluster=True)] + ([dict(rd=(1, 2), rdcl=2)] if splits % 2 == 0 else [])
     for m in (1, 2, 7, 9, 17, 32):
@@ -310,8 +350,9 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
     cw = (torch.randn(c, taps, generator=gen, device=DEV) * 0.5).to(torch.bfloat16)
     state0 = torch.randn(c, taps - 1, generator=gen, device=DEV).to(torch.bfloat16)
     knobs = [{}, dict(rd=(1, 2)), dict(rd=(2, 3)), dict(rd=False, cluster=False), dict(sx=(8, 2, 3))]
+    knobs += [dict(stage=True), dict(rd=(2, 3), stage=True)]  # the weights staged in shared memory
     if torch.cuda.get_device_capability()[0] >= 9 and splits % 2 == 0:
-        knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True)]
+        knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True), dict(rd=(1, 2), rdcl=2, stage=True)]
     xs = [torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]
     want_state = state0.clone()
     want = []

@@ -122,6 +122,28 @@ def test_fused_gdn_norm_step_equals_two_launches(variant, monkeypatch):
     lockstep(a, b, steps=12, capture_at=0)
 
 
+def test_staged_out_projection_step_equals_unstaged(monkeypatch):
+    """The decode step with the out-projections' weights staged in shared memory before their wait (the
+    default: nvfp4_linear's `stage`) against the usual launch: logits, tokens and every state bitwise equal
+    at each of 12 steps (sampling on), the staged runner graph-captured; the staged kernel ran."""
+    from lumo.kernels import linear
+
+    cfg, _, gw, _ = model("lumo-tiny-nvfp4")
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=3)
+    ids = rand_ids(29, cfg.vocab_size, seed=6)
+    a, b = GPURunner(cfg, gw, max_len=64), GPURunner(cfg, gw, max_len=64)
+    monkeypatch.setattr(a, "stage_gdn_out_proj", False)  # instance attribute: b keeps the class default
+    assert b.stage_gdn_out_proj
+    staged = []
+    fits = linear._stage_fits
+    monkeypatch.setattr(linear, "_stage_fits", lambda *args: staged.append(fits(*args)) or staged[-1])
+    for r in (a, b):
+        r.set_sampling(params)
+        r.prefill(ids)
+    lockstep(a, b, steps=12, capture_at=0)
+    assert staged and all(staged)  # every out-projection of the tiny model fits one wave
+
+
 @pytest.mark.parametrize("chunk", [39, 16], ids=["2-chunks", "5-chunks-gemv"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_chunked_prefill_matches_one_chunk(variant, chunk):

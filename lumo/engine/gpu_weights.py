@@ -64,10 +64,12 @@ class LinearPart:
         out: torch.Tensor | None,
         rows: torch.Tensor | None = None,
         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        stage: bool = False,
     ) -> torch.Tensor:
-        """conv (NVFP4 parts only): nvfp4_linear's fused GDN decode conv."""
+        """conv, stage (NVFP4 parts only): nvfp4_linear's fused GDN decode conv, weights staged in shared
+        memory before the wait."""
         if self.packed is not None:
-            return nvfp4_linear(x, self.packed, out=out, rows=rows, conv=conv)
+            return nvfp4_linear(x, self.packed, out=out, rows=rows, conv=conv, stage=stage)
         return bf16_linear(x, self.weight, out=out, workspace=self.workspace)
 
     def nbytes(self) -> int:
@@ -103,11 +105,13 @@ class GPULinear:
         out: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        stage: bool = False,
     ) -> torch.Tensor:
         """rows: a fused-SwiGLU weight's interleaved-rows workspace (nvfp4_linear). conv: (w [C, K], state
         [C, K-1], y [1, C]) of the GDN decode conv over the output's first C columns, for one token: run by
         the GEMV's epilogue where an NVFP4 first part holds those columns (nvfp4_linear), else by
-        conv_decode after it (the same bits)."""
+        conv_decode after it (the same bits). stage: NVFP4 parts copy their weights into shared memory
+        before they wait for the previous kernel, where one wave holds them (nvfp4_linear; same bits)."""
         if conv is not None:
             first, c = self.parts[0], conv[0].shape[0]
             if x.shape[0] != 1:
@@ -118,7 +122,7 @@ class GPULinear:
                 conv_decode(y[:, :c], conv[0], conv[1], out=conv[2])
                 return y
         if len(self.parts) == 1:
-            return self.parts[0].run(x, out, rows, conv)
+            return self.parts[0].run(x, out, rows, conv, stage)
         if out is None:
             out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16, device=x.device)
         col = 0
@@ -126,9 +130,9 @@ class GPULinear:
             dst = out[:, col : col + p.n]
             # One row (decode) is a contiguous slice: written in place. Several rows (prefill) are not.
             if dst.is_contiguous() and dst.data_ptr() % 16 == 0:
-                p.run(x, dst, conv=conv if col == 0 else None)  # one row: the first part's conv (above)
+                p.run(x, dst, conv=conv if col == 0 else None, stage=stage)  # one row: the first part's conv
             else:
-                dst.copy_(p.run(x, None))
+                dst.copy_(p.run(x, None, stage=stage))
             col += p.n
         return out
 

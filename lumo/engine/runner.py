@@ -67,6 +67,10 @@ class GPURunner:
     # The decode step's GDN recurrence and output norm in one launch (gdn_decode_norm; the same bits as
     # gdn_decode + gated_rmsnorm, which run where it is False or the head shape has no fused kernel).
     fuse_gdn_norm = True
+    # The decode step's GDN out-projection copies its weights into shared memory while the recurrence before
+    # it runs (nvfp4_linear's `stage`; the same bits); the attention out-projection where stage_attn_out_proj.
+    stage_gdn_out_proj = True
+    stage_attn_out_proj = False
 
     def __init__(
         self,
@@ -341,7 +345,7 @@ class GPURunner:
             out=self.attn_out,
             workspace=self.attn_ws,
         )
-        a.o_proj(self.attn_out.view(1, -1), out=self.delta)
+        a.o_proj(self.attn_out.view(1, -1), out=self.delta, stage=self.stage_attn_out_proj)
 
     def _gdn_decode(self, g: GPUGDN, i: int) -> None:
         cs, ss = self.conv_state[i], self.gdn_state[i]
@@ -365,7 +369,7 @@ class GPURunner:
                 self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o, ba_splitk=ba_splitk
             )
             gated_rmsnorm(self.gdn_o, self._z, g.norm, eps, out=self.gdn_y)
-        g.out_proj(self.gdn_y, out=self.delta)
+        g.out_proj(self.gdn_y, out=self.delta, stage=self.stage_gdn_out_proj)
 
     @torch.inference_mode()
     def decode_step(self, use_graph: bool = True) -> None:

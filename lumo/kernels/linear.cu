@@ -56,6 +56,8 @@
 // lumo:test-defines NT=4 KW=4 BPF=2
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 RDCL=2 RD_MINB=5
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
+// lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
+// lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 RDCL=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 
 #include <cuda_bf16.h>
 
@@ -651,6 +653,19 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #ifndef RD_MINB
 #define RD_MINB 1
 #endif
+// STG 1: every warp copies its whole slice of weights and scales into shared memory (cp.async, 576 bytes per
+// chunk and m16 tile) before pdl_wait, and the loop reads them from there. For a GEMV that follows
+// latency-bound row kernels (the decode step's GDN out-projection, after the recurrence): its CTAs are
+// placed while those run, and the DRAM streams the whole weight during them instead of a few chunks per
+// warp. Only where one wave of CTAs holds the weight (linear.py, _stage_fits). The same arithmetic in the
+// same order as STG 0: the same bits. (H200, session 24: the 27B decode step 17-50 us faster at 1k;
+// TMA bulk copies instead of cp.async, or at most 3 / 5 chunks in flight per warp, were slower.)
+#ifndef STG
+#define STG 0
+#endif
+#if STG && LUMO_PROBE
+#error "STG builds take no measurement probe"
+#endif
 
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {  // read once: keep it out of L1
   uint4 v;
@@ -667,12 +682,40 @@ __device__ __forceinline__ u32 ld_stream2(const unsigned short* p) {
 
 // Chunk r (counted from wp / sp, this lane's pointers into tile unit * 32 + lane) of a warp's MTW m16 tiles:
 // weights and scale pairs, read once. No earlier kernel writes them (they may load before pdl_wait).
+__device__ __forceinline__ uint4* dynamic_smem() {  // declared in a C++ function, as the epilogues declare it
+  extern __shared__ uint4 smem[];
+  return smem;
+}
+
+// kStaged (nvfp4_gemv_rd's STG): wp / sp point into the warp's shared-memory copy, chunks of MTW tiles.
+template <bool kStaged = false>
 __device__ __forceinline__ void load_tiles(uint4 (&w)[MTW], u32 (&s)[MTW], const uint4* wp,
                                            const unsigned short* sp, int r) {
 #pragma unroll
   for (int p = 0; p < MTW; ++p) {
-    w[p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
-    s[p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
+    if (kStaged) {
+      w[p] = wp[((size_t)r * MTW + p) * 32];
+      s[p] = sp[((size_t)r * MTW + p) * 32];
+    } else {
+      w[p] = ld_stream16(wp + ((size_t)r * MT + p) * 32);
+      s[p] = ld_stream2(sp + ((size_t)r * MT + p) * 32);
+    }
+  }
+}
+
+// STG: this warp's nc chunks of MTW tiles from global (qw / qs at the slice's first chunk of the CTA's first
+// tile, `unit`) into shared memory (wst / sst: [chunk][tile][32 lanes] of 16 and 2 bytes).
+// A lane copies its own 16 bytes of weights; lanes 0..3 copy the tile-chunk's 64 bytes of scales.
+__device__ __forceinline__ void stage_slice(uint4* wst, unsigned short* sst, const uint4* qw,
+                                            const unsigned short* qs, size_t unit, int nc, int lane) {
+  for (int r = 0; r < nc; ++r) {
+#pragma unroll
+    for (int p = 0; p < MTW; ++p) {
+      const size_t src = (unit + (size_t)r * MT + p) * 32;
+      cp_async16(wst + (r * MTW + p) * 32 + lane, qw + src + lane, 16, false);
+      if (lane < 4) cp_async16(sst + (r * MTW + p) * 32 + 8 * lane, qs + src + 8 * lane, 16, false);
+    }
+    cp_async_commit();  // a group per chunk (the kernel waits for all of them after pdl_wait)
   }
 }
 
@@ -714,8 +757,21 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   const int nc = max(0, min(C, c0 + cps) - c0);
   // Tile (rg, c, p) of [RG][C][MT] holds 32 lanes x 16 bytes (qw) and 32 lanes x 2 bytes (qs).
   const size_t unit = ((size_t)(tile0 / MT) * C + c0) * MT + tile0 % MT;
+#if STG
+  // Dynamic smem after the epilogue's KSW * MTW * NT * 512 bytes: every warp's weights [warp][cps chunks]
+  // [MTW tiles][32 lanes] x 16 bytes, then their scales in the same order x 2 bytes.
+  uint4* const stage = dynamic_smem() + KSW * MTW * NT * 32;
+  uint4* wst = stage + (size_t)warp * cps * MTW * 32;
+  unsigned short* sst = reinterpret_cast<unsigned short*>(stage + (size_t)KSW * cps * MTW * 32) +
+                        (size_t)warp * cps * MTW * 32;
+  const uint4* wp = wst + lane;
+  const unsigned short* sp = sst + lane;
+  constexpr int kStride = MTW;  // m16 tiles from a lane's chunk r to r + 1
+#else
   const uint4* wp = qw + unit * 32 + lane;
   const unsigned short* sp = qs + unit * 32 + lane;
+  constexpr int kStride = MT;
+#endif
   // B fragments: row 8j + g of x, columns 64c + 16t + 8h (h = 0, 1). Rows >= M read row 0 instead (an mma
   // column never mixes with another, and those columns are never stored); columns >= K are zero.
   const bf16* xp[NT];
@@ -733,7 +789,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   uint4 xr[PF][NT][2];
   // The loads address chunk i0 + r: the pointers move by PF chunks per loop trip and r is a compile-time
   // offset after unrolling (no per-chunk address arithmetic).
-  auto load_w = [&](int slot, int r) { load_tiles(wr[slot], sr[slot], wp, sp, r); };
+  auto load_w = [&](int slot, int r) { load_tiles<(STG != 0)>(wr[slot], sr[slot], wp, sp, r); };
   auto load_x = [&](int slot, int r, bool kin) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
@@ -744,8 +800,8 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   };
   auto advance = [&](int chunks) {
     if (!PROBE_L2W) {  // the L2-resident probe keeps reading its first two chunks
-      wp += (size_t)chunks * MT * 32;
-      sp += (size_t)chunks * MT * 32;
+      wp += (size_t)chunks * kStride * 32;
+      sp += (size_t)chunks * kStride * 32;
     }
 #pragma unroll
     for (int j = 0; j < NT; ++j) xp[j] += PROBE_X0 ? 0 : chunks * 64;
@@ -753,10 +809,14 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 
   float acc[MTW][NT][4] = {};
 
+#if STG
+  stage_slice(wst, sst, qw, qs, unit, nc, lane);  // the whole slice, before the wait (PDL)
+#else
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
   if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
+#endif
 #if CONV
   {
     const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;  // stores tile slice / NT (M == 1)
@@ -769,6 +829,13 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)
     if (i < nc) load_x(i, i, (c0 + i) * 64 + 16 * t < K);
+#if STG
+  cp_async_wait<0>();
+  __syncwarp();  // lanes 0..3 copied the warp's scales
+#pragma unroll
+  for (int i = 0; i < PF - 1; ++i)
+    if (i < nc) load_w(i, i);
+#endif
   // Chunk i0 + u (slot u): first refill the slot chunk i0 + u - 1 used with chunk i0 + u + PF - 1, if any.
   auto step = [&](int u, int i0, bool fast) {  // fast: the refill exists and lies below nfull (no checks)
     const int r = u + PF - 1;

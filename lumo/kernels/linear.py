@@ -517,18 +517,30 @@ def _rd_default_cluster(
     return rdcl if _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, device, conv) else 1
 
 
-def _rd_shape(rg: int, nt: int, mtw: int, splits: int, rdcl: int) -> tuple[tuple[int, int, int], int, int]:
-    """nvfp4_gemv_rd's grid, block and dynamic shared memory (a CTA of splits / rdcl warps, a slice each)."""
+def _rd_shape(
+    rg: int, nt: int, mtw: int, splits: int, rdcl: int, stage_cps: int = 0
+) -> tuple[tuple[int, int, int], int, int]:
+    """nvfp4_gemv_rd's grid, block and dynamic shared memory (a CTA of splits / rdcl warps, a slice each;
+    `stage_cps`: the chunks per slice a staged build (STG) holds, 576 bytes per chunk and tile)."""
     ksw = splits // rdcl
-    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * nt * 512
+    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * (nt * 512 + stage_cps * 576)
 
 
 @functools.cache
 def _rd_kernel(
-    nt: int, mtw: int, pf: int, splits: int, probe: int = 0, glu: bool = False, rdcl: int = 1, conv: int = 0
+    nt: int,
+    mtw: int,
+    pf: int,
+    splits: int,
+    probe: int = 0,
+    glu: bool = False,
+    rdcl: int = 1,
+    conv: int = 0,
+    stage: bool = False,
 ) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
     defines |= {"CONV": conv} if conv else {}  # the decode conv's taps, fused into the epilogue
+    defines |= {"STG": 1} if stage else {}  # the slice's weights staged in shared memory before pdl_wait
     if rdcl > 1:
         cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
         minb = minb if cl == rdcl else 1
@@ -536,6 +548,17 @@ def _rd_kernel(
     else:
         minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
+
+
+def _stage_fits(
+    kern: Kernel, grid: tuple[int, int, int], block: int, shmem: int, device: torch.device
+) -> bool:
+    """Whether a staged nvfp4_gemv_rd launch (STG) holds its whole grid at once: its shared memory within
+    the device's per-CTA limit and one wave of CTAs covering the grid. Later CTAs would load their
+    weights only when placed, after the wait, with nothing in flight: slower than the register ring."""
+    if shmem > smem_limit(device):
+        return False
+    return grid[0] * grid[1] <= kern.blocks_per_sm(block, shmem) * sm_count(device)
 
 
 def nvfp4_linear(
@@ -554,6 +577,7 @@ def nvfp4_linear(
     rows: torch.Tensor | None = None,
     rdcl: int | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stage: bool = False,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -563,6 +587,12 @@ def nvfp4_linear(
     C <= N output columns, conv_decode(y[:, :C], w, state, out=yc) after the GEMV (y is returned whole). The
     register-direct kernel (the default at M = 1) runs it in its epilogue, one launch fewer; the other
     kernels are followed by conv_decode. The same bits either way (linear.cu, CONV).
+
+    `stage`: where the register-direct kernel runs and one wave of its CTAs can hold the whole weight in
+    shared memory, every CTA copies its weights there before it waits for the previous kernel (linear.cu,
+    STG), so a GEMV that follows latency-bound row kernels streams its weight while they run; elsewhere the
+    usual launch. The same bits either way; for callers that know what runs before (the decode step's
+    out-projections).
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
@@ -620,12 +650,18 @@ def nvfp4_linear(
             raise ValueError(f"rdcl must divide the {splits} slices, got {rdcl}")
         elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device, conv_k):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
+        if stage and not probe:
+            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k, stage=True)
+            grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, stage_cps=cps)
+            stage = _stage_fits(kern, grid, block, shmem, x.device)
+            npf = 0 if stage else npf
+        if not stage:
+            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
+            grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         args += [*conv, conv_c] if conv is not None else []
-        grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
-        kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
         kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
         return out
     if rdcl is not None:
