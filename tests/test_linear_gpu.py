@@ -40,6 +40,15 @@ def poisoned(m: int, n: int) -> torch.Tensor:
 SHAPES = [(48, 16 * 7), (100, 16 * 33), (200, 16 * 65), (64 * 5 + 3, 16 * 129)]
 
 
+def stage_spy(monkeypatch) -> list[tuple[bool, int]]:
+    """(staged?, shared memory per CTA) of every register-direct launch asked to stage its weights."""
+    from lumo.kernels import linear
+
+    fits, log = linear._stage_fits, []
+    monkeypatch.setattr(linear, "_stage_fits", lambda *a: log.append((fits(*a), a[2])) or log[-1][0])
+    return log
+
+
 @pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
 @pytest.mark.parametrize("m", [1, 3, 8, 13, 32, 33, 70])
 @pytest.mark.parametrize("splits", [None, 3])
@@ -196,9 +205,10 @@ def test_split_k_variants_equal_cross_cta(splits):
 @pytest.mark.parametrize("splits", [2, 8, 16])
 def test_staged_weights_keep_the_bits(monkeypatch, splits):
     """nvfp4_linear(stage=True): the register-direct kernel with every warp's slice copied into shared
-    memory before its wait (linear.cu STG) gives the bits of the usual launch for every tile width,
-    prefetch depth, cluster size and M <= 32 (a short last slice, empty slices, a partial row group); where
-    one wave cannot hold the grid the usual kernel runs, the same bits."""
+    memory before its wait (linear.cu STG) gives the bits of the usual launch for tile widths 1 / 2 / 4,
+    prefetch depths 2 / 3, clusters of 2 / 4 CTAs and M 1..32 (a partial row group; with 16 slices a short
+    last slice and empty ones); where the copy exceeds shared memory or one wave cannot hold the grid the
+    usual kernel runs, the same bits."""
     from lumo.kernels import linear
 
     gen = torch.Generator(DEV).manual_seed(31 + splits)
@@ -206,9 +216,7 @@ def test_staged_weights_keep_the_bits(monkeypatch, splits):
     w, s, s2 = rand_nvfp4(n, k, gen)
     packed = pack_nvfp4(w, s, s2, splits=splits)
     clusters = torch.cuda.get_device_capability()[0] >= 9
-    staged = []  # (staged?, its shared memory per CTA) of each launch
-    fits = linear._stage_fits
-    monkeypatch.setattr(linear, "_stage_fits", lambda *a: staged.append((fits(*a), a[3])) or staged[-1][0])
+    staged = stage_spy(monkeypatch)
     for m in (1, 3, 9, 17, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
         want = nvfp4_linear(x, packed)
@@ -281,7 +289,7 @@ def test_fused_shards_keep_their_scales():
 
 
 @pytest.mark.parametrize("i,k,splits", [(136, 16 * 45, 4), (100, 16 * 37, 3), (8 * 33, 16 * 16, 1)])
-def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
+def test_glu_fused_swiglu_equals_gemv_then_silu_mul(monkeypatch, i, k, splits):
     """An MLP's [gate | up] packed for the fused SwiGLU (pack_fused(glu=True)) gives, at every M <= 32 and
     through every kernel (the register-direct one applies silu(gate) * up in its epilogue, the others
     write the interleaved rows for silu_mul), the bits of the plain fused GEMV followed by torch's silu
@@ -298,11 +306,13 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(i, k, splits):
     knobs += [dict(stage=True), dict(rd=(2, 2), stage=True)]  # the weights staged in shared memory
     if torch.cuda.get_device_capability()[0] >= 9:
         knobs += [dict(rd=False, cluster=True)] + ([dict(rd=(1, 2), rdcl=2)] if splits % 2 == 0 else [])
+    staged = stage_spy(monkeypatch)
     for m in (1, 2, 7, 9, 17, 32):
         x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
         want = silu_mul_ref(nvfp4_linear(x, plain))
         for kw in knobs:
             assert torch.equal(nvfp4_linear(x, fused, out=poisoned(m, i), **kw), want), (m, kw)
+    assert staged and all(ok for ok, _ in staged)  # the stage knobs ran the staged build (rd=(2, 2) always)
     x = torch.randn(45, k, generator=gen, device=DEV).to(torch.bfloat16)
     g, u = nvfp4_linear_ref(x, *gate), nvfp4_linear_ref(x, *up)
     assert rel_err(nvfp4_linear(x, fused), torch.nn.functional.silu(g) * u) < 1e-2
@@ -366,6 +376,7 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
     def unfused(*a, **k):
         raise AssertionError("the register-direct kernel fell back to conv_decode")
 
+    staged = stage_spy(monkeypatch)
     for kw in knobs:
         fused = kw.get("rd") is not False and "sx" not in kw  # the default at M = 1 is register-direct
         monkeypatch.setattr(linear, "conv_decode", unfused if fused else conv_decode)
@@ -375,6 +386,7 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
             got = nvfp4_linear(x, packed, out=out, conv=(cw, state, yc_out), **kw)
             assert got is out and torch.equal(out, y) and torch.equal(yc_out, yc), kw
         assert torch.equal(state, want_state), kw
+    assert len(staged) == 3 * sum(bool(kw.get("stage")) for kw in knobs) and all(ok for ok, _ in staged)
     monkeypatch.setattr(linear, "conv_decode", conv_decode)
     with pytest.raises(ValueError, match="one-token"):
         nvfp4_linear(torch.cat(xs[:2]), packed, conv=(cw, state0.clone(), poisoned(1, c)))

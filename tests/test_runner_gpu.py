@@ -123,9 +123,10 @@ def test_fused_gdn_norm_step_equals_two_launches(variant, monkeypatch):
 
 
 def test_staged_out_projection_step_equals_unstaged(monkeypatch):
-    """The decode step with the out-projections' weights staged in shared memory before their wait (the
-    default: nvfp4_linear's `stage`) against the usual launch: logits, tokens and every state bitwise equal
-    at each of 12 steps (sampling on), the staged runner graph-captured; the staged kernel ran."""
+    """The decode step with the GDN out-projection's weights staged in shared memory before its wait (the
+    default: nvfp4_linear's `stage`), and the attention out-projection's too, against the usual launches:
+    logits, tokens and every state bitwise equal at each of 12 steps (sampling on), the staged runner
+    graph-captured; the staged kernel ran."""
     from lumo.kernels import linear
 
     cfg, _, gw, _ = model("lumo-tiny-nvfp4")
@@ -133,6 +134,7 @@ def test_staged_out_projection_step_equals_unstaged(monkeypatch):
     ids = rand_ids(29, cfg.vocab_size, seed=6)
     a, b = GPURunner(cfg, gw, max_len=64), GPURunner(cfg, gw, max_len=64)
     monkeypatch.setattr(a, "stage_gdn_out_proj", False)  # instance attribute: b keeps the class default
+    monkeypatch.setattr(b, "stage_attn_out_proj", True)
     assert b.stage_gdn_out_proj
     staged = []
     fits = linear._stage_fits

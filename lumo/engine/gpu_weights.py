@@ -118,7 +118,7 @@ class GPULinear:
                 raise ValueError(f"conv is the one-token decode conv, got {x.shape[0]} rows")
             aligned = out is None or (out.is_contiguous() and out.data_ptr() % 16 == 0)
             if first.packed is None or first.n < c or not aligned:
-                y = self(x, out, rows)
+                y = self(x, out, rows, stage=stage)
                 conv_decode(y[:, :c], conv[0], conv[1], out=conv[2])
                 return y
         if len(self.parts) == 1:

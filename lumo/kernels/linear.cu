@@ -646,7 +646,8 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 // per chunk are the dequant). Its steady state has no branch and no bounds check: the loads address the chunk
 // by a compile-time offset from pointers moved once per PF chunks (session 8: 84 -> 72 instructions per
 // chunk; the H200's gate+up GEMV 31.3 -> 28.3 us at M = 1 and 55.1 -> 48.2 at M = 32, down 21.5 -> 17.3 at
-// M = 1). Dynamic smem: KSW * MTW * NT * 512 bytes per CTA.
+// M = 1). Dynamic smem: KSW * MTW * NT * 512 bytes per CTA; STG builds (below) also hold every warp's slice
+// there (KSW * cps * MTW * 576 bytes), read by the same ring.
 #ifndef PF
 #define PF 4  // nvfp4_gemv_rd: chunks in flight per warp
 #endif
@@ -658,7 +659,7 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 // latency-bound row kernels (the decode step's GDN out-projection, after the recurrence): its CTAs are
 // placed while those run, and the DRAM streams the whole weight during them instead of a few chunks per
 // warp. Only where one wave of CTAs holds the weight (linear.py, _stage_fits). The same arithmetic in the
-// same order as STG 0: the same bits. (H200, session 24: the 27B decode step 17-50 us faster at 1k;
+// same order as STG 0: the same bits. (H200, session 24: the 27B decode step 17 us faster at 1k, 24 at 32k;
 // TMA bulk copies instead of cp.async, or at most 3 / 5 chunks in flight per warp, were slower.)
 #ifndef STG
 #define STG 0
@@ -680,13 +681,13 @@ __device__ __forceinline__ u32 ld_stream2(const unsigned short* p) {
   return v;
 }
 
-// Chunk r (counted from wp / sp, this lane's pointers into tile unit * 32 + lane) of a warp's MTW m16 tiles:
-// weights and scale pairs, read once. No earlier kernel writes them (they may load before pdl_wait).
 __device__ __forceinline__ uint4* dynamic_smem() {  // declared in a C++ function, as the epilogues declare it
   extern __shared__ uint4 smem[];
   return smem;
 }
 
+// Chunk r (counted from wp / sp, this lane's pointers into tile unit * 32 + lane) of a warp's MTW m16 tiles:
+// weights and scale pairs, read once. No earlier kernel writes them (they may load before pdl_wait).
 // kStaged (nvfp4_gemv_rd's STG): wp / sp point into the warp's shared-memory copy, chunks of MTW tiles.
 template <bool kStaged = false>
 __device__ __forceinline__ void load_tiles(uint4 (&w)[MTW], u32 (&s)[MTW], const uint4* wp,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -551,12 +552,16 @@ def _rd_kernel(
 
 
 def _stage_fits(
-    kern: Kernel, grid: tuple[int, int, int], block: int, shmem: int, device: torch.device
+    grid: tuple[int, int, int], block: int, shmem: int, rdcl: int, device: torch.device, build: Callable
 ) -> bool:
-    """Whether a staged nvfp4_gemv_rd launch (STG) holds its whole grid at once: its shared memory within
-    the device's per-CTA limit and one wave of CTAs covering the grid. Later CTAs would load their
-    weights only when placed, after the wait, with nothing in flight: slower than the register ring."""
+    """Whether a staged nvfp4_gemv_rd launch (STG; `build()` compiles it) holds its whole grid at once: the
+    CTA's shared memory within the device's limit, one wave of CTAs covering the grid, and the device
+    scheduling its clusters of `rdcl` CTAs with that shared memory. Later CTAs would load their weights
+    only when placed, after the wait, with nothing in flight: slower than the register ring."""
     if shmem > smem_limit(device):
+        return False
+    kern = build()
+    if rdcl > 1 and kern.max_cluster_size(grid, block, shmem) < rdcl:
         return False
     return grid[0] * grid[1] <= kern.blocks_per_sm(block, shmem) * sm_count(device)
 
@@ -590,9 +595,9 @@ def nvfp4_linear(
 
     `stage`: where the register-direct kernel runs and one wave of its CTAs can hold the whole weight in
     shared memory, every CTA copies its weights there before it waits for the previous kernel (linear.cu,
-    STG), so a GEMV that follows latency-bound row kernels streams its weight while they run; elsewhere the
-    usual launch. The same bits either way; for callers that know what runs before (the decode step's
-    out-projections).
+    STG), so a GEMV that follows latency-bound row kernels streams its weight while they run; elsewhere
+    (other kernels, too little shared memory, a `probe`) the usual launch. The same bits either way; for
+    callers that know what runs before (the decode step's GDN out-projection).
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
@@ -650,11 +655,12 @@ def nvfp4_linear(
             raise ValueError(f"rdcl must divide the {splits} slices, got {rdcl}")
         elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device, conv_k):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
-        if stage and not probe:
-            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k, stage=True)
+        stage = stage and not probe  # a probe build measures the usual kernel
+        if stage:
             grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, stage_cps=cps)
-            stage = _stage_fits(kern, grid, block, shmem, x.device)
-            npf = 0 if stage else npf
+            build = functools.partial(_rd_kernel, nt, mtw, pf, splits, 0, glu, rdcl, conv_k, stage=True)
+            stage = _stage_fits(grid, block, shmem, rdcl, x.device, build)
+            kern = build() if stage else None
         if not stage:
             kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
             grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
