@@ -68,7 +68,8 @@ class GPURunner:
     # gdn_decode + gated_rmsnorm, which run where it is False or the head shape has no fused kernel).
     fuse_gdn_norm = True
     # The decode step's GDN out-projection copies its weights into shared memory while the recurrence before
-    # it runs (nvfp4_linear's `stage`; the same bits); the attention out-projection where stage_attn_out_proj.
+    # it runs (nvfp4_linear's `stage`; the same bits). The attention out-projection's copy measured mixed on
+    # the H200 (docs/kernels.md, session 24): off unless stage_attn_out_proj.
     stage_gdn_out_proj = True
     stage_attn_out_proj = False
 
