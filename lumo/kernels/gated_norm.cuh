@@ -6,6 +6,7 @@
 // ends with the same bits); every other product and sum is rounded separately (no contraction).
 #pragma once
 #include "act.cuh"
+#include "vec.cuh"
 
 template <int DVN>
 __device__ __forceinline__ void gated_norm_warp(const float (&o)[DVN / 32], const float (&z)[DVN / 32],
@@ -13,8 +14,7 @@ __device__ __forceinline__ void gated_norm_warp(const float (&o)[DVN / 32], cons
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < DVN / 32; ++j) ss = fmaf(o[j], o[j], ss);
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, m));
+  ss = warp_sum(ss);
   const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)DVN), eps));
 #pragma unroll
   for (int j = 0; j < DVN / 32; ++j) y[j] = __fmul_rn(__fmul_rn(__fmul_rn(o[j], r), w[j]), silu(z[j]));

@@ -62,13 +62,6 @@ __device__ __forceinline__ void ld_f32(const float* __restrict__ p, float (&v)[N
   }
 }
 
-// Sum over the warp with an xor butterfly: every lane ends with the same bits (fp add is commutative).
-__device__ __forceinline__ float warp_sum(float s) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, m));
-  return s;
-}
-
 // ------------------------------------------------------------------------------------------------
 // rmsnorm1p_residual. grid = T CTAs, block = NT. h [T, HID] bf16 (in/out when delta != null),
 // delta [T, HID] bf16 or null, w [HID] bf16, y [T, HID] bf16. All contiguous, 16-byte aligned.

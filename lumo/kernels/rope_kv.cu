@@ -54,8 +54,7 @@ __device__ __forceinline__ void norm_rope(float (&v)[EPL], const float (&wv)[EPL
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) ss = fmaf(v[j], v[j], ss);
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, m));
+  ss = warp_sum(ss);
   const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)D), eps));
 #pragma unroll
   for (int j = 0; j < EPL; ++j) v[j] = round_bf16(__fmul_rn(__fmul_rn(v[j], r), __fadd_rn(1.0f, wv[j])));

@@ -1,5 +1,5 @@
-// Vector load / store helpers shared by the row kernels: N consecutive bf16 values <-> N floats,
-// with 16-byte accesses when N % 8 == 0 (the launchers check alignment), 4-byte when N is even.
+// Helpers shared by the row kernels: vector loads / stores of N consecutive bf16 values <-> N floats, with
+// 16-byte accesses when N % 8 == 0 (the launchers check alignment), 4-byte when N is even; a warp sum.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -49,4 +49,11 @@ __device__ __forceinline__ void st_bf16(__nv_bfloat16* __restrict__ p, const flo
 #pragma unroll
     for (int i = 0; i < N; ++i) p[i] = __float2bfloat16_rn(v[i]);
   }
+}
+
+// Sum over the warp with an xor butterfly: every lane ends with the same bits (fp add is commutative).
+__device__ __forceinline__ float warp_sum(float s) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, m));
+  return s;
 }
