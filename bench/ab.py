@@ -1,17 +1,18 @@
 """A/B of launch choices in whole processes, variants interleaved over rounds, one table of medians.
 
 Each variant runs a benchmark script in a fresh Python process with runner class attributes or
-lumo.kernels.linear constants set first; the lines that matter are printed as they come.
+lumo.kernels module constants set first; the lines that matter are printed as they come.
 
     python bench/ab.py --rounds 2 --variant stage_gdn_out_proj=0 --variant stage_gdn_out_proj=1 \\
         -- bench/bench_decode.py --contexts 1024 --prefill --peer-layers 0 --no-profile
 
 A variant is a comma-separated list of NAME=VALUE: NAME a class attribute of GPURunner
-(`fuse_gdn_norm`, `stage_gdn_out_proj`, ...) or `linear.NAME` a module constant of lumo.kernels.linear
-(`linear.L2_PREFETCH_BYTES`); VALUE an integer (0 / 1 for a flag). Only names that already exist are set,
-so a typo fails instead of measuring the default twice. Whole processes, because a launch choice often
-changes what gets compiled and cached per process, and because processes differ by more than the effects
-measured here (sessions 19-24: ~10-40 us at 1k on the 27B step): compare within one call, over rounds.
+(`fuse_gdn_norm`, `stage_gdn_out_proj`, ...) or `MODULE.NAME` a module constant of lumo.kernels.MODULE
+(`linear.L2_PREFETCH_BYTES`, `gdn.TRIGGER`); VALUE an integer (0 / 1 for a flag). Only names that already
+exist are set, so a typo fails instead of measuring the default twice. Whole processes, because a launch
+choice often changes what gets compiled and cached per process, and because processes differ by more than
+the effects measured here (sessions 19-24: ~10-40 us at 1k on the 27B step): compare within one call,
+over rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +35,11 @@ def parse_variant(text: str) -> dict[str, int]:
     out = {}
     for item in filter(None, text.split(",")):
         name, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(r"(linear\.)?[A-Za-z_]\w*", name) or not re.fullmatch(r"-?\d+", value):
+        if (
+            not sep
+            or not re.fullmatch(r"([a-z_]\w*\.)?[A-Za-z_]\w*", name)
+            or not re.fullmatch(r"-?\d+", value)
+        ):
             raise ValueError(f"a variant is NAME=INT[,NAME=INT...], got {item!r}")
         out[name] = int(value)
     return out
@@ -42,11 +47,13 @@ def parse_variant(text: str) -> dict[str, int]:
 
 def apply(settings: dict[str, int]) -> None:
     """Set the attributes in this process (the child), refusing names that do not exist."""
+    import importlib
+
     from lumo.engine.runner import GPURunner
-    from lumo.kernels import linear
 
     for name, value in settings.items():
-        owner, attr = (linear, name[7:]) if name.startswith("linear.") else (GPURunner, name)
+        module, _, attr = name.rpartition(".")
+        owner = importlib.import_module(f"lumo.kernels.{module}") if module else GPURunner
         if not hasattr(owner, attr):
             raise SystemExit(f"ab.py: {name} is not an attribute of {owner.__name__}")
         old = getattr(owner, attr)
