@@ -100,9 +100,7 @@ def config_kwargs(cfg: str) -> dict:
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
     per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF (its slices in RD_CLUSTERS'
     clusters where that table names the config; "rMxPcC": over clusters of C CTAs, "rMxPc1" one CTA),
-    "sWxMxP" the slice-activations kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P, "wWxCxPxK"
-    the warpgroup-MMA kernel (nvfp4_gemv_wg, Hopper) with W warpgroups of C row groups, PF P and K k-steps
-    per commit group. A suffix
+    "sWxMxP" the slice-activations kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix
     "@B" sets the L2 prefetch budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0". On the fused gate+up only
     the register-direct kernel applies the SwiGLU in its epilogue: the other configs' times include the
     separate silu_mul launch."""
@@ -121,8 +119,6 @@ def config_kwargs(cfg: str) -> dict:
     if cfg.startswith("r"):  # "rMxP", "rMxPcC": C CTAs per cluster (rdcl)
         rd, _, cl = cfg[1:].partition("c")
         return dict(rd=tuple(int(v) for v in rd.split("x"))) | (dict(rdcl=int(cl)) if cl else {})
-    if cfg.startswith("w"):  # "wWxCxPxK": warpgroup MMA (sm_90), W warpgroups x C row groups, PF, k-steps
-        return dict(wg=tuple(int(v) for v in cfg[1:].split("x")))
     if cfg.startswith("s"):  # "sWxMxP": activations in shared memory, W warps of M m16 tiles, PF P
         return dict(sx=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))

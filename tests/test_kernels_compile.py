@@ -236,16 +236,22 @@ def test_wave_fill():
     assert wave_fill(5, 0, 132) == 0.0  # no CTA fits: never divides by zero
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_121a"])
-def test_bench_probe_kernel_compiles(arch):
-    """bench/probe_mma.cu (the tensor-core throughput probe) builds like the library's kernels."""
+@pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_121a"])
+@pytest.mark.parametrize("probe", ["probe_mma.cu", "probe_wgmma.cu"])
+def test_bench_probe_kernel_compiles(arch, probe):
+    """bench/probe_mma.cu and probe_wgmma.cu (the tensor-core throughput probes) build like the library's
+    kernels; probe_wgmma's wgmma (sm_90a) without ptxas serialising it (NVRTC log remark C7514 and kin)."""
     from pathlib import Path
 
     from lumo.kernels.compile import compile_test_defines, compile_to_cubin, define_options
 
-    path = Path(__file__).parents[1] / "bench" / "probe_mma.cu"
+    path = Path(__file__).parents[1] / "bench" / probe
     for defines in compile_test_defines(path):
-        assert compile_to_cubin(path.read_text(), arch, define_options(defines), path.name)
+        for dq in ("0", "1", "2") if probe == "probe_wgmma.cu" else (None,):
+            log: list[str] = []
+            d = defines | ({"DQ": dq} if dq else {})
+            assert compile_to_cubin(path.read_text(), arch, define_options(d), path.name, log=log)
+            assert "serialized" not in log[0], (probe, arch, d, log[0])
 
 
 def test_bf16_launch_knobs_are_checked():

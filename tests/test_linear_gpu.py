@@ -490,32 +490,3 @@ def test_timeline_trace_records_every_cta_and_keeps_the_bits():
     finally:
         linear.set_trace(None)
     assert torch.equal(nvfp4_linear(x, packed, rd=(1, 2)), want)
-
-
-@pytest.mark.parametrize("splits", [1, 4, 16])
-def test_warpgroup_mma_gemv_keeps_the_bits(splits):
-    """nvfp4_linear(wg=...): the Hopper warpgroup-MMA kernel (nvfp4_gemv_wg: a 64-row group per wgmma
-    chain, the slice's activations in shared memory, slices summed in clusters) gives the bits of the
-    other kernels for M 1..32, warpgroups per CTA 1 / 2, chains 1..3 (idle row groups in the last CTA),
-    prefetch depths 1..4, commit groups of 1 and 4 k-steps, one slice, a short last slice and, at 16 slices,
-    empty ones; for a plain and a fused-SwiGLU packing."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("wgmma: sm_90 only")
-    gen = torch.Generator(DEV).manual_seed(41 + splits)
-    n, k = 64 * 7 + 21, 16 * 4 * 3 * splits + 16 * 5
-    w, s, s2 = rand_nvfp4(n, k, gen)
-    packed = pack_nvfp4(w, s, s2, splits=splits)
-    i = 100
-    wg_, sg_, s2g = rand_nvfp4(2 * i, k, gen)
-    glu = pack_fused([(wg_[:i], sg_[:i], s2g), (wg_[i:], sg_[i:], s2g * 3)], splits=splits, glu=True)
-    configs = ((1, 2, 2, 4), (1, 1, 1, 1), (2, 1, 3, 1), (1, 3, 4, 4), (2, 2, 2, 1), (1, 4, 3, 1))
-    for m in (1, 5, 9, 16, 17, 24, 25, 32):
-        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        want = nvfp4_linear(x, packed, rd=False, cluster=False)
-        assert rel_err(want, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
-        want_glu = nvfp4_linear(x, glu)
-        for cfg in configs:
-            assert torch.equal(nvfp4_linear(x, packed, out=poisoned(m, n), wg=cfg), want), (m, cfg)
-            assert torch.equal(nvfp4_linear(x, glu, out=poisoned(m, i), wg=cfg), want_glu), (m, cfg)
-    with pytest.raises(ValueError, match="KG 1 or 4"):
-        nvfp4_linear(x, packed, wg=(1, 2, 3, 2))

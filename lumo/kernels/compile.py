@@ -70,8 +70,11 @@ def include_dirs() -> tuple[str, ...]:
     return (d, str(KERNEL_DIR))
 
 
-def compile_to_cubin(src: str, arch: str, options: Sequence[str] = (), name: str = "kernel.cu") -> bytes:
-    """Compile CUDA C++ to a cubin for `arch` (e.g. "sm_90", "sm_121a"). Needs no GPU."""
+def compile_to_cubin(
+    src: str, arch: str, options: Sequence[str] = (), name: str = "kernel.cu", log: list[str] | None = None
+) -> bytes:
+    """Compile CUDA C++ to a cubin for `arch` (e.g. "sm_90", "sm_121a"). Needs no GPU. `log`, if given,
+    receives NVRTC's log of a successful compile (ptxas remarks such as wgmma serialisation land there)."""
     from cuda.bindings import nvrtc
 
     opts = [f"--gpu-architecture={arch}", *DEFAULT_OPTIONS, *(f"-I{d}" for d in include_dirs()), *options]
@@ -79,11 +82,13 @@ def compile_to_cubin(src: str, arch: str, options: Sequence[str] = (), name: str
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         (log_size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log = b" " * log_size
-        _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+        log_bytes = b" " * log_size
+        _check(nvrtc.nvrtcGetProgramLog(prog, log_bytes), "nvrtcGetProgramLog")
+        text = log_bytes.decode(errors="replace").rstrip("\x00")
         if int(err) != 0:
-            text = log.decode(errors="replace").rstrip("\x00")
             raise KernelCompileError(f"NVRTC failed on {name} for {arch} with options {opts}:\n{text}")
+        if log is not None:
+            log.append(text)
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
         cubin = b" " * size
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")

@@ -14,7 +14,6 @@
 // lumo:test-defines NK=2 NV=4 DK=64 DV=64 DVT=16 PARAM_BF16=1 OUT_BF16=0
 // lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVT=8 PARAM_BF16=0 OUT_BF16=0
 // lumo:test-defines NK=3 NV=9 DK=64 DV=96 DVT=16 PARAM_BF16=1 OUT_BF16=1
-// lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVT=16 PARAM_BF16=0 OUT_BF16=1 GDN_TRIGGER=2
 
 #include <cuda_bf16.h>
 
@@ -117,12 +116,6 @@ extern "C" __global__ void __launch_bounds__(32)
 // barrier warp 0 normalises the head with gated_norm.cuh, the code gated_rmsnorm runs: y and the state are
 // bitwise those of gdn_recurrent (bf16 o) + gated_rmsnorm. o itself is not written. z [NV * DV] bf16 (the
 // projection's z columns of the one row), norm_w [DV] bf16, y [NV * DV] bf16.
-// GDN_TRIGGER: where it lets the next kernel (the out-projection, which copies its weights into shared memory
-// before its own wait) launch: 0 right after its wait, 1 once its state loads are issued, 2 once the state
-// is in registers and updated. An experiment knob (gdn.py TRIGGER); the bits never depend on it.
-#ifndef GDN_TRIGGER
-#define GDN_TRIGGER 0
-#endif
 #if DV % 32 == 0 && DV / DVT <= 32
 #include "gated_norm.cuh"
 #include "vec.cuh"
@@ -142,11 +135,9 @@ extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
   float wv[E], zv[E];
   if (warp == 0) ld_bf16<E>(norm_w + lane * E, wv);
   gdn_prefetch_state(state + soff, lane);
-  if (GDN_TRIGGER == 0) pdl_begin();
-  else pdl_wait();
+  pdl_begin();
   float4 S[GDN_R];
   gdn_load_state(state + soff, S);
-  if (GDN_TRIGGER == 1) pdl_trigger();
   if (warp == 0) ld_bf16<E>(z + h * DV + lane * E, zv);
   GdnRaw raw;
   if (ba_splits > 0)
@@ -157,7 +148,6 @@ extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
   GdnToken tok;
   gdn_prepare(raw, A, dtb, tok);
   const float4 o = gdn_step(S, tok);
-  if (GDN_TRIGGER == 2) pdl_trigger();
   if (lane < GDN_CQ) gdn_write_o(o_head + j0 + 4 * lane, o);
   gdn_store_state(state + soff, S);
   __syncthreads();

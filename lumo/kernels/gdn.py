@@ -27,26 +27,13 @@ def gdn_dvt(dk: int, dv: int) -> int:
     raise ValueError(f"GDN kernel needs dv % 4 == 0 and dk % 64 == 0 at least, got dk={dk} dv={dv}")
 
 
-# Where gdn_recurrent_norm lets the next kernel launch (gdn.cu GDN_TRIGGER: 0 after its wait, 1 after its
-# state loads are issued, 2 after the state update); an experiment knob that never changes a bit.
-TRIGGER = 0
-
-
 @functools.cache
 def _kernel(
-    source: str,
-    name: str,
-    nk: int,
-    nv: int,
-    dk: int,
-    dv: int,
-    param_bf16: bool,
-    out_bf16: bool,
-    trigger: int = 0,
+    source: str, name: str, nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool
 ) -> Kernel:
     """A GDN kernel (gdn_recurrent, gdn_tree) for one head shape; DVT is part of the arithmetic."""
     defines = _head_defines(nk, nv, dk, dv, param_bf16, out_bf16) | {"DVT": gdn_dvt(dk, dv)}
-    return compile_kernel(source, name, defines | ({"GDN_TRIGGER": trigger} if trigger else {}))
+    return compile_kernel(source, name, defines)
 
 
 def _head_defines(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool) -> dict[str, int]:
@@ -254,7 +241,7 @@ def gdn_decode_norm(
     _check_device(mixed.device, z=z, norm_w=norm_w, out=out)
     if any(t.data_ptr() % 16 for t in (z, norm_w, out)):
         raise ValueError("z, norm_w and out must be 16-byte aligned")
-    kern = _kernel("gdn", "gdn_recurrent_norm", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, True, TRIGGER)
+    kern = _kernel("gdn", "gdn_recurrent_norm", nk, nv, dk, dv, A_log.dtype == torch.bfloat16, True)
     args = [mixed, a, b, A_log, dt_bias, state, z, norm_w, out, float(eps), *part]
     kern.launch(nv, 32 * (dv // gdn_dvt(dk, dv)), args, pdl=True)
     return out

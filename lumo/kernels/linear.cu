@@ -58,8 +58,6 @@
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 RDCL=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
-// lumo:test-defines NT=4 PF=2 WGW=1 CH=2 KG=4 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_wg=1
-// lumo:test-defines NT=3 PF=3 WGW=2 CH=1 KG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_wg=1
 
 #include <cuda_bf16.h>
 
@@ -67,7 +65,6 @@
 #include "fp4.cuh"
 #include "mma.cuh"
 #include "pdl.cuh"
-#include "wgmma.cuh"
 
 #ifndef NT
 #define NT 4  // n8 tiles of activation rows: M <= 8 * NT
@@ -281,10 +278,6 @@ __device__ __forceinline__ u32 cluster_rank() {  // 0 outside a cluster launch
 // splitk_reduce's operations) and stores bf16(a * gs[n]) (gs null: 1); a second barrier keeps every CTA's
 // shared memory alive until all reads are done. 4 consecutive lanes share g (lane = 4g + t), so one 16-byte
 // read covers t = 0..3 of one (w, i, j, e). Called by every thread of the CTA.
-template <int W>
-__device__ __forceinline__ void cluster_reduce_finish(const float* __restrict__ gs, int rg0, bf16* __restrict__ out,
-                                                      int M, int N, int S, u32 rank);
-
 template <int W, int TILES>
 __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const float* __restrict__ gs,
                                                      float unscale, int rg0, bf16* __restrict__ out, int M,
@@ -302,15 +295,6 @@ __device__ __forceinline__ void cluster_reduce_store(float (*acc)[NT][4], const 
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           red[(((warp * TILES + i) * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e] * unscale;
-  cluster_reduce_finish<W>(gs, rg0, out, M, N, S, rank);
-}
-
-// The cluster part of cluster_reduce_store, once every CTA's red[w][i][j][e][lane] holds its partials.
-template <int W>
-__device__ __forceinline__ void cluster_reduce_finish(const float* __restrict__ gs, int rg0, bf16* __restrict__ out,
-                                                      int M, int N, int S, u32 rank) {
-  extern __shared__ uint4 smem[];
-  const float* red = reinterpret_cast<const float*>(smem);
   cluster_sync();
   constexpr int Q = W * MT * NT * 4 * 8;  // 16-byte groups (w, i, j, e, g)
   const int per = (Q + S - 1) / S;
@@ -997,163 +981,6 @@ extern "C" __global__ void __launch_bounds__(SXW * 32)
   nvfp4_gemv_sx_body<true>(qw, qs, gs, x, out, nullptr, M, N, K, RG, C, cps, npf);
 #else
   __trap();  // clusters need sm_90; linear.py never launches this below
-#endif
-}
-#endif
-
-// Warpgroup-MMA GEMV for M > 16 (Hopper, sm_90a only: `nvfp4_gemv_wg`). mma.sync spends one issue slot
-// per m16n8k16 and at NT = 4 a warp issues 16 of them per chunk beside its ~52 dequant instructions; one
-// wgmma m64n(8 NT)k16 covers a 64-row group's four warps and all NT n8 tiles, and reads the activations
-// from shared memory, so the issue slots go to the dequantisation (bench/probe_wgmma.py: from registers,
-// 3.7-3.9 TB/s of weights at M = 32 against mma.sync's 2.9-3.1). The per-element arithmetic and K order
-// are nvfp4_gemv_rd's: each lane dequantises its A fragments with dequant8 / scale2, a wgmma k16 step
-// gives HMMA.16816's bits, each slice accumulates its chunks in order from zero, and the S slices are
-// summed in slice order by cluster_reduce_finish (the same bits; the GPU tests assert it).
-//
-// grid (ceil(RG / (WGW * CH)), S), clusters of (1, S, 1) (S > 1), block 128 * WGW: CTA (b, s) holds split-K
-// slice s of row groups b * WGW * CH .. + WGW * CH - 1; warpgroup w runs CH of them as independent
-// accumulator chains (row group rg0 + c, its warp p holding m16 tile p). The slice's activations are
-// gathered once into shared memory in wgmma's B layout: for chunk i and k-step s, core matrix (hk, j) at
-// xs + i * NT * 1024 + ((s * 2 + hk) * NT + j) * 128 holds, in its row r, the 4-byte pairs of columns 16 t
-// + 4 s + 2 hk (t = 0..3) of activation row 8 j + r: mma k-step s of lane t reads columns 16t + 4s + {0,1}
-// (k 2t, 2t + 1) and {2,3} (k 2t + 8, 2t + 9), linear.cu's K permutation. Weights and scales go straight to
-// registers PF chunks ahead (a ring of compile-time slots, as in nvfp4_gemv_rd) and are dequantised into
-// the A registers: KG = 4 commits a chunk's 4 k-steps as one wgmma group, KG = 1 each k-step. Every group
-// has completed before the A registers are rewritten (wgmma.wait_group 0: wgmma.cuh), so a warpgroup's
-// dequant never overlaps its own wgmmas; other warpgroups on the SM fill that time.
-#if !defined(LUMO_ONLY) || defined(LUMO_ONLY_nvfp4_gemv_wg)
-#ifndef WGW
-#define WGW 1  // nvfp4_gemv_wg: warpgroups per CTA
-#endif
-#ifndef CH
-#define CH 2  // nvfp4_gemv_wg: row groups (accumulator chains) per warpgroup
-#endif
-#ifndef KG
-#define KG 4  // nvfp4_gemv_wg: k-steps per wgmma commit group (1 or 4)
-#endif
-#ifndef WG_MINB
-#define WG_MINB 1  // nvfp4_gemv_wg: CTAs per SM the register allocation must allow
-#endif
-extern "C" __global__ void __launch_bounds__(WGW * 128, WG_MINB)
-    nvfp4_gemv_wg(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
-                  const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
-                  int N, int K, int RG, int C, int cps, int npf) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(KG == 1 || KG == 4, "KG: k-steps per wgmma group, 1 or 4");
-  extern __shared__ uint4 smem[];
-  char* xs = reinterpret_cast<char*>(smem);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = warp & 3;
-  const int rg0 = blockIdx.x * (WGW * CH) + (warp >> 2) * CH;  // this warpgroup's first row group
-  const int c0 = blockIdx.y * cps;
-  const int nc = max(0, min(C, c0 + cps) - c0);
-  // Row groups past RG run on row group 0's weights and store nothing: no branch around the wgmma.
-  const uint4* wp[CH];
-  const unsigned short* sp[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const size_t unit = ((size_t)(rg0 + c < RG ? rg0 + c : 0) * C + c0) * MT;
-    wp[c] = qw + (unit + p) * 32 + lane;
-    sp[c] = qs + (unit + p) * 32 + lane;
-    if (p == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
-  }
-  uint4 wr[PF][CH];
-  u32 sr[PF][CH];
-  // Chunk r counted from wp / sp (advanced by PF chunks per trip of the main loop, so that r is a
-  // compile-time offset there): weights and scales, which no earlier kernel writes.
-  auto load_w = [&](int slot, int r) {
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      wr[slot][c] = ld_stream16(wp[c] + r * MT * 32);
-      sr[slot][c] = ld_stream2(sp[c] + r * MT * 32);
-    }
-  };
-#pragma unroll
-  for (int i = 0; i < PF - 1; ++i)
-    if (i < nc) load_w(i, i);
-  pdl_wait();
-
-  // The slice's activations, 4-byte pairs: q = (chunk, row, pair pc = 8 t + 2 s + hk); rows >= M and
-  // columns >= K read as zero.
-  for (int q = threadIdx.x; q < nc * NT * 256; q += WGW * 128) {
-    const int ci = q / (NT * 256), row = (q >> 5) % (NT * 8), pc = q & 31;
-    const int col = (c0 + ci) * 64 + 2 * pc;
-    const bool ok = row < M && col < K;
-    const u32 dst = (u32)__cvta_generic_to_shared(xs + ci * NT * 1024 +
-                                                  ((((pc >> 1) & 3) * 2 + (pc & 1)) * NT + (row >> 3)) * 128 +
-                                                  (row & 7) * 16 + (pc >> 3) * 4);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(ok ? x + (size_t)row * K + col : x),
-                 "r"(ok ? 4 : 0));
-  }
-  cp_async_commit();
-  cp_async_wait<0>();
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // visible to the tensor cores
-  __syncthreads();
-
-  // Descriptor of chunk 0's k-step 0; the others are at a fixed offset (start address >> 4 in the low bits).
-  const unsigned long long desc0 = wg_desc((u32)__cvta_generic_to_shared(xs), NT * 128, 128);
-  float acc[CH][NT][4] = {};
-  u32 a[CH][KG][4];
-  // Chunk i from ring slot u: dequantise k-steps into a set, then issue their wgmmas.
-  auto step = [&](int u, int i) {  // i = i0 + u
-    if (i + PF - 1 < nc) load_w((u + PF - 1) % PF, u + PF - 1);
-    u32 sg[CH], sg8[CH];
-#pragma unroll
-    for (int c = 0; c < CH; ++c) sg[c] = scale2(sr[u][c], 0x4040), sg8[c] = scale2(sr[u][c], 0x4141);
-#pragma unroll
-    for (int g = 0; g < 4 / KG; ++g) {
-      wg_wait<0>();  // every wgmma issued so far has read its A registers (wgmma.cuh)
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const u32 words[4] = {wr[u][c].x, wr[u][c].y, wr[u][c].z, wr[u][c].w};
-#pragma unroll
-        for (int k = 0; k < KG; ++k) {
-          u32 A, B, Cr, D;
-          dequant8(words[g * KG + k], A, B, Cr, D);
-          a[c][k][0] = bmul2(A, sg[c]);
-          a[c][k][1] = bmul2(B, sg8[c]);
-          a[c][k][2] = bmul2(Cr, sg[c]);
-          a[c][k][3] = bmul2(D, sg8[c]);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < CH; ++c) wg_fence_acc<NT * 4>(&acc[c][0][0]);
-      wg_fence();
-#pragma unroll
-      for (int k = 0; k < KG; ++k)
-#pragma unroll
-        for (int c = 0; c < CH; ++c)
-          wgmma_k16<NT>(&acc[c][0][0], a[c][k], desc0 + ((i * NT * 1024 + (g * KG + k) * NT * 256) >> 4));
-      wg_commit();
-#pragma unroll
-      for (int c = 0; c < CH; ++c) wg_fence_acc<NT * 4>(&acc[c][0][0]);
-    }
-  };
-  for (int i0 = 0; i0 < nc; i0 += PF) {
-#pragma unroll
-    for (int u = 0; u < PF; ++u)
-      if (i0 + u < nc) step(u, i0 + u);
-#pragma unroll
-    for (int c = 0; c < CH; ++c) wp[c] += PF * MT * 32, sp[c] += PF * MT * 32;
-  }
-  wg_wait<0>();
-#pragma unroll
-  for (int c = 0; c < CH; ++c) wg_fence_acc<NT * 4>(&acc[c][0][0]);
-  pdl_trigger();
-
-  // Epilogue: the slices' partials acc * 2^7 summed in slice order (cluster_reduce_finish), red[r][p][j][e]
-  // [lane] for the CTA's row group r = (warp >> 2) * CH + c.
-  float* red = reinterpret_cast<float*>(smem);
-  __syncthreads();  // every warpgroup's wgmmas have read their activations
-#pragma unroll
-  for (int c = 0; c < CH; ++c)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        red[(((((warp >> 2) * CH + c) * MT + p) * NT + j) * 4 + e) * 32 + lane] = acc[c][j][e] * DQ_UNSCALE;
-  cluster_reduce_finish<WGW * CH>(gs, blockIdx.x * (WGW * CH), out, M, N, gridDim.y, cluster_rank());
-#else
-  __trap();  // wgmma needs sm_90a; linear.py launches this only from an sm_90a cubin
 #endif
 }
 #endif

@@ -583,7 +583,6 @@ def nvfp4_linear(
     rdcl: int | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stage: bool = False,
-    wg: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -611,8 +610,6 @@ def nvfp4_linear(
     wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none). `rdcl`: the register-direct kernel's
     slices spread over clusters of that many CTAs (a divisor of the slice count; > 1 needs sm_90+; default
     RD_CLUSTERS, falling back to one CTA where the device cannot schedule that cluster).
-    `wg`: (warpgroups per CTA, row groups per warpgroup, PF, k-steps per commit group) forces the
-    warpgroup-MMA kernel (nvfp4_gemv_wg, Hopper sm_90 only; the same bits; not with the other knobs).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -639,12 +636,6 @@ def nvfp4_linear(
     nt = -(-m // 8)
     cps = -(-chunks // splits)
     npf = 0 if probe else prefetch_chunks(rg, splits, cps, L2_PREFETCH_BYTES if l2pf is None else l2pf)
-    if wg is not None:
-        if rd or sx or probe or conv is not None:
-            raise ValueError("wg names its own kernel: not with rd, sx, probe or conv")
-        y = rows() if rows else out
-        _launch_wg(x, packed, y, wg, splits, cps, npf)
-        return _glu_act(y, out) if rows else y
     if rd and sx:
         raise ValueError("rd and sx name two different kernels: give one")
     if not sx and rd is None and stages is None and rgw is None and cluster is None and tpw is None:
@@ -696,59 +687,6 @@ def nvfp4_linear(
     if conv is not None:
         conv_decode(y[:, :conv_c], conv[0], conv[1], out=conv[2])
     return _glu_act(y, out) if rows else y
-
-
-WG_ARCH = "sm_90a"  # wgmma: Hopper only
-
-
-@functools.cache
-def _wg_kernel(nt: int, wgw: int, ch: int, pf: int, kg: int) -> Kernel:
-    defines = {"NT": nt, "MT": MT, "WGW": wgw, "CH": ch, "PF": pf, "KG": kg}
-    defines |= {"LUMO_ONLY": 1, "LUMO_ONLY_nvfp4_gemv_wg": 1}
-    return compile_kernel("linear", "nvfp4_gemv_wg", defines, arch=WG_ARCH)
-
-
-def _wg_shape(
-    rg: int, nt: int, wgw: int, ch: int, splits: int, cps: int
-) -> tuple[tuple[int, int, int], int, int]:
-    """nvfp4_gemv_wg's grid, block and dynamic shared memory: the slice's activations (nt KB per chunk) or
-    the epilogue's partials, whichever is larger."""
-    return (-(-rg // (wgw * ch)), splits, 1), 128 * wgw, max(cps * nt * 1024, wgw * ch * MT * nt * 512)
-
-
-def _launch_wg(
-    x: torch.Tensor,
-    packed: PackedNVFP4,
-    y: torch.Tensor,
-    wg: tuple[int, int, int, int],
-    splits: int,
-    cps: int,
-    npf: int,
-) -> None:
-    ok = (
-        isinstance(wg, tuple)
-        and len(wg) == 4
-        and wg[0] >= 1
-        and wg[1] >= 1
-        and wg[2] >= 1
-        and wg[3] in (1, 4)
-    )
-    if not ok:
-        raise ValueError(f"wg must be (warpgroups >= 1, row groups >= 1, PF >= 1, KG 1 or 4), got {wg!r}")
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        raise ValueError("wg (warpgroup MMA) runs on sm_90 (Hopper) only")
-    m = x.shape[0]
-    nt = -(-m // 8)
-    wgw, ch, pf, kg = wg
-    kern = _wg_kernel(nt, wgw, ch, pf, kg)
-    grid, block, shmem = _wg_shape(packed.row_groups, nt, wgw, ch, splits, cps)
-    if shmem > smem_limit(x.device):
-        raise ValueError(f"wg={wg!r} needs {shmem} bytes of shared memory per CTA")
-    if splits > 1 and kern.max_cluster_size(grid, block, shmem) < splits:
-        raise ValueError(f"the device cannot schedule nvfp4_gemv_wg in clusters of {splits} CTAs")
-    args = [packed.qw, packed.qs, packed.gs, x, y, m, packed.n, packed.k, packed.row_groups]
-    args += [packed.chunks, cps, npf]
-    kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, splits, 1) if splits > 1 else None)
 
 
 def _conv_operands(
