@@ -80,7 +80,6 @@ __device__ __forceinline__ void wgmma_k16(float* c, const unsigned* a, unsigned 
 }
 #endif
 
-
 extern "C" __global__ void __launch_bounds__(128) wgmma_peak(float* out, int iters, u32 seed) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   __shared__ __align__(128) unsigned char xs[4 * NT * 256];  // B of 4 k-steps: 16 x 8 NT bf16 each

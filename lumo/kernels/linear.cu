@@ -154,7 +154,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-
 // One m16 tile's chunk: its 16 packed bytes (4 k-steps of this lane's A fragments) and scale pair are
 // dequantised and multiplied into the NT n8 tiles of activations xv (this lane's 32 bytes per tile).
 __device__ __forceinline__ void fp4_tile_mma(float (*acc)[4], const uint4& wv, u32 sv, const uint4 (*xv)[2]) {
