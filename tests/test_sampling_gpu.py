@@ -80,9 +80,12 @@ def _safe_top_p(x: torch.Tensor, temp: float, top_k: int, gen: torch.Generator) 
     return float(torch.tensor((before[j] + before[j + 1]).item() / 2, dtype=torch.float32))
 
 
-def make_rows(T: int, V: int, seed: int):
+def make_rows(T: int, V: int, seed: int, bf16: bool = False):
+    """f32 logits (bf16 values when bf16: the engine's lm_head output, widened) and per-row params."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, V, generator=gen) * 3
+    if bf16:
+        logits = logits.to(torch.bfloat16).float()
     logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a greedy tie: lowest index wins
     temps, ks, ps = [], [], []
     modes = ["greedy", "plain", "topk", "topp", "topk_topp", "k1"]
@@ -120,6 +123,17 @@ def to_dev(rows):
 def test_tokens_match_cpu_sampler(T, V, seed):
     rows = make_rows(T, V, seed * 1000 + T)
     got = sample_tokens(*to_dev(rows), out=torch.full((T,), -1, dtype=torch.int32, device=DEV))
+    assert torch.equal(got.cpu(), sample_tokens_ref(*rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,V", [(1, 1000), (13, 9973), (32, 248320)], ids=lambda v: str(v))
+def test_bf16_logits_read_as_their_f32_values(T, V):
+    """bf16 logits (LOGITS_BF16 build) give the tokens of the same values in f32 and the CPU sampler's."""
+    rows = make_rows(T, V, 77 + T, bf16=True)
+    dev = to_dev(rows)
+    got = sample_tokens(dev[0].to(torch.bfloat16), *dev[1:])
+    assert torch.equal(got, sample_tokens(*dev))
     assert torch.equal(got.cpu(), sample_tokens_ref(*rows))
 
 

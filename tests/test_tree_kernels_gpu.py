@@ -266,6 +266,17 @@ def test_topk_select_matches_stable_sort(V, k):
     assert torch.equal(ids.cpu(), topk_select_ref(logits, k))
 
 
+@pytest.mark.parametrize("V", [11, 4097, 32768 + 77, 248320])
+def test_topk_select_bf16_logits_as_their_f32_values(V):
+    """bf16 logits (the drafter's head output, LOGITS_BF16 build) select as their f32 values: ties (many,
+    after the rounding), -0 / +0 and NaN included."""
+    logits = tie_logits(4, V, seed=3 * V).to(torch.bfloat16)
+    for k in (1, 3, 8):
+        ids = topk_select(logits, k, out=torch.full((4, k), -5, dtype=torch.int32, device=DEV))
+        assert torch.equal(ids, topk_select(logits.float(), k))
+        assert torch.equal(ids.cpu(), topk_select_ref(logits, k))
+
+
 @pytest.mark.parametrize("V", [9, 4097, 32768 + 77])
 def test_topk_select_maps_columns_to_draft_vocabulary_ids(V):
     """With an id map (a draft vocabulary) the ids and the tree's tokens are id_map[column]."""

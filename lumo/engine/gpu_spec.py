@@ -135,8 +135,7 @@ class GPUSpecEngine:
         self.gdn_qk = torch.zeros(R, 2 * nk * dk, dtype=f32, device=dev)  # normalised q, k (any layer's)
         self.gdn_y = torch.zeros(R, nv * dv, dtype=bf, device=dev)
         self.replay_o = torch.zeros(self.cap, nv, dv, dtype=bf, device=dev)
-        self.logits_bf16 = torch.zeros(R, V, dtype=bf, device=dev)
-        self.logits = torch.zeros(R, V, dtype=f32, device=dev)  # [R, V] f32 of the latest verify
+        self.logits_bf16 = torch.zeros(R, V, dtype=bf, device=dev)  # [R, V] of the latest verify (`logits`)
         self.sample_ws = sample_workspace(R, V, dev)
         self.kv_tab = kv_table(runner.kv_k + runner.kv_v)
 
@@ -162,11 +161,15 @@ class GPUSpecEngine:
         Vd = self.draft_head.n
         if Vd < self.k:
             raise ValueError(f"a draft vocabulary of {Vd} tokens is smaller than the tree's top-{self.k}")
-        self.draft_bf16 = torch.zeros(1, Vd, dtype=bf, device=dev)
-        self.draft_logits = torch.zeros(1, Vd, dtype=f32, device=dev)  # [1, Vd] next draft step's logits
+        self.draft_bf16 = torch.zeros(1, Vd, dtype=bf, device=dev)  # [1, Vd] next draft step's logits
         self.tk_ws = topk_workspace(1, Vd, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self._carry: torch.Tensor | None = None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[R, V] f32 logits of the latest verify (a new tensor: the bf16 logits, then f32)."""
+        return self.logits_bf16.float()
 
     def _gdn_schedule(self) -> tuple[torch.Tensor, torch.Tensor]:
         """gdn_tree's schedule: each walking path's forks spread over as many rows (warps) as the device
@@ -273,7 +276,7 @@ class GPUSpecEngine:
             r.pos,
             r.sample_pos,
             self.tokens,
-            self.draft_logits,
+            self.draft_bf16,
             self.d1.out,  # the first draft step's hidden input
         ]
 
@@ -373,9 +376,14 @@ class GPUSpecEngine:
             delta = rows.delta
         rmsnorm1p(rows.h, m.norm, eps, delta=delta, out=rows.out)
 
+    @property
+    def draft_logits(self) -> torch.Tensor:
+        """[1, Vd] f32 logits of the next draft step (a new tensor: the bf16 head output, then f32, as
+        lumo.model; topk_select reads the bf16 buffer as these values)."""
+        return self.draft_bf16.float()
+
     def _draft_logits(self) -> None:
         self.draft_head(self.d1.out, out=self.draft_bf16)
-        self.draft_logits.copy_(self.draft_bf16)  # bf16 logits, then f32 (as lumo.model)
 
     def _feed(self) -> None:
         """MTP K/V for the accepted pairs (h of accepted node j, emitted token j) at positions
@@ -399,7 +407,7 @@ class GPUSpecEngine:
         r1, L = self.d1, self.runner.pos
         self.mtp_pos.copy_(L)
         topk_select(
-            self.draft_logits,
+            self.draft_bf16,
             self.k,
             out=self.cand[0:1],
             tokens=self.tokens,
@@ -415,7 +423,7 @@ class GPUSpecEngine:
             self._mtp_rows(r1, self.tokens[dd : dd + 1], r1.out, self.mtp_pos)
             self._draft_logits()
             topk_select(
-                self.draft_logits,
+                self.draft_bf16,
                 self.k,
                 out=self.cand[dd : dd + 1],
                 tokens=self.tokens,
@@ -468,9 +476,8 @@ class GPUSpecEngine:
             delta = v.delta
         rmsnorm1p(v.h, w.norm, eps, delta=delta, out=v.out)  # hidden states, kept for the MTP feed
         w.lm_head(v.out, out=self.logits_bf16)
-        self.logits.copy_(self.logits_bf16)
-        sample_tokens(
-            self.logits,
+        sample_tokens(  # reads the bf16 logits as their f32 values (lumo.model's cast, no launch)
+            self.logits_bf16,
             self.temperature,
             self.top_k,
             self.top_p,

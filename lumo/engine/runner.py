@@ -127,8 +127,7 @@ class GPURunner:
         self.attn_out = torch.zeros(1, nh, d, dtype=bf, device=dev)
         self.mlp_scratch = swiglu_scratch(self.w.layers, 1, dev)  # the gate+up GEMV's rows, if not fused
         self.act = torch.zeros(1, I, dtype=bf, device=dev)
-        self.logits_bf16 = torch.zeros(1, V, dtype=bf, device=dev)
-        self.logits = torch.zeros(1, V, dtype=f32, device=dev)  # [1, V] f32 of the latest step
+        self.logits_bf16 = torch.zeros(1, V, dtype=bf, device=dev)  # [1, V] of the latest step (`logits`)
         self.attn_ws = attn_decode_workspace(1, nh, d, max_len, dev)
         self.sample_ws = sample_workspace(1, V, dev)
         # Views into the static buffers, made once (the step only launches).
@@ -277,13 +276,18 @@ class GPURunner:
         qg, k, v = proj.split([nh * 2 * d, nkv * d, nkv * d], dim=-1)
         return qg.view(T, nh, 2 * d), k.view(T, nkv, d), v.view(T, nkv, d)
 
+    @property
+    def logits(self) -> torch.Tensor:
+        """[1, V] f32 logits of the latest step (a new tensor: lumo.model's bf16 logits, then f32). The
+        sampler reads the bf16 buffer itself, as these values."""
+        return self.logits_bf16.float()
+
     def _logits(self) -> None:
         self.w.lm_head(self.hidden, out=self.logits_bf16)
-        self.logits.copy_(self.logits_bf16)  # lumo.model: bf16 logits, then f32
 
     def _sample(self) -> None:
         sample_tokens(
-            self.logits,
+            self.logits_bf16,
             self.temperature,
             self.top_k,
             self.top_p,
@@ -494,6 +498,6 @@ def memory_plan(
         "kv_cache": n_full * max_len * nkv * d * 2 * 2,  # K and V, bf16
         "gdn_state": n_gdn * nv * dk * dv * 4,
         "conv_state": n_gdn * C * (K - 1) * 2,
-        "decode_buffers": attn_partials + 6 * V + 4 * 2 * (2 * I + C + nv * dv),  # + logits, activations
+        "decode_buffers": attn_partials + 2 * V + 4 * 2 * (2 * I + C + nv * dv),  # + logits, activations
         "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
     }

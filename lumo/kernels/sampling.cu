@@ -17,7 +17,11 @@
 // (max, sum exp) / top-C candidates; sample_final (one CTA per row) combines them in CTA order. Every
 // reduction has a fixed shape independent of T (batch invariant); argmax is order independent anyway.
 //
+// Logits are f32, or bf16 with LOGITS_BF16=1 (the engine's lm_head output, read as f32(bf16): the same values
+// the model's bf16 logits -> f32 cast gives, with no cast launch and half the reads).
+//
 // lumo:test-defines NCAND=256
+// lumo:test-defines NCAND=256 LOGITS_BF16=1
 
 #ifndef NCAND
 #define NCAND 256  // candidates kept per row for top-k / top-p
@@ -26,7 +30,20 @@
 #define THREADS 512
 #define SORTN 4096  // bitonic sort buffer (keys)
 
+#ifndef LOGITS_BF16
+#define LOGITS_BF16 0
+#endif
+
 #include "pdl.cuh"
+
+#if LOGITS_BF16
+#include <cuda_bf16.h>
+typedef __nv_bfloat16 logit_t;
+__device__ __forceinline__ float logit_f32(logit_t v) { return __bfloat162float(v); }
+#else
+typedef float logit_t;
+__device__ __forceinline__ float logit_f32(logit_t v) { return v; }
+#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -145,7 +162,7 @@ __device__ void top_candidates(u64* buf, int n, F get) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    sample_partial(const float* __restrict__ logits,  // [T, V]
+    sample_partial(const logit_t* __restrict__ logits,  // [T, V]
                    const float* __restrict__ temperature, const int* __restrict__ top_k,
                    const float* __restrict__ top_p, const long long* __restrict__ seed,
                    const long long* __restrict__ position,  // [T] each
@@ -160,7 +177,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   __shared__ int si[THREADS / 32];
   const int b = blockIdx.x, t = blockIdx.y;
   const Mode md = row_mode(temperature, top_k, top_p, t, V);
-  const float* row = logits + (size_t)t * V;
+  const logit_t* lrow = logits + (size_t)t * V;
+  auto row = [&](int i) { return logit_f32(lrow[i]); };
   const int lo = b * SPAN, hi = min(V, lo + SPAN);
   const size_t pi = (size_t)t * NB + b;
 
@@ -170,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     float bv = -INFINITY;
     int bi = 0x7FFFFFFF;
     for (int i = lo + threadIdx.x; i < hi; i += THREADS) {
-      float v = row[i];
+      float v = row(i);
       if (!md.greedy) v = v / md.temp + gumbel_of(uniform_of((u32)i, key, seed_hi));
       if (better(v, i, bv, bi)) bv = v, bi = i;
     }
@@ -182,11 +200,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     // Softmax denominator over all V: chunk max, then sum exp(x - max) with a fixed thread/tree order.
     float mx = -INFINITY;
     int unused = 0;
-    for (int i = lo + threadIdx.x; i < hi; i += THREADS) mx = fmaxf(mx, row[i] / md.temp);
+    for (int i = lo + threadIdx.x; i < hi; i += THREADS) mx = fmaxf(mx, row(i) / md.temp);
     block_argmax(mx, unused, sv, (int*)si);
     float s = 0.0f;
     if (mx > -INFINITY)
-      for (int i = lo + threadIdx.x; i < hi; i += THREADS) s += expf(row[i] / md.temp - mx);
+      for (int i = lo + threadIdx.x; i < hi; i += THREADS) s += expf(row(i) / md.temp - mx);
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if ((threadIdx.x & 31) == 0) sv[threadIdx.x >> 5] = s;
     __syncthreads();
@@ -198,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
     __syncthreads();
   }
-  top_candidates(buf, hi - lo, [&](int i) { return make_key(row[lo + i] / md.temp, (u32)(lo + i)); });
+  top_candidates(buf, hi - lo, [&](int i) { return make_key(row(lo + i) / md.temp, (u32)(lo + i)); });
   for (int i = threadIdx.x; i < NCAND; i += THREADS) part_keys[pi * NCAND + i] = buf[i];
 }
 

@@ -21,8 +21,8 @@ _M32 = 0xFFFFFFFF
 
 
 @functools.cache
-def _kernel(name: str) -> Kernel:
-    return compile_kernel("sampling.cu", name)
+def _kernel(name: str, logits_bf16: bool = False) -> Kernel:
+    return compile_kernel("sampling.cu", name, {"LOGITS_BF16": 1} if logits_bf16 else None)
 
 
 def sample_workspace(t: int, v: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:
@@ -46,14 +46,17 @@ def sample_tokens(
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """Tokens [T] int32 from logits [T, V] f32 with per-row params on the device.
+    """Tokens [T] int32 from logits [T, V] f32 or bf16 (read as their f32 values: the same tokens as
+    `logits.float()`, without that cast) with per-row params on the device.
 
     temperature [T] f32 (<= 0: greedy), top_k [T] int32 (0: off), top_p [T] f32 (1: off), seed [T] int64,
     position [T] int64 (absolute position of the token being sampled).
     """
+    if logits.dim() != 2:
+        raise ValueError(f"sample_tokens: logits must be [T, V], got {list(logits.shape)}")
     T, V = logits.shape
-    if logits.dtype != torch.float32 or not logits.is_contiguous():
-        raise ValueError("sample_tokens: logits must be contiguous f32 [T, V]")
+    if logits.dtype not in (torch.float32, torch.bfloat16) or not logits.is_contiguous():
+        raise ValueError("sample_tokens: logits must be contiguous f32 or bf16 [T, V]")
     for name, x, dt in (
         ("temperature", temperature, torch.float32),
         ("top_k", top_k, torch.int32),
@@ -76,7 +79,7 @@ def sample_tokens(
     elif out.shape != (T,) or out.dtype != torch.int32:
         raise ValueError(f"sample_tokens: out must be [{T}] int32")
     params = (temperature, top_k, top_p, seed, position)
-    _kernel("sample_partial").launch(
+    _kernel("sample_partial", logits.dtype == torch.bfloat16).launch(
         (nb, T), THREADS, (logits, *params, val, idx, ssum, keys, V, nb), pdl=True
     )
     _kernel("sample_final").launch(T, THREADS, (*params, val, idx, ssum, keys, out, V, nb), pdl=True)
@@ -118,5 +121,5 @@ def sample_tokens_ref(
         params = SamplingParams(
             temperature=float(temperature[t]), top_k=int(top_k[t]), top_p=float(top_p[t]), seed=int(seed[t])
         )
-        rows.append(sample(logits[t].cpu(), params, position=int(position[t])))
+        rows.append(sample(logits[t].float().cpu(), params, position=int(position[t])))  # bf16: as f32
     return torch.tensor(rows, dtype=torch.int32)

@@ -27,8 +27,8 @@ KV_THREADS = 128  # 16-byte columns per kv_remap CTA
 
 
 @functools.cache
-def _kernel(name: str) -> Kernel:
-    return compile_kernel("tree_ops.cu", name, {"KMAX": KMAX})
+def _kernel(name: str, logits_bf16: bool = False) -> Kernel:
+    return compile_kernel("tree_ops.cu", name, {"KMAX": KMAX, **({"LOGITS_BF16": 1} if logits_bf16 else {})})
 
 
 def _check_i32(x: torch.Tensor, shape: tuple[int, ...], what: str, device: torch.device) -> None:
@@ -69,7 +69,7 @@ def topk_select(
     workspace: torch.Tensor | None = None,
     id_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Top-k ids [T, k] int32 of logits [T, V] f32 (k <= 8), logit descending, ties by lower id.
+    """Top-k ids [T, k] int32 of logits [T, V] f32 or bf16 (k <= 8), logit descending, ties by lower id.
 
     With tokens ([R] int32, the tree's token buffer) and nodes ([T, k] int32, rows of draft_node_table),
     also tokens[nodes[t, r]] = ids[t, r] wherever nodes[t, r] >= 0 (node ids < R, not checked).
@@ -77,9 +77,9 @@ def topk_select(
     ties still go to the lower token) the ids written are id_map[column].
     Pass out= and workspace= (topk_workspace) on the hot path: then nothing is allocated. Never syncs.
     """
-    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
+    if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or not logits.is_contiguous():
         raise ValueError(
-            f"topk_select: logits must be contiguous f32 [T, V], got {logits.dtype} {logits.shape}"
+            f"topk_select: logits must be contiguous f32 or bf16 [T, V], got {logits.dtype} {logits.shape}"
         )
     T, V = logits.shape
     if not 1 <= k <= min(KMAX, V):
@@ -108,7 +108,9 @@ def topk_select(
         _check_i32(id_map, (V,), "topk_select: id_map", dev)
     if T == 0:
         return out
-    _kernel("topk_partial").launch((nb, T), TK_THREADS, [logits, V, workspace, nb], pdl=True)
+    _kernel("topk_partial", logits.dtype == torch.bfloat16).launch(
+        (nb, T), TK_THREADS, [logits, V, workspace, nb], pdl=True
+    )
     null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter, no map
     extra = [tokens, nodes] if tokens is not None else [null, null]
     extra.append(null if id_map is None else id_map)
