@@ -11,6 +11,7 @@ A refactor that claims "the same code" should print none.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +28,8 @@ def sass(kernel_dir: Path, names: list[str], cuobjdump: str) -> dict[tuple[str, 
     nvrtc.KERNEL_DIR = kernel_dir  # this tree's headers (include path), not the installed package's
     getattr(nvrtc.include_dirs, "cache_clear", lambda: None)()
     out = {}
+    # cuobjdump runs nvdisasm from PATH: the wheel ships it beside cuobjdump
+    env = os.environ | {"PATH": f"{Path(shutil.which(cuobjdump) or cuobjdump).parent}:{os.environ['PATH']}"}
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         for name in names:
@@ -36,7 +39,7 @@ def sass(kernel_dir: Path, names: list[str], cuobjdump: str) -> dict[tuple[str, 
                 for arch in ("sm_90", "sm_121a"):
                     cubin.write_bytes(nvrtc.compile_to_cubin(src, arch, nvrtc.define_options(defines), name))
                     text = subprocess.run(
-                        [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True
+                        [cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env
                     ).stdout
                     fn = None
                     for row in text.splitlines():
@@ -62,6 +65,8 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", tmp], cwd=ROOT, capture_output=True)
     after = sass(ROOT / "lumo" / "kernels", args.sources, args.cuobjdump)
+    if not before or not after:
+        raise SystemExit("no SASS was read: check that cuobjdump (and nvdisasm beside it) runs")
     common = [k for k in before if k in after]
     differ = [k for k in common if before[k] != after[k]]
     for k in differ:

@@ -1,8 +1,10 @@
-"""Timeline of the NVFP4 GEMVs inside one 27B decode step (diagnostics; H200 or any sm_90+ GPU).
+"""Timeline of the NVFP4 GEMVs and row kernels inside one 27B decode step (diagnostics; any sm_90+ GPU).
 
 Thread 0 of every CTA of `nvfp4_gemv_rd` (the decode step's NVFP4 kernel at M <= 8) records %globaltimer at
-the CTA's start, after its pdl_wait, after warp 0's main loop and at the end of warp 0's epilogue
-(linear.cu, LUMO_TRACE; `lumo.kernels.linear.set_trace`). One graph-replayed step at context 1k is traced.
+the CTA's start, after its pdl_wait, after warp 0's main loop and at the end of warp 0's epilogue; so do the
+CTAs of `gdn_recurrent_norm` (start, wait, operands prepared, state stored, end) and `rmsnorm1p_residual`
+(start, wait, rows loaded and squares summed, end) (trace.cuh; `lumo.kernels.trace.set_trace`). One
+graph-replayed step at context 1k is traced.
 A launch is identified by its weight pointer (each weight runs once per step). Per weight shape the script
 prints medians over the step's launches of that shape, in us:
 - span: first pdl_wait return -> last CTA end (the launch's time once its inputs are ready), the time its
@@ -13,8 +15,12 @@ prints medians over the step's launches of that shape, in us:
 - gap: the previous GEMV's last CTA end -> this launch's first wait return (the row kernels between them);
 - early: how long before its first wait return the launch's first CTA started (PDL, its L2 prefetch).
 Then, for the launch of each shape nearest the middle of the step, the CTAs running at the middle of each
-microsecond from its first wait return, and the CTAs per SM in its first microsecond. Also the traced
-replay's time against the untraced step's, and the timer's resolution.
+microsecond from its first wait return, and the CTAs per SM in its first microsecond. Then the row kernels,
+medians over each kind's launches, us: early (as above), before (the previous traced launch's last CTA end ->
+this one's first wait return: the kernel boundary), load (wait return -> operands in registers), work (->
+the GDN state stored), end (-> the CTA's end: barrier, norm, stores), span (first wait return -> last end),
+after (-> the next traced launch's first wait return). Also the traced replay's time against the untraced
+step's, and the timer's resolution.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from bench_decode import copy_bandwidth, time_decode  # same folder
 
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
 from lumo.engine.runner import GPURunner
-from lumo.kernels import linear
 from lumo.kernels.linear import PackedNVFP4
+from lumo.kernels.trace import set_trace
+
+KINDS = {0: "nvfp4_gemv_rd", 1: "gdn_recurrent_norm", 2: "rmsnorm1p_residual"}  # trace.cuh TRACE_KIND_*
 
 MAX_RECORDS = 1 << 20  # a 27B step makes ~272k
 
@@ -79,7 +87,7 @@ def main() -> None:
     torch.cuda.synchronize()
 
     buf = torch.zeros(1 + MAX_RECORDS, 8, dtype=torch.int64, device="cuda")
-    linear.set_trace(buf)
+    set_trace(buf)
     try:
         runner = GPURunner(cfg, gw, args.context + 256)
         runner.capture()
@@ -98,7 +106,7 @@ def main() -> None:
         n = int(buf[0, 0])
         rec = buf[1 : 1 + min(n, MAX_RECORDS)].cpu().tolist()
     finally:
-        linear.set_trace(None)
+        set_trace(None)
     if n > MAX_RECORDS:
         raise SystemExit(f"{n} records do not fit the buffer of {MAX_RECORDS}")
     if not rec:
@@ -108,7 +116,8 @@ def main() -> None:
         f"step {plain_ms:.3f} ms (median of replays), this traced replay {traced_ms:.3f} ms; {n} CTA records"
     )
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    report(rec, packed_weights(gw), bw, sms)
+    report([r for r in rec if r[5] == 0], packed_weights(gw), bw, sms)
+    report_rows(rec)
 
 
 def report(rec: list[list[int]], weights: dict[int, tuple[str, int]], bw: float, sms: int) -> None:
@@ -201,6 +210,52 @@ def report(rec: list[list[int]], weights: dict[int, tuple[str, int]], bw: float,
             if r[1] < wait0 + 1000 and (r[6] >> 32) < sms:
                 per_sm[r[6] >> 32] += 1
         print(f"{name:<22} " + " ".join(cells) + f" ({min(per_sm)}-{max(per_sm)} per SM)")
+
+
+def report_rows(rec: list[list[int]]) -> None:
+    """The row kernels' table (see the docstring), with each launch placed among all traced launches."""
+    launches = defaultdict(list)
+    for r in rec:
+        launches[(r[5], r[7])].append(r)
+    order = sorted(launches, key=lambda k: min(r[1] for r in launches[k]))
+    bounds = [(min(r[1] for r in launches[k]), max(r[3] for r in launches[k])) for k in order]
+    rows = defaultdict(list)
+    for i, key in enumerate(order):
+        kind, rs = key[0], launches[key]
+        if kind == 0:
+            continue
+        wait0, end = bounds[i]
+        row = {
+            "early": (wait0 - min(r[0] for r in rs)) / 1e3,
+            "before": (wait0 - bounds[i - 1][1]) / 1e3 if i else float("nan"),
+            "load": med([(r[2] - r[1]) / 1e3 for r in rs]),
+            "work": med([(r[4] - r[2]) / 1e3 for r in rs]) if kind == 1 else float("nan"),
+            "end": med([(r[3] - (r[4] if kind == 1 else r[2])) / 1e3 for r in rs]),
+            "span": (end - wait0) / 1e3,
+            "after": (bounds[i + 1][0] - end) / 1e3 if i + 1 < len(order) else float("nan"),
+        }
+        rows[kind].append(row | {"ctas": len(rs)})
+    if not rows:
+        print("no row-kernel launch was traced")
+        return
+    print()
+    first, last = bounds[0][0], max(b[1] for b in bounds)
+    between = sum(max(0, b[0] - a[1]) for a, b in zip(bounds, bounds[1:], strict=False)) / 1e3
+    print(
+        f"{len(order)} traced launches over {(last - first) / 1e3:.0f} us; {between:.0f} us of it between "
+        "one traced launch's last CTA end and the next one's first wait return (kernel boundaries and the "
+        "untraced kernels: attention, b/a, sampling)"
+    )
+    cols = ["early", "before", "load", "work", "end", "span", "after"]
+    print("row kernels, medians over each kind's launches, us (see the docstring)")
+    print(
+        f"{'kernel':<22}{'calls':>6}{'CTAs':>6}" + "".join(f"{c:>8}" for c in cols) + "  sum span  sum before"
+    )
+    for kind, rs in sorted(rows.items()):
+        vals = [med([r[c] for r in rs]) for c in cols]
+        before = sum(r["before"] for r in rs if r["before"] == r["before"])
+        sums = f"{sum(r['span'] for r in rs):>10.0f}{before:>12.0f}"
+        print(f"{KINDS[kind]:<22}{len(rs):>6}{rs[0]['ctas']:>6}" + "".join(f"{v:>8.2f}" for v in vals) + sums)
 
 
 if __name__ == "__main__":

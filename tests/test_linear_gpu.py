@@ -457,13 +457,14 @@ def test_cluster_fallback_when_the_device_cannot_schedule_it(monkeypatch):
 
 
 def test_timeline_trace_records_every_cta_and_keeps_the_bits():
-    """linear.set_trace (bench/trace_step.py): the traced nvfp4_gemv_rd build appends one record per CTA
-    (stamps in order: start <= after the wait <= after the main loop <= end; the grid size; the weight
-    pointer) and gives the plain build's bits; a full buffer counts on without writing past its end."""
+    """trace.set_trace (bench/trace_step.py): the traced nvfp4_gemv_rd build appends one record per CTA
+    (stamps in order: start <= after the wait <= after the main loop <= end; kind 0; the grid size; the
+    weight pointer) and gives the plain build's bits; a full buffer counts on without writing past its end."""
     from lumo.kernels import linear
+    from lumo.kernels.trace import set_trace
 
     with pytest.raises(ValueError, match="trace buffer"):
-        linear.set_trace(torch.zeros(4, 7, dtype=torch.int64, device=DEV))
+        set_trace(torch.zeros(4, 7, dtype=torch.int64, device=DEV))
     gen = torch.Generator(DEV).manual_seed(31)
     n, k = 64 * 5 + 3, 16 * 16 * 4
     packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=4)
@@ -471,7 +472,7 @@ def test_timeline_trace_records_every_cta_and_keeps_the_bits():
     want = nvfp4_linear(x, packed, rd=(1, 2))
     buf = torch.zeros(1 + 64, 8, dtype=torch.int64, device=DEV)
     try:
-        linear.set_trace(buf[:21])  # room for 20 records
+        set_trace(buf[:21])  # room for 20 records
         y = nvfp4_linear(x, packed, out=poisoned(1, n), rd=(1, 2))
         torch.cuda.synchronize()
         assert torch.equal(y, want)
@@ -486,7 +487,63 @@ def test_timeline_trace_records_every_cta_and_keeps_the_bits():
             and (rec[:, 2] <= rec[:, 3]).all()
         )
         assert (rec[:, 6] & 0xFFFFFFFF == ctas).all() and (rec[:, 7] == packed.qw.data_ptr()).all()
+        assert (rec[:, 4] == 0).all() and (rec[:, 5] == 0).all()  # no fifth stamp; kind 0 (the GEMV)
         assert (buf[21:] == 0).all()  # nothing written past the 20 records the kernel was given
     finally:
-        linear.set_trace(None)
+        set_trace(None)
     assert torch.equal(nvfp4_linear(x, packed, rd=(1, 2)), want)
+
+
+def test_row_kernel_traces_keep_the_bits():
+    """The traced rmsnorm1p_residual (kind 2) and gdn_recurrent_norm (kind 1) builds append one record per CTA
+    with ordered stamps (GDN: start <= wait <= operands <= state stored <= end), their norm weight / state
+    pointer as the key, and give the plain builds' bits."""
+    from lumo.kernels.gdn import gdn_decode_norm
+    from lumo.kernels.norms import rmsnorm1p
+    from lumo.kernels.trace import set_trace
+
+    gen = torch.Generator(DEV).manual_seed(5)
+    h = torch.randn(3, 5120, generator=gen, device=DEV).to(torch.bfloat16)
+    d = torch.randn(3, 5120, generator=gen, device=DEV).to(torch.bfloat16)
+    w = torch.randn(5120, generator=gen, device=DEV).to(torch.bfloat16)
+    nv, dk, dv = 6, 64, 64
+    g_in = dict(
+        mixed=torch.randn(1, 2 * 2 * dk + nv * dv, generator=gen, device=DEV).to(torch.bfloat16),
+        a=torch.randn(1, nv, generator=gen, device=DEV).to(torch.bfloat16),
+        b=torch.randn(1, nv, generator=gen, device=DEV).to(torch.bfloat16),
+        A_log=torch.rand(nv, generator=gen, device=DEV),
+        dt_bias=torch.randn(nv, generator=gen, device=DEV),
+        z=torch.randn(1, nv, dv, generator=gen, device=DEV).to(torch.bfloat16),
+        norm_w=torch.randn(dv, generator=gen, device=DEV).to(torch.bfloat16),
+        eps=1e-6,
+    )
+    state0 = torch.randn(nv, dk, dv, generator=gen, device=DEV)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        hh, st = h.clone(), state0.clone()
+        y = rmsnorm1p(hh, w, 1e-6, delta=d)
+        return hh, y, gdn_decode_norm(**g_in, state=st), st
+
+    want = run()
+    buf = torch.zeros(1 + 64, 8, dtype=torch.int64, device=DEV)
+    try:
+        set_trace(buf)
+        got = run()
+        torch.cuda.synchronize()
+    finally:
+        set_trace(None)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    n = int(buf[0, 0])
+    assert n == 3 + nv  # a CTA per row, a CTA per value head
+    rec = buf[1 : 1 + n].cpu()
+    assert (rec[:, 0] > 0).all() and (rec[:, 0] <= rec[:, 1]).all() and (rec[:, 1] <= rec[:, 2]).all()
+    assert (rec[:, 2] <= rec[:, 3]).all()
+    norm, gdn = rec[rec[:, 5] == 2], rec[rec[:, 5] == 1]
+    assert len(norm) == 3 and len(gdn) == nv
+    assert (norm[:, 7] == w.data_ptr()).all() and (norm[:, 6] & 0xFFFFFFFF == 3).all()
+    assert (
+        (gdn[:, 2] <= gdn[:, 4]).all()
+        and (gdn[:, 4] <= gdn[:, 3]).all()
+        and (gdn[:, 6] & 0xFFFFFFFF == nv).all()
+    )
+    assert (norm[:, 4] == 0).all()

@@ -14,10 +14,12 @@
 // lumo:test-defines NK=2 NV=4 DK=64 DV=64 DVT=16 PARAM_BF16=1 OUT_BF16=0
 // lumo:test-defines NK=2 NV=6 DK=32 DV=24 DVT=8 PARAM_BF16=0 OUT_BF16=0
 // lumo:test-defines NK=3 NV=9 DK=64 DV=96 DVT=16 PARAM_BF16=1 OUT_BF16=1
+// lumo:test-defines NK=16 NV=48 DK=128 DV=128 DVT=16 PARAM_BF16=0 OUT_BF16=1 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 
 #include <cuda_bf16.h>
 
 #include "pdl.cuh"
+#include "trace.cuh"
 
 #ifndef NK
 #define NK 16
@@ -128,6 +130,8 @@ extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
                        const float* __restrict__ pb, int part_stride, int ba_splits) {
   constexpr int E = DV / 32;
   __shared__ __align__(16) bf16 o_head[DV];
+  TRACE_DECL(4);  // bench/trace_step.py only (trace.cuh): start, wait, operands prepared, state stored
+  TRACE_AT(0);
   const int h = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, j0 = warp * DVT;
   const size_t soff = gdn_state_offset(h, j0, lane);
   // Before the wait: the gate parameters and norm weight (no kernel writes them), an L2 request for the tile.
@@ -136,6 +140,7 @@ extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
   if (warp == 0) ld_bf16<E>(norm_w + lane * E, wv);
   gdn_prefetch_state(state + soff, lane);
   pdl_begin();
+  TRACE_AT(1);
   float4 S[GDN_R];
   gdn_load_state(state + soff, S);
   if (warp == 0) ld_bf16<E>(z + h * DV + lane * E, zv);
@@ -147,14 +152,17 @@ extern "C" __global__ void __launch_bounds__(32 * (DV / DVT))
     gdn_fetch(mixed, h, j0, lane, __bfloat162float(a[h]), __bfloat162float(b[h]), raw);
   GdnToken tok;
   gdn_prepare(raw, A, dtb, tok);
+  TRACE_AT(2);
   const float4 o = gdn_step(S, tok);
   if (lane < GDN_CQ) gdn_write_o(o_head + j0 + 4 * lane, o);
   gdn_store_state(state + soff, S);
+  TRACE_AT(3);
   __syncthreads();
   if (warp != 0) return;
   float ov[E], out[E];
   ld_bf16<E>(o_head + lane * E, ov);
   gated_norm_warp<DV>(ov, zv, wv, eps, out);
   st_bf16<E>(y + h * DV + lane * E, out);
+  TRACE_STORE(4, TRACE_KIND_GDN, state);
 }
 #endif

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from .compile import Kernel, compile_kernel
+from .trace import on_trace_change, trace_defines
 
 
 def gdn_dvt(dk: int, dv: int) -> int:
@@ -33,7 +34,12 @@ def _kernel(
 ) -> Kernel:
     """A GDN kernel (gdn_recurrent, gdn_tree) for one head shape; DVT is part of the arithmetic."""
     defines = _head_defines(nk, nv, dk, dv, param_bf16, out_bf16) | {"DVT": gdn_dvt(dk, dv)}
+    if name == "gdn_recurrent_norm":
+        defines |= trace_defines()  # bench/trace_step.py only; empty otherwise
     return compile_kernel(source, name, defines)
+
+
+on_trace_change(_kernel.cache_clear)
 
 
 def _head_defines(nk: int, nv: int, dk: int, dv: int, param_bf16: bool, out_bf16: bool) -> dict[str, int]:

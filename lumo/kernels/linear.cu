@@ -103,34 +103,9 @@
 #define PROBE_X0 (LUMO_PROBE == 4 || LUMO_PROBE == 5)
 #define PROBE_CHUNK(c) (PROBE_L2W ? ((c) & 1) : (c))
 
-// Timeline trace (bench/trace_step.py only; the library never sets it): LUMO_TRACE is the address of a
-// device buffer of u64 [1 + LUMO_TRACE_CAP, 8]; word 0 counts records (past the end too). nvfp4_gemv_rd's
-// thread 0 appends one per CTA: %globaltimer ns at its start, after pdl_wait, after the main loop and at its
-// end (words 0-3; words 4-5 are zero, unused); smid << 32 | CTAs in the grid; the weight pointer (which
-// launch). The stamps wait in shared memory, not registers, so that the traced build keeps the plain
-// build's occupancy. Other builds: nothing.
-#ifdef LUMO_TRACE
-__device__ __forceinline__ unsigned long long trace_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void trace_store(const unsigned long long* t, const void* key) {
-  unsigned long long* buf = reinterpret_cast<unsigned long long*>((unsigned long long)LUMO_TRACE);
-  unsigned smid;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  const unsigned long long slot = atomicAdd(buf, 1ull);
-  if (slot >= LUMO_TRACE_CAP) return;  // full: counted, not stored
-  unsigned long long* rec = buf + 8 * (1 + slot);
-  rec[0] = t[0], rec[1] = t[1], rec[2] = t[2], rec[3] = trace_ns();
-  rec[4] = 0, rec[5] = 0;
-  rec[6] = ((unsigned long long)smid << 32) | (gridDim.x * gridDim.y);
-  rec[7] = reinterpret_cast<unsigned long long>(key);
-}
-#define TRACE_AT(i) (threadIdx.x == 0 ? (void)(trace_sm[i] = trace_ns()) : (void)0)
-#else
-#define TRACE_AT(i) ((void)0)
-#endif
+// Timeline trace (bench/trace_step.py only): nvfp4_gemv_rd's CTAs record their start, the return of their
+// pdl_wait, the end of warp 0's main loop and their end (trace.cuh). Other builds: nothing.
+#include "trace.cuh"
 
 typedef __nv_bfloat16 bf16;
 
@@ -716,9 +691,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #if RDCL > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; linear.py never launches an RDCL build below
 #endif
-#ifdef LUMO_TRACE
-  __shared__ unsigned long long trace_sm[3];
-#endif
+  TRACE_DECL(3);
   TRACE_AT(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -829,9 +802,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   TRACE_AT(2);
   pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
-#ifdef LUMO_TRACE
-  if (threadIdx.x == 0) trace_store(trace_sm, qw);
-#endif
+  TRACE_STORE(3, TRACE_KIND_GEMV, qw);
 }
 #endif
 

@@ -16,6 +16,7 @@ import torch
 from ..quant import nvfp4_dequantize
 from .compile import Kernel, compile_kernel, sm_count
 from .conv import conv_decode, conv_decode_operands
+from .trace import on_trace_change, trace_defines
 
 MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
 ROWS = 16 * MT
@@ -212,40 +213,13 @@ STAGES = 4  # nvfp4_gemv: the ring kernels' default stage count for _kernel
 FP4_STAGES = {1: 6, 2: 4, 3: 4, 4: 3}  # nvfp4_gemv ring depth per NT (H200 sweep, docs/kernels.md)
 
 
-# bench/trace_step.py: the buffer nvfp4_gemv_rd builds append their timeline records to (None: off). The
-# builds hold its address, so it stays referenced here while they may run.
-_TRACE: list[torch.Tensor | None] = [None]
-
-
-def set_trace(buf: torch.Tensor | None) -> None:
-    """Diagnostics only (bench/trace_step.py): nvfp4_gemv_rd builds compiled from now on append a record
-    per CTA to `buf` (contiguous int64 [1 + records, 8] on the GPU; word 0, zeroed by the caller, counts
-    the records, also past the end; linear.cu, LUMO_TRACE), or stop doing so (None). Kernels already loaded
-    keep their build: call it before the first launch (or before building the runner whose graph should be
-    traced), and replay no traced graph after the buffer is gone. Not thread-safe."""
-    if buf is not None and (
-        buf.dtype != torch.int64
-        or buf.dim() != 2
-        or buf.shape[1] != 8
-        or buf.shape[0] < 2
-        or not buf.is_contiguous()
-        or not buf.is_cuda
-    ):
-        raise ValueError(
-            f"the trace buffer must be contiguous int64 [>= 2, 8] on the GPU, got {buf.dtype} "
-            f"{tuple(buf.shape)}"
-        )
-    _TRACE[0] = buf
-    _rd_kernel.cache_clear()
-
-
 def _compile(name: str, defines: dict[str, int], probe: int) -> Kernel:
     """A linear.cu kernel, compiled alone (LUMO_ONLY: NVRTC builds just that kernel of the file; sm_90 on
     2 CPU cores: 0.06-0.45 s against 2.7 s for the whole file); `probe` != 0 builds a LUMO_PROBE
     measurement variant (bench/probe_linear.py)."""
     defines = defines | {"LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
-    if _TRACE[0] is not None and name == "nvfp4_gemv_rd":
-        defines |= {"LUMO_TRACE": _TRACE[0].data_ptr(), "LUMO_TRACE_CAP": _TRACE[0].shape[0] - 1}
+    if name == "nvfp4_gemv_rd":
+        defines |= trace_defines()  # bench/trace_step.py only; empty otherwise
     return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
 
 
@@ -549,6 +523,9 @@ def _rd_kernel(
     else:
         minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
+
+
+on_trace_change(_rd_kernel.cache_clear)  # bench/trace_step.py's buffer is compiled into the builds
 
 
 def _stage_fits(

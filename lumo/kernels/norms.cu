@@ -17,6 +17,7 @@
 //
 // lumo:test-defines HID=5120 NT=640 DV=128 O_F32=1
 // lumo:test-defines HID=192 NT=32 DV=64 O_F32=0
+// lumo:test-defines HID=5120 NT=640 DV=128 O_F32=1 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 
 #include <cuda_bf16.h>
 
@@ -43,6 +44,7 @@ static_assert(DV % 32 == 0, "DV must be a multiple of 32");
 #include "act.cuh"
 #include "gated_norm.cuh"
 #include "pdl.cuh"
+#include "trace.cuh"
 #include "vec.cuh"
 
 template <int N>
@@ -72,6 +74,8 @@ extern "C" __global__ void __launch_bounds__(NT)
     rmsnorm1p_residual(bf16* __restrict__ h, const bf16* __restrict__ delta, const bf16* __restrict__ w,
                        bf16* __restrict__ y, float eps) {
   __shared__ float partial[NT / 32];
+  TRACE_DECL(3);  // bench/trace_step.py only (trace.cuh): start, wait, rows loaded and squares summed
+  TRACE_AT(0);
   const int tid = threadIdx.x;
   const size_t row = (size_t)blockIdx.x * HID;
   float wv[CPT][8];  // the norm weight (no kernel writes it) and an L2 request for h, before the wait
@@ -83,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(NT)
     }
   }
   pdl_begin();
+  TRACE_AT(1);
   float v[CPT][8];
   float ss = 0.0f;
 #pragma unroll
@@ -103,6 +108,7 @@ extern "C" __global__ void __launch_bounds__(NT)
   }
   ss = warp_sum(ss);
   if ((tid & 31) == 0) partial[tid >> 5] = ss;
+  TRACE_AT(2);
   __syncthreads();
   float total = 0.0f;
 #pragma unroll
@@ -118,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(NT)
       st_bf16<8>(y + row + 8 * c, o);
     }
   }
+  TRACE_STORE(3, TRACE_KIND_NORM, w);
 }
 
 // ------------------------------------------------------------------------------------------------

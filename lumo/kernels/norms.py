@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .compile import Kernel, compile_kernel
+from .trace import on_trace_change, trace_defines
 
 GWARPS = 4  # gated_rmsnorm: warps (heads) per CTA, must match norms.cu
 
@@ -27,7 +28,13 @@ def rms_threads(h: int) -> int:
 
 @functools.cache
 def _kernel(name: str, hid: int = 5120, dv: int = 128, o_f32: int = 1) -> Kernel:
-    return compile_kernel("norms", name, {"HID": hid, "NT": rms_threads(hid), "DV": dv, "O_F32": o_f32})
+    defines = {"HID": hid, "NT": rms_threads(hid), "DV": dv, "O_F32": o_f32}
+    if name == "rmsnorm1p_residual":
+        defines |= trace_defines()  # bench/trace_step.py only; empty otherwise
+    return compile_kernel("norms", name, defines)
+
+
+on_trace_change(_kernel.cache_clear)
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
