@@ -237,10 +237,11 @@ def test_wave_fill():
 
 
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_121a"])
-@pytest.mark.parametrize("probe", ["probe_mma.cu", "probe_wgmma.cu"])
+@pytest.mark.parametrize("probe", ["probe_mma.cu", "probe_wgmma.cu", "probe_boundary.cu"])
 def test_bench_probe_kernel_compiles(arch, probe):
-    """bench/probe_mma.cu and probe_wgmma.cu (the tensor-core throughput probes) build like the library's
-    kernels; probe_wgmma's wgmma (sm_90a) without ptxas serialising it (NVRTC log remark C7514 and kin)."""
+    """bench/probe_mma.cu and probe_wgmma.cu (the tensor-core throughput probes) and probe_boundary.cu (the
+    launch chain) build like the library's kernels; probe_wgmma's wgmma (sm_90a) without ptxas serialising
+    it (NVRTC log remark C7514 and kin)."""
     from pathlib import Path
 
     from lumo.kernels.compile import compile_test_defines, compile_to_cubin, define_options
