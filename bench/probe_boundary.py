@@ -11,39 +11,23 @@ the 27B makes 536 launches (bench/results/bench_decode.log), so this bounds what
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 import torch
 
+from bench.bench_linear import time_graph
 from lumo.kernels.compile import compile_kernel
 
 N = 256  # launches per graph
 
 
 def per_launch_us(kern, grid: int, block: int, pdl: bool, spin_ns: int, buf: torch.Tensor) -> float:
-    def chain() -> None:
-        for i in range(N):
-            kern.launch(grid, block, [buf, i, spin_ns], pdl=pdl)
-
-    chain()  # load, warm
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / N)
+    buf.zero_()
+    fns = [lambda i=i: kern.launch(grid, block, [buf, i, spin_ns], pdl=pdl) for i in range(N)]
+    us = time_graph(fns, N, trials=7)  # one graph of the N launches in order
     if buf[N - 1].item() != N:  # the chain ran in order, every launch after the one before
         raise SystemExit(f"chain broken: buf[{N - 1}] = {buf[N - 1].item()}")
-    return statistics.median(times)
+    return us
 
 
 def main() -> None:
