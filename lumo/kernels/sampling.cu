@@ -17,8 +17,7 @@
 // (max, sum exp) / top-C candidates; sample_final (one CTA per row) combines them in CTA order. Every
 // reduction has a fixed shape independent of T (batch invariant); argmax is order independent anyway.
 //
-// Logits are f32, or bf16 with LOGITS_BF16=1 (the engine's lm_head output, read as f32(bf16): the same values
-// the model's bf16 logits -> f32 cast gives, with no cast launch and half the reads).
+// Logits are f32, or bf16 with LOGITS_BF16=1 (logits.cuh).
 //
 // lumo:test-defines NCAND=256
 // lumo:test-defines NCAND=256 LOGITS_BF16=1
@@ -30,20 +29,8 @@
 #define THREADS 512
 #define SORTN 4096  // bitonic sort buffer (keys)
 
-#ifndef LOGITS_BF16
-#define LOGITS_BF16 0
-#endif
-
+#include "logits.cuh"
 #include "pdl.cuh"
-
-#if LOGITS_BF16
-#include <cuda_bf16.h>
-typedef __nv_bfloat16 logit_t;
-__device__ __forceinline__ float logit_f32(logit_t v) { return __bfloat162float(v); }
-#else
-typedef float logit_t;
-__device__ __forceinline__ float logit_f32(logit_t v) { return v; }
-#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;

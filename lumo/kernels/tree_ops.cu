@@ -13,8 +13,7 @@
 // tree_accept: one warp; the walk of lumo.engine.tree.accept (see the kernel).
 // kv_remap: grid (number of caches, ceil(row_vec / KV_THREADS)); moves accepted K/V rows in place.
 //
-// topk_partial reads f32 logits, or bf16 with LOGITS_BF16=1 (as their f32 values: the drafter's bf16 head
-// output without a cast launch).
+// topk_partial reads f32 logits, or bf16 with LOGITS_BF16=1 (logits.cuh: the drafter's head output).
 //
 // lumo:test-defines KMAX=8
 // lumo:test-defines KMAX=8 LOGITS_BF16=1
@@ -26,20 +25,8 @@
 #define TK_THREADS 256  // threads per topk_partial CTA
 #define KV_THREADS 128  // 16-byte columns per kv_remap CTA
 
-#ifndef LOGITS_BF16
-#define LOGITS_BF16 0
-#endif
-
+#include "logits.cuh"
 #include "pdl.cuh"
-
-#if LOGITS_BF16
-#include <cuda_bf16.h>
-typedef __nv_bfloat16 logit_t;
-__device__ __forceinline__ float ld_logit(const logit_t* p) { return __bfloat162float(__ldg(p)); }
-#else
-typedef float logit_t;
-__device__ __forceinline__ float ld_logit(const logit_t* p) { return __ldg(p); }
-#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -99,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
 #pragma unroll
   for (int i = 0; i < KMAX; ++i) l[i] = 0ull;
   const int end = min(V, (b + 1) * TK_SPAN);
-  for (int i = b * TK_SPAN + threadIdx.x; i < end; i += TK_THREADS) topk_insert(l, topk_key(ld_logit(row + i), i));
+  for (int i = b * TK_SPAN + threadIdx.x; i < end; i += TK_THREADS) topk_insert(l, topk_key(logit_f32(__ldg(row + i)), i));
   u64 top[KMAX];
   topk_warp_merge(l, top);
   if (lane == 0) {
