@@ -58,6 +58,7 @@
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 RDCL=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
+// lumo:test-defines PF=2 LUMO_ONLY=1 LUMO_ONLY_nvfp4_mlp=1
 
 #include <cuda_bf16.h>
 
@@ -66,6 +67,12 @@
 #include "mma.cuh"
 #include "pdl.cuh"
 
+#if defined(LUMO_ONLY_nvfp4_mlp)  // the one-row persistent MLP (below): one n8 tile, one m16 tile per warp
+#undef NT
+#undef MTW
+#define NT 1
+#define MTW 1
+#endif
 #ifndef NT
 #define NT 4  // n8 tiles of activation rows: M <= 8 * NT
 #endif
@@ -1123,6 +1130,278 @@ extern "C" __global__ void __launch_bounds__(32)
       sum[0][j][e] = a;
     }
   store_tile<1>(sum, nullptr, out, partial, M, N, row0, lane);
+}
+#endif
+
+// The decode step's MLP in one persistent launch (nvfp4_mlp; M = 1, NT = MTW = 1): act = silu(gate) * up
+// from the fused [gate | up] weight (pack_fused(..., glu=True)), then out = down(act), with the bits of
+// nvfp4_gemv_rd's two launches. Work comes in units of one warp: (projection, m16 tile, split-K slice),
+// the gate+up units first (tile-major), then the down units (slice-major), handed out in that order by an
+// atomic counter (the next one asked for a unit ahead, the first before pdl_wait); each unit runs
+// nvfp4_gemv_rd's chunk loop (the same operations in the same order) and stores its slice partial
+// (acc * 2^7, as the rd epilogue puts it in shared memory) into `part`. The warp that brings a tile's last
+// slice (an arrival counter per tile) sums the tile's partials in slice order, as slices_reduce_store does,
+// and stores the outputs: the same bits. Down slice s reads act[s * 64 cps2, ...): its warps wait (spinning
+// on ready[s], acquire) until every gate+up tile of that range has stored, so the down projection's
+// weights stream while gate+up's last tiles finish, with no kernel boundary between them; a warp loads
+// its next unit's first weights before the previous unit's epilogue and before that wait (weights: no
+// kernel writes them). A warp waits only on units handed out before its own, to warps that are running, so
+// the launch cannot deadlock however few of its CTAs are resident. The warp that finishes last resets the
+// counters; the next launch uses another set (linear.py, MLPWork: a launch takes its first unit before its
+// pdl_wait), the one after it this set again, once this launch has completed.
+//
+// sync (int32, zero before the first launch): [0] unit counter, [1] finished warps, [2, 2 + S2) ready,
+// then the arrival counters of the T1 gate+up tiles and the T2 down tiles. part: (T1 S1 + T2 S2) x 128 f32.
+// K of both weights a multiple of 64 (no partial chunk: the launcher checks it).
+#if defined(LUMO_ONLY_nvfp4_mlp)
+
+__device__ __forceinline__ uint4 ld_l2_16(const void* p) {  // written in this launch: past L1
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float ld_l2_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+// With a relaxed atomic after (before) it, a release (acquire): lighter than __threadfence's fence.sc.
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+__device__ __forceinline__ void discard_l2(const void* p) {  // a 128-byte line read for the last time
+  asm volatile("discard.global.L2 [%0], 128;\n" ::"l"(p) : "memory");
+}
+
+#ifndef MLP_LINE
+#define MLP_LINE 32  // ints between the counters many warps touch (linear.py MLP_LINE)
+#endif
+#ifndef MLP_SLEEP
+#define MLP_SLEEP 256  // ns between two polls of a ready count
+#endif
+#ifndef MLP_NPF
+#define MLP_NPF 0  // chunks of the next unit asked of L2 beyond the PF - 1 loaded (<= 32)
+#endif
+#ifndef MLP_PROBE
+#define MLP_PROBE 0  // bench/probe_mlp.py only: 1 runs gate+up alone, 2 the down units without their wait
+#endif
+#ifndef MLP_STATIC
+#define MLP_STATIC 0  // bench/probe_mlp.py only: warp w takes units w, w + W, ... (needs every CTA resident)
+#endif
+
+struct MlpUnit {
+  int down;   // 0: gate+up, 1: down
+  int tile;   // m16 tile
+  int slice;  // split-K slice
+  int nc;     // its chunks
+  const uint4* wp;            // this lane's weights at the slice's first chunk
+  const unsigned short* sp;   // and scale pairs
+};
+
+// One unit's chunk loop: nvfp4_gemv_rd's at MTW = NT = 1 (the same operations in the same order), its
+// first PF - 1 chunks' weights already in wr / sr. kAct: the activations are act, written in this launch
+// (read from L2, past L1); else x, written before the launch.
+template <bool kAct>
+__device__ __forceinline__ void mlp_slice(float (&acc)[1][4], uint4 (&wr)[PF][1], u32 (&sr)[PF][1],
+                                          const uint4* wp, const unsigned short* sp, const bf16* xp, int nc) {
+  uint4 xr[PF][1][2];
+  auto load_x = [&](int slot, int r) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      xr[slot][0][h] = kAct ? ld_l2_16(xp + r * 64 + 8 * h) : *reinterpret_cast<const uint4*>(xp + r * 64 + 8 * h);
+  };
+#pragma unroll
+  for (int i = 0; i < PF - 1; ++i)
+    if (i < nc) load_x(i, i);
+  auto step = [&](int u, int i0, bool fast) {  // chunk i0 + u; first refill the slot chunk i0 + u - 1 used
+    const int r = u + PF - 1;
+    if (fast || i0 + r < nc) {
+      load_tiles(wr[r % PF], sr[r % PF], wp, sp, r);
+      load_x(r % PF, r);
+    }
+    fp4_tile_mma(acc, wr[u][0], sr[u][0], xr[u]);
+  };
+  int i0 = 0;
+  for (; i0 + 2 * PF - 2 < nc; i0 += PF) {
+#pragma unroll
+    for (int u = 0; u < PF; ++u) step(u, i0, true);
+    wp += (size_t)PF * MT * 32;
+    sp += (size_t)PF * MT * 32;
+    xp += PF * 64;
+  }
+  for (; i0 + PF <= nc; i0 += PF) {
+#pragma unroll
+    for (int u = 0; u < PF; ++u) step(u, i0, false);
+    wp += (size_t)PF * MT * 32;
+    sp += (size_t)PF * MT * 32;
+    xp += PF * 64;
+  }
+#pragma unroll
+  for (int u = 0; u < PF - 1; ++u)
+    if (i0 + u < nc) step(u, i0, false);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    nvfp4_mlp(const uint4* __restrict__ qw1, const unsigned short* __restrict__ qs1, const float* __restrict__ gs1,
+              const uint4* __restrict__ qw2, const unsigned short* __restrict__ qs2, const float* __restrict__ gs2,
+              const bf16* __restrict__ x, bf16* act, bf16* __restrict__ out, float* part, int* sync, int I,
+              int H, int T1, int S1, int cps1, int T2, int S2, int cps2) {
+  const int lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+  const int nwarps = gridDim.x * (blockDim.x >> 5);
+  const int C1 = H / 64, C2 = I / 64;  // chunks of gate+up (K = H) and down (K = I)
+  const int U1 = T1 * S1, U = MLP_PROBE == 1 ? U1 : U1 + T2 * S2;  // probe 1: gate+up alone
+  // Each counter that many warps touch on its own 128-byte line (MLP_LINE ints apart): the unit counter,
+  // the finished count, ready[s] (polled); then the arrival counters, packed.
+  int* const counter = sync;
+  int* const finished = sync + MLP_LINE;
+  int* const ready = sync + 2 * MLP_LINE;  // ready[s * MLP_LINE]
+  int* const arrive = sync + (2 + S2) * MLP_LINE;  // [T1] then [T2]
+  auto decode = [&](int u) {
+    MlpUnit w;
+    w.down = u >= U1;
+    const int v = w.down ? u - U1 : u;
+    w.tile = w.down ? v % T2 : v / S1;
+    w.slice = w.down ? v / T2 : v % S1;
+    const int C = w.down ? C2 : C1, cps = w.down ? cps2 : cps1;
+    const int c0 = w.slice * cps;
+    w.nc = max(0, min(C, c0 + cps) - c0);
+    const size_t unit = ((size_t)(w.tile / MT) * C + c0) * MT + w.tile % MT;
+    w.wp = (w.down ? qw2 : qw1) + unit * 32 + lane;
+    w.sp = (w.down ? qs2 : qs1) + unit * 32 + lane;
+    return w;
+  };
+  int own = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) - nwarps;  // MLP_STATIC: units own + k W
+  auto grab = [&]() {  // the next unit handed out
+    if (MLP_STATIC) return own += nwarps;
+    int u = 0;
+    if (lane == 0) u = atomicAdd(counter, 1);
+    return __shfl_sync(0xffffffffu, u, 0);
+  };
+  // Gate+up tiles whose outputs down slice s reads (its 64 cps2 act columns, 8 per tile).
+  auto ready_target = [&](int s) { return max(0, min(T1, (s + 1) * cps2 * 8) - s * cps2 * 8); };
+
+  uint4 wr[PF][1];
+  u32 sr[PF][1];
+  auto load_w = [&](const MlpUnit& w, int slot, int r) { load_tiles(wr[slot], sr[slot], w.wp, w.sp, r); };
+
+  int u = grab();
+  MlpUnit cur = decode(min(u, U - 1));
+  if (u < U) {
+#pragma unroll
+    for (int i = 0; i < PF - 1; ++i)
+      if (i < cur.nc) load_w(cur, i, i);
+  }
+  pdl_wait();  // x, and the counters the previous launch reset
+  pdl_trigger();
+  int next = u < U ? grab() : U;
+  while (u < U) {
+    const bf16* xp = (cur.down ? act : x) + (size_t)cur.slice * (cur.down ? cps2 : cps1) * 64 + 16 * t;
+    if (cur.down && MLP_PROBE != 2) {  // probe 2: no wait (wrong bits: timing only)
+      const int want = ready_target(cur.slice);
+      // Lane 0 polls (one request per warp and MLP_SLEEP ns); then every lane acquires what it saw. Bounded:
+      // a wait of seconds can only be a broken counter; fail the launch rather than hang the GPU.
+      int* const rs = ready + cur.slice * MLP_LINE;
+      if (lane == 0)
+        for (int spins = 0; ld_acquire(rs) < want; ++spins) {
+          if (spins == (1 << 24)) __trap();
+          __nanosleep(MLP_SLEEP);
+        }
+      __syncwarp();
+      (void)ld_acquire(rs);
+    }
+    float acc[1][4] = {};
+    if (cur.down)
+      mlp_slice<true>(acc, wr, sr, cur.wp, cur.sp, xp, cur.nc);
+    else
+      mlp_slice<false>(acc, wr, sr, cur.wp, cur.sp, xp, cur.nc);
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[e] = __fmul_rn(acc[0][e], DQ_UNSCALE);  // the rd epilogue's partial
+
+    // Epilogue: the partial out; the tile's last slice sums them all in slice order and stores. Between
+    // the arrival's atomic and its answer, the next unit's first weights (and its number) are asked for:
+    // they are in flight during the answer, the sum and the next unit's wait, if down, but not before
+    // the fence, which would wait for them.
+    const int S = cur.down ? S2 : S1;
+    const size_t base = ((cur.down ? (size_t)U1 : 0) + (size_t)cur.tile * S) * 128;
+    float* pp = part + base + (size_t)cur.slice * 128;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pp[e * 32 + lane] = p[e];
+    __syncwarp();
+    int* arr = arrive + (cur.down ? T1 : 0) + cur.tile;
+    int old = 0;
+    if (lane == 0) {
+      fence_acq_rel();
+      old = atomicAdd(arr, 1);
+    }
+    const int u_next = next;
+    const MlpUnit nxt = decode(min(u_next, U - 1));
+    if (u_next < U) {
+#pragma unroll
+      for (int i = 0; i < PF - 1; ++i)
+        if (i < nxt.nc) load_w(nxt, i, i);
+      // Its next MLP_NPF chunks asked of L2 (as nvfp4_gemv_rd's CTAs ask for their first chunks): lane c
+      // takes chunk PF - 1 + c, 512 bytes of weights and 64 of scales of the tile.
+      const int c = PF - 1 + lane;
+      if (lane < MLP_NPF && c < nxt.nc) {
+        prefetch_l2(nxt.wp - lane + (size_t)c * MT * 32, 512);
+        prefetch_l2(nxt.sp - lane + (size_t)c * MT * 32, 64);
+      }
+      next = grab();
+    }
+    old = __shfl_sync(0xffffffffu, old, 0);
+    if (old == S - 1) {
+      fence_acq_rel();
+      if (lane == 0) *arr = 0;  // every slice has arrived: reset for the next launch
+      float a[4];
+      const float* tp = part + base;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[e] = ld_l2_f32(tp + e * 32 + lane);
+#pragma unroll 4
+      for (int s = 1; s < S; ++s)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] += ld_l2_f32(tp + (size_t)s * 128 + e * 32 + lane);
+      __syncwarp();
+      for (int l = lane; l < 4 * S; l += 32) discard_l2(tp + l * 32);
+      if (!cur.down) {
+        const int o = cur.tile * 8 + g;
+        if (t == 0 && o < I) {
+          const float sg = gs1[cur.tile * 16 + g], su = gs1[cur.tile * 16 + g + 8];
+          act[o] = __float2bfloat16_rn(silu_mul1(round_bf16(a[0] * sg), round_bf16(a[2] * su)));
+        }
+        __syncwarp();
+        if (lane == 0) {
+          fence_acq_rel();
+          atomicAdd(ready + cur.tile / (cps2 * 8) * MLP_LINE, 1);
+        }
+      } else if (t == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = cur.tile * 16 + g + 8 * h;
+          if (n < H) out[n] = __float2bfloat16_rn(a[2 * h] * gs2[n]);
+        }
+      }
+    }
+    u = u_next;
+    cur = nxt;
+  }
+  // The last warp to finish resets the unit counter and the ready counts (the arrival counters were reset
+  // by their tiles' last slices).
+  int done = 0;
+  if (lane == 0) {
+    fence_acq_rel();
+    done = atomicAdd(finished, 1);
+  }
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (done == nwarps - 1) {
+    fence_acq_rel();
+    for (int i = lane; i < 2 + S2; i += 32) sync[i * MLP_LINE] = 0;
+  }
 }
 #endif
 

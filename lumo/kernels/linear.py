@@ -932,6 +932,93 @@ def bf16_linear_partials(x: torch.Tensor, w: torch.Tensor, workspace: torch.Tens
     return workspace.view(-1)[: splits * m * n].view(splits, m, n)
 
 
+# The decode step's MLP in one persistent launch (linear.cu, nvfp4_mlp): gate+up and down as warp-sized
+# units handed out in order, the down projection's slices starting as soon as the act columns they read
+# are stored. PF: chunks in flight per warp (nvfp4_gemv_rd's M = 1 choice for 4 and 16 slices).
+MLP_PF = 2
+MLP_WARPS = 4  # per CTA: the grid is one wave of CTAs
+MLP_LINE = 32  # int32s between the counters that many warps touch (one 128-byte line each; linear.cu)
+MLP_SLEEP = 256  # ns between two polls of a ready count
+MLP_NPF = 0  # chunks of a warp's next unit asked of L2 ahead (beyond the PF - 1 it loads)
+MLP_PROBE = 0  # bench/probe_mlp.py only: 1 gate+up alone, 2 the down units without their wait (wrong bits)
+MLP_STATIC = 0  # bench/probe_mlp.py only: a fixed unit order per warp instead of the counter (no deadlock
+# guarantee: every CTA must be resident)
+
+
+@dataclass
+class MLPWork:
+    """nvfp4_mlp's workspace for one stream: two sets of counters (int32, zero between launches: every
+    launch leaves its set so), used by alternate launches, and the slices' f32 partials. A launch takes its
+    first unit before its PDL wait, so it may start while the launch before it still runs (nothing between
+    them, or only kernels that trigger before they wait); alternating the counters keeps the two apart, and
+    the launch before that one has completed by then. The partials are reused: each launch reads its own
+    before the next one's wait returns."""
+
+    sync: torch.Tensor  # [2, ints]
+    part: torch.Tensor
+    turn: int = 0  # the set the next launch takes (a captured graph keeps each launch's set)
+
+
+def mlp_shape(gate_up: PackedNVFP4, down: PackedNVFP4) -> tuple[int, int, int, int, int, int] | None:
+    """nvfp4_mlp's (T1, S1, cps1, T2, S2, cps2) for an MLP packed as gate_up (pack_fused(glu=True)) and
+    down: tiles, split-K slices and chunks per slice of each; None where it does not apply (not a fused
+    SwiGLU, shapes that do not chain, or a K that is not a multiple of 64)."""
+    i, h = gate_up.glu_n, gate_up.k
+    if not i or down.glu_n or down.k != i or down.n != h or h % CHUNK or i % CHUNK:
+        return None
+    s1, s2 = gate_up.splits, down.splits
+    return -(-i // 8), s1, -(-gate_up.chunks // s1), -(-h // 16), s2, -(-down.chunks // s2)
+
+
+def mlp_work(mlps: list[tuple[PackedNVFP4, PackedNVFP4]], device: torch.device) -> MLPWork | None:
+    """A workspace that serves every (gate_up, down) of `mlps`, or None if nvfp4_mlp runs none of them."""
+    shapes = [mlp_shape(g, d) for g, d in mlps]
+    if not shapes or None in shapes:
+        return None
+    ints = max((2 + s2) * MLP_LINE + t1 + t2 for t1, _, _, t2, s2, _ in shapes)
+    floats = max((t1 * s1 + t2 * s2) * 128 for t1, s1, _, t2, s2, _ in shapes)
+    return MLPWork(
+        torch.zeros(2, ints, dtype=torch.int32, device=device),
+        torch.empty(floats, dtype=torch.float32, device=device),
+    )
+
+
+def nvfp4_mlp(
+    gate_up: PackedNVFP4,
+    down: PackedNVFP4,
+    x: torch.Tensor,
+    act: torch.Tensor,
+    out: torch.Tensor,
+    work: MLPWork,
+) -> None:
+    """out [1, H] = down(act), act [1, I] = silu(gate) * up of x [1, H], in one launch: the bits of
+    nvfp4_linear(x, gate_up) followed by nvfp4_linear(act, down) (the same K order and slice sums).
+    `work` (mlp_work) belongs to one stream (see MLPWork)."""
+    shape = mlp_shape(gate_up, down)
+    if shape is None:
+        raise ValueError("nvfp4_mlp needs a fused-SwiGLU gate_up and its down projection, K % 64 == 0")
+    t1, s1, cps1, t2, s2, cps2 = shape
+    i, h = gate_up.glu_n, gate_up.k
+    for name, t, n in (("x", x, h), ("act", act, i), ("out", out, h)):
+        if t.dtype != torch.bfloat16 or t.shape != (1, n) or not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous 16-byte aligned bf16 [1, {n}], got {tuple(t.shape)}")
+    if work.sync.shape[1] < (2 + s2) * MLP_LINE + t1 + t2 or work.part.numel() < (t1 * s1 + t2 * s2) * 128:
+        raise ValueError("nvfp4_mlp: the workspace is too small for this MLP (mlp_work)")
+    kern = _mlp_kernel()
+    grid = sm_count(x.device) * max(1, kern.blocks_per_sm(32 * MLP_WARPS, 0))
+    sync, work.turn = work.sync[work.turn], work.turn ^ 1
+    args = [gate_up.qw, gate_up.qs, gate_up.gs, down.qw, down.qs, down.gs, x, act, out, work.part, sync]
+    kern.launch(grid, 32 * MLP_WARPS, args + [i, h, t1, s1, cps1, t2, s2, cps2], pdl=True)
+
+
+@functools.cache
+def _mlp_kernel() -> Kernel:
+    defines = {"MT": MT, "PF": MLP_PF, "MLP_LINE": MLP_LINE, "MLP_SLEEP": MLP_SLEEP, "MLP_STATIC": MLP_STATIC}
+    defines |= {"MLP_PROBE": MLP_PROBE} if MLP_PROBE else {}
+    defines |= {"MLP_NPF": MLP_NPF}
+    return _compile("nvfp4_mlp", defines, 0)  # NT = MTW = 1: linear.cu sets them
+
+
 def nvfp4_linear_ref(x: torch.Tensor, weight, weight_scale, weight_scale_2) -> torch.Tensor:
     """fp32 reference: dequantise (lumo.quant) then matmul; returns f32 [M, N]."""
     w = nvfp4_dequantize(weight, weight_scale, weight_scale_2)
