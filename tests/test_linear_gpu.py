@@ -399,55 +399,6 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
         )
 
 
-# (H, I, gate_up splits, down splits): the 27B's MLP; odd multiples of 64 with uneven last slices (13
-# chunks in 4 slices, 19 in 16: the last down slices hold no chunk) and a last act slice of fewer tiles.
-MLP_SHAPES = [
-    (5120, 17408, None, None),
-    (64 * 13, 64 * 19, 4, 16),
-    (64 * 7, 64 * 5, 1, 2),
-    (128, 64 * 33, 2, 8),
-]
-
-
-@pytest.mark.parametrize("h,i,s1,s2", MLP_SHAPES, ids=[f"H{h}-I{i}" for h, i, _, _ in MLP_SHAPES])
-def test_persistent_mlp_equals_the_two_gemvs(h, i, s1, s2):
-    """nvfp4_mlp (gate+up and down in one persistent launch) gives act and out bitwise equal to the fused
-    SwiGLU GEMV followed by the down GEMV, on fresh inputs, over consecutive launches (its counters reset
-    and alternate), in a CUDA graph, and back to back with no kernel between (PDL)."""
-    from lumo.kernels.linear import mlp_shape, mlp_work, nvfp4_mlp
-
-    gen = torch.Generator(DEV).manual_seed(h + i)
-    gate_up = pack_fused([rand_nvfp4(i, h, gen), rand_nvfp4(i, h, gen)], splits=s1, glu=True)
-    down = pack_nvfp4(*rand_nvfp4(h, i, gen), splits=s2)
-    assert mlp_shape(gate_up, down) is not None
-    work = mlp_work([(gate_up, down)], torch.device(DEV))
-    xs = [torch.randn(1, h, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]
-    want = []
-    for x in xs:
-        act = nvfp4_linear(x, gate_up)
-        want.append((act, nvfp4_linear(act, down)))
-    acts, outs = [poisoned(1, i) for _ in xs], [poisoned(1, h) for _ in xs]
-    for rep in range(2):  # eager, several launches in a row
-        for x, act, out, (wa, wo) in zip(xs, acts, outs, want, strict=True):
-            act.fill_(float("nan"))
-            out.fill_(float("nan"))
-            nvfp4_mlp(gate_up, down, x, act, out, work)
-            assert torch.equal(act, wa) and torch.equal(out, wo), rep
-    assert not work.sync.any()  # every launch left its counters at zero
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, act, out in zip(xs, acts, outs, strict=True):
-            nvfp4_mlp(gate_up, down, x, act, out, work)
-    for _ in range(3):
-        for t in acts + outs:
-            t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for act, out, (wa, wo) in zip(acts, outs, want, strict=True):
-            assert torch.equal(act, wa) and torch.equal(out, wo)
-    assert not work.sync.any()
-
-
 @pytest.mark.parametrize("m", [1, 32])
 def test_graph_replay_equals_eager(m):
     gen = torch.Generator(DEV).manual_seed(m)

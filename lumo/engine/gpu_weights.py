@@ -299,15 +299,6 @@ def swiglu(
     return silu_mul(gate_up(x, out=rows), out=act)
 
 
-def mlp_packed(lw: GPULayer) -> tuple[PackedNVFP4, PackedNVFP4] | None:
-    """A layer's (gate_up, down) where both are one NVFP4 launch and gate_up the fused SwiGLU: the MLPs
-    nvfp4_mlp may run (lumo.kernels.linear.mlp_shape has the rest of its conditions)."""
-    g, d = lw.gate_up, lw.down
-    if not g.glu or len(g.parts) != 1 or len(d.parts) != 1 or d.parts[0].packed is None:
-        return None
-    return g.parts[0].packed, d.parts[0].packed
-
-
 def swiglu_scratch(layers: Sequence[GPULayer], rows: int, device: torch.device) -> torch.Tensor:
     """swiglu()'s flat bf16 scratch for `rows` rows through any of `layers`' MLPs."""
     width = max((lw.gate_up.scratch_width for lw in layers), default=0)

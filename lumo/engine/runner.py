@@ -33,21 +33,11 @@ from ..kernels.gdn import (
     gdn_decode_norm,
     gdn_prefill,
 )
-from ..kernels.linear import mlp_work, nvfp4_mlp
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..weights import ModelWeights
-from .gpu_weights import (
-    GPUGDN,
-    GPUAttn,
-    GPULayer,
-    GPUWeights,
-    mlp_packed,
-    pack_weights,
-    swiglu,
-    swiglu_scratch,
-)
+from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
 from .sampling import SamplingParams
 
 PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
@@ -82,11 +72,6 @@ class GPURunner:
     # the H200 (docs/kernels.md, session 24): off unless stage_attn_out_proj.
     stage_gdn_out_proj = True
     stage_attn_out_proj = False
-    # The decode step's MLP in one persistent launch (nvfp4_mlp: gate+up's and down's units in one grid, the
-    # down projection starting on the act columns already stored; the same bits as the two GEMVs) where
-    # every layer's MLP is a fused-SwiGLU NVFP4 pair that chains (linear.mlp_shape). Off: slower on the
-    # H200 (docs/kernels.md, session 28).
-    persistent_mlp = False
 
     def __init__(
         self,
@@ -142,8 +127,6 @@ class GPURunner:
         self.attn_out = torch.zeros(1, nh, d, dtype=bf, device=dev)
         self.mlp_scratch = swiglu_scratch(self.w.layers, 1, dev)  # the gate+up GEMV's rows, if not fused
         self.act = torch.zeros(1, I, dtype=bf, device=dev)
-        mlps = [mlp_packed(lw) for lw in self.w.layers]
-        self.mlp_work = mlp_work(mlps, dev) if dev.type == "cuda" and None not in mlps else None
         self.logits_bf16 = torch.zeros(1, V, dtype=bf, device=dev)  # [1, V] of the latest step (`logits`)
         self.attn_ws = attn_decode_workspace(1, nh, d, max_len, dev)
         self.sample_ws = sample_workspace(1, V, dev)
@@ -285,9 +268,6 @@ class GPURunner:
     def _mlp(self, lw: GPULayer, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:  # prefill rows
             return lw.down(swiglu(lw.gate_up, x))
-        if self.mlp_work is not None and self.persistent_mlp:  # the decode row in one launch
-            nvfp4_mlp(*mlp_packed(lw), x, self.act, out, self.mlp_work)
-            return out
         swiglu(lw.gate_up, x, act=self.act, scratch=self.mlp_scratch)  # the decode row: static buffers
         return lw.down(self.act, out=out)
 
