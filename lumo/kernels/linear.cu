@@ -598,12 +598,6 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #ifndef RD_MINB
 #define RD_MINB 1
 #endif
-#ifndef RDP
-#define RDP 0  // probe (bench/probe_persist.py): a grid of one full wave, CTA b taking row blocks b, b + grid, ...
-#endif         // of RDP in all; 0: one row block per CTA (the library's launches)
-#if RDP && (RDCL > 1 || STG || CONV)
-#error "RDP probes the plain in-CTA build"
-#endif
 // STG 1: every warp copies its whole slice of weights and scales into shared memory (cp.async, 576 bytes per
 // chunk and m16 tile) before pdl_wait, and the loop reads them from there. For a GEMV that follows
 // latency-bound row kernels (the decode step's GDN out-projection, after the recurrence): its CTAs are
@@ -701,12 +695,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   TRACE_AT(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-#if RDP
-  for (int blk = blockIdx.x; blk < RDP; blk += gridDim.x) {  // bench/probe_persist.py only
-  const int tile0 = blk * MTW;
-#else
   const int tile0 = blockIdx.x * MTW;
-#endif
   const int c0 = (blockIdx.y * KSW + warp) * cps;  // slice blockIdx.y * KSW + warp (grid y: the cluster)
   const int nc = max(0, min(C, c0 + cps) - c0);
   // Tile (rg, c, p) of [RG][C][MT] holds 32 lanes x 16 bytes (qw) and 32 lanes x 2 bytes (qs).
@@ -813,10 +802,6 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   TRACE_AT(2);
   pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
-#if RDP
-  __syncthreads();  // the next block's epilogue rewrites the shared partials
-  }
-#endif
   TRACE_STORE(3, TRACE_KIND_GEMV, qw);
 }
 #endif
