@@ -598,48 +598,6 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #ifndef RD_MINB
 #define RD_MINB 1
 #endif
-#ifndef RDP
-#define RDP 0  // probe (bench/probe_persist.py): a grid of one full wave, CTA b taking row blocks b, b + grid, ...
-#endif         // of RDP in all; 0: one row block per CTA (the library's launches)
-#if RDP && (RDCL > 1 || STG || CONV)
-#error "RDP probes the plain in-CTA build"
-#endif
-#ifndef RDP_DYN
-#define RDP_DYN 0  // RDP's hand-out after each CTA's first block: 0 b + grid, 1 a global counter, 2 per-SM queues
-#endif
-#if RDP && RDP_DYN
-__device__ int rdp_ctr[2 + 1024];  // [0] the global counter, [1] finished CTAs, [2 + sm] the per-SM counters
-#endif
-// The CTA's row block after blk (RDP builds). Dynamic hand-outs count from the grid (the CTAs' first blocks
-// are their own); per-SM queue s holds the blocks grid + s + k * SMs. The last CTA resets the counters.
-__device__ __forceinline__ int rdp_next(int blk) {
-#if RDP && RDP_DYN
-  __shared__ int next_blk;
-  if (threadIdx.x == 0) {
-    if (RDP_DYN == 1) {
-      next_blk = gridDim.x + atomicAdd(&rdp_ctr[0], 1);
-    } else {
-      u32 sm, nsm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      asm volatile("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-      next_blk = gridDim.x + sm + nsm * atomicAdd(&rdp_ctr[2 + sm], 1);
-    }
-  }
-  __syncthreads();
-  return next_blk;
-#else
-  return blk + gridDim.x;
-#endif
-}
-__device__ __forceinline__ void rdp_finish() {
-#if RDP && RDP_DYN
-  if (threadIdx.x == 0 && atomicAdd(&rdp_ctr[1], 1) == gridDim.x - 1) {
-    u32 nsm;
-    asm volatile("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    for (u32 i = 0; i < 2 + nsm; ++i) rdp_ctr[i] = 0;
-  }
-#endif
-}
 // STG 1: every warp copies its whole slice of weights and scales into shared memory (cp.async, 576 bytes per
 // chunk and m16 tile) before pdl_wait, and the loop reads them from there. For a GEMV that follows
 // latency-bound row kernels (the decode step's GDN out-projection, after the recurrence): its CTAs are
@@ -737,12 +695,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   TRACE_AT(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-#if RDP
-  for (int blk = blockIdx.x; blk < RDP; blk = rdp_next(blk)) {  // bench/probe_persist.py only
-  const int tile0 = blk * MTW;
-#else
   const int tile0 = blockIdx.x * MTW;
-#endif
   const int c0 = (blockIdx.y * KSW + warp) * cps;  // slice blockIdx.y * KSW + warp (grid y: the cluster)
   const int nc = max(0, min(C, c0 + cps) - c0);
   // Tile (rg, c, p) of [RG][C][MT] holds 32 lanes x 16 bytes (qw) and 32 lanes x 2 bytes (qs).
@@ -849,11 +802,6 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   TRACE_AT(2);
   pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
-#if RDP
-  __syncthreads();  // the next block's epilogue rewrites the shared partials
-  }
-  rdp_finish();
-#endif
   TRACE_STORE(3, TRACE_KIND_GEMV, qw);
 }
 #endif
