@@ -598,54 +598,6 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #ifndef RD_MINB
 #define RD_MINB 1
 #endif
-#ifndef RDP
-#define RDP 0  // probe (bench/probe_persist.py): a grid of one full wave, CTA b taking row blocks b, b + grid, ...
-#endif         // of RDP in all; 0: one row block per CTA (the library's launches)
-#if RDP && (RDCL > 1 || STG || CONV)
-#error "RDP probes the plain in-CTA build"
-#endif
-#ifndef RDP_AHEAD
-#define RDP_AHEAD 0  // RDP with the fixed order: the next block's first chunks loaded before the epilogue
-#endif
-#if RDP_AHEAD && RDP_DYN
-#error "RDP_AHEAD needs the fixed order (its next block is known before the epilogue)"
-#endif
-#ifndef RDP_DYN
-#define RDP_DYN 0  // RDP's hand-out after each CTA's first block: 0 b + grid, 1 a global counter, 2 per-SM queues
-#endif
-#if RDP && RDP_DYN
-__device__ int rdp_ctr[2 + 1024];  // [0] the global counter, [1] finished CTAs, [2 + sm] the per-SM counters
-#endif
-// The CTA's row block after blk (RDP builds). Dynamic hand-outs count from the grid (the CTAs' first blocks
-// are their own); per-SM queue s holds the blocks grid + s + k * SMs. The last CTA resets the counters.
-__device__ __forceinline__ int rdp_next(int blk) {
-#if RDP && RDP_DYN
-  __shared__ int next_blk;
-  if (threadIdx.x == 0) {
-    if (RDP_DYN == 1) {
-      next_blk = gridDim.x + atomicAdd(&rdp_ctr[0], 1);
-    } else {
-      u32 sm, nsm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      asm volatile("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-      next_blk = gridDim.x + sm + nsm * atomicAdd(&rdp_ctr[2 + sm], 1);
-    }
-  }
-  __syncthreads();
-  return next_blk;
-#else
-  return blk + gridDim.x;
-#endif
-}
-__device__ __forceinline__ void rdp_finish() {
-#if RDP && RDP_DYN
-  if (threadIdx.x == 0 && atomicAdd(&rdp_ctr[1], 1) == gridDim.x - 1) {
-    u32 nsm;
-    asm volatile("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    for (u32 i = 0; i < 2 + nsm; ++i) rdp_ctr[i] = 0;
-  }
-#endif
-}
 // STG 1: every warp copies its whole slice of weights and scales into shared memory (cp.async, 576 bytes per
 // chunk and m16 tile) before pdl_wait, and the loop reads them from there. For a GEMV that follows
 // latency-bound row kernels (the decode step's GDN out-projection, after the recurrence): its CTAs are
@@ -743,15 +695,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   TRACE_AT(0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-#if RDP
-  uint4 wr[PF][MTW];  // outside the loop: RDP_AHEAD loads the next block's first chunks before the epilogue
-  u32 sr[PF][MTW];
-  bool primed = false;
-  for (int blk = blockIdx.x; blk < RDP; blk = rdp_next(blk)) {  // bench/probe_persist.py only
-  const int tile0 = blk * MTW;
-#else
   const int tile0 = blockIdx.x * MTW;
-#endif
   const int c0 = (blockIdx.y * KSW + warp) * cps;  // slice blockIdx.y * KSW + warp (grid y: the cluster)
   const int nc = max(0, min(C, c0 + cps) - c0);
   // Tile (rg, c, p) of [RG][C][MT] holds 32 lanes x 16 bytes (qw) and 32 lanes x 2 bytes (qs).
@@ -783,10 +727,8 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   // straddle K): their activation loads need no bounds check.
   const int nfull = (K % 64 != 0 && c0 + nc == C) ? nc - 1 : nc;
 
-#if !RDP
   uint4 wr[PF][MTW];
   u32 sr[PF][MTW];
-#endif
   uint4 xr[PF][NT][2];
   // The loads address chunk i0 + r: the pointers move by PF chunks per loop trip and r is a compile-time
   // offset after unrolling (no per-chunk address arithmetic).
@@ -813,16 +755,10 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #if STG
   stage_slice(wst, sst, qw, qs, unit, nc, lane);  // the whole slice, before the wait (PDL)
 #else
-#if RDP
-  if (!primed) {
-#endif
 #pragma unroll
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
   if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
-#if RDP
-  }
-#endif
 #endif
 #if CONV
   {
@@ -865,26 +801,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     if (i0 + u < nc) step(u, i0, false);
   TRACE_AT(2);
   pdl_trigger();
-#if RDP && RDP_AHEAD
-  {  // the next block's first chunks (and its L2 prefetch) before this block's epilogue
-    const int nb = blk + gridDim.x;
-    primed = nb < RDP;
-    if (primed) {
-      const int t0n = nb * MTW;
-      const size_t unit_n = ((size_t)(t0n / MT) * C + c0) * MT + t0n % MT;
-#pragma unroll
-      for (int i = 0; i < PF - 1; ++i)
-        if (i < nc) load_tiles(wr[i], sr[i], qw + unit_n * 32 + lane, qs + unit_n * 32 + lane, i);
-      if (t0n % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit_n, PF - 1, min(nc, npf));
-    }
-  }
-#endif
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
-#if RDP
-  __syncthreads();  // the next block's epilogue rewrites the shared partials
-  }
-  rdp_finish();
-#endif
   TRACE_STORE(3, TRACE_KIND_GEMV, qw);
 }
 #endif

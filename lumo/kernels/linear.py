@@ -512,12 +512,8 @@ def _rd_kernel(
     rdcl: int = 1,
     conv: int = 0,
     stage: bool = False,
-    rdp: int = 0,
-    rdp_dyn: int = 0,
-    rdp_ahead: int = 0,
 ) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
-    defines |= {"RDP": rdp, "RDP_DYN": rdp_dyn, "RDP_AHEAD": rdp_ahead} if rdp else {}  # probe_persist.py
     defines |= {"CONV": conv} if conv else {}  # the decode conv's taps, fused into the epilogue
     defines |= {"STG": 1} if stage else {}  # the slice's weights staged in shared memory before pdl_wait
     if rdcl > 1:
