@@ -4,8 +4,12 @@
 
 One table: microseconds per call (median of graph replays, rotating over 16 layer caches of the model's
 131264-slot capacity, as in the decode step), the K/V bytes a call must read (the committed prefix once,
-whatever the row count), GB/s and % of the device copy bandwidth measured in the same run. Rows 32 is a
-32-node tree verify (a chain of masks: row i sees tree slots 0..i).
+whatever the row count), GB/s and % of the device copy bandwidth measured in the same run, and the floor:
+those bytes plus, for tree rows, the split-K partials the chunk kernel writes and the merge reads back
+(T x nh x 1 KB per 128-position chunk, 4 bytes per dim; the bits require them), at the copy bandwidth.
+Rows 32 is a 32-node tree verify (a chain of masks: row i sees tree slots 0..i); for tree rows the same
+call runs on both chunk kernels (attn_tree_chunk, the default where it fits, and attn_decode_chunk), whose
+outputs must be bitwise equal (checked here too).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 import torch
 
 from bench.bench_linear import copy_bandwidth, time_graph
-from lumo.kernels.attention import attn_decode, attn_decode_workspace
+from lumo.kernels import attention
+from lumo.kernels.attention import CHUNK, attn_decode, attn_decode_workspace, tree_chunk_kernel
 
 NH, NKV, D = 24, 4, 256  # the 27B's gated attention
 MAX_LEN = 131264  # bench_decode's cache capacity (128k context + tree slots)
@@ -44,8 +49,8 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     rows_out = []
     print(f"\n## bench_attention: {name}, nh {NH}, nkv {NKV}, d {D}; copy bandwidth {bw:.0f} GB/s")
-    print("| context | rows | us/call | K/V MB | GB/s | % of copy bw |")
-    print("|---|---|---|---|---|---|")
+    print("| context | rows | us/call | K/V MB | GB/s | % of copy bw | floor us | x floor | old kernel us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in args.rows:
         q = torch.randn(T, NH, D, device=dev, generator=gen, dtype=torch.bfloat16)
         gate = torch.randn(T, NH, D, device=dev, generator=gen, dtype=torch.bfloat16)
@@ -58,9 +63,28 @@ def main() -> None:
             fns = [partial(call, q, k, v, length, mask) for k, v in caches]
             us = time_graph(fns, reps=4 * LAYERS, trials=9)
             kv_bytes = 2 * (ctx + T) * NKV * D * 2
+            part_bytes = 0 if T == 1 else 2 * T * NH * (ctx // CHUNK) * (D + 2) * 4
+            floor_us = (kv_bytes + part_bytes) / (bw * 1e9) * 1e6
             gbs = kv_bytes / (us * 1e-6) / 1e9
-            rows_out.append({"context": ctx, "rows": T, "us": us, "kv_mb": kv_bytes / 1e6, "gbs": gbs})
-            print(f"| {ctx} | {T} | {us:.1f} | {kv_bytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / bw:.1f} |")
+            row = {"context": ctx, "rows": T, "us": us, "kv_mb": kv_bytes / 1e6, "gbs": gbs}
+            row["floor_us"] = floor_us
+            old_us = ""
+            if tree_chunk_kernel(T, D, dev):  # the same call on attn_decode_chunk: time and bits
+                fns[0]()
+                new_out = out.clone()
+                attention.TREE_CHUNK = False
+                try:
+                    row["decode_chunk_us"] = time_graph(fns, reps=4 * LAYERS, trials=9)
+                    fns[0]()
+                    row["bits_equal"] = torch.equal(out, new_out)
+                finally:
+                    attention.TREE_CHUNK = True
+                old_us = f"{row['decode_chunk_us']:.1f}" + ("" if row["bits_equal"] else " (BITS DIFFER)")
+            rows_out.append(row)
+            print(
+                f"| {ctx} | {T} | {us:.1f} | {kv_bytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / bw:.1f} | "
+                f"{floor_us:.1f} | {us / floor_us:.2f} | {old_us} |"
+            )
     Path(args.json).write_text(json.dumps({"device": name, "copy_gbs": bw, "rows": rows_out}, indent=1))
     print(f"wrote {args.json}")
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lumo.kernels import attention
 from lumo.kernels.attention import (
+    CHUNK,
     attn_decode,
     attn_decode_ref,
     attn_decode_workspace,
     attn_prefill,
     attn_prefill_ref,
+    tree_chunk_kernel,
 )
 
 pytestmark = pytest.mark.gpu
@@ -83,14 +86,15 @@ def test_decode_matches_reference(nh, nkv, d, length, T):
 @pytest.mark.parametrize("nh,nkv,d", [(4, 2, 64), (24, 4, 256)], ids=["nh4-nkv2-d64", "nh24-nkv4-d256"])
 @pytest.mark.parametrize(
     "length,max_len",
-    [(5, 69), (250, 314), (513, 577), (300, 16384), (1100, 16384), (9000, 16384)],
-    ids=["5", "250", "513", "300-of-16k", "1100-of-16k", "9000-of-16k"],
+    [(5, 69), (250, 314), (513, 577), (300, 16384), (1100, 16384), (9000, 16384), (40000, 40100)],
+    ids=["5", "250", "513", "300-of-16k", "1100-of-16k", "9000-of-16k", "40000"],
 )
 def test_tree_rows_equal_plain_decode_bitwise(nh, nkv, d, length, max_len):
     """Also where a long cache holds a short prefix (the runner's case): fewer chunks below the length
     than chunk slots, so the slot CTAs split a tree's query rows among them (attention.cu), while plain
     decode (one row) keeps whole chunks per CTA; 9000 of 16k keeps whole chunks for the tree rows too
-    (more than half as many chunks as slots)."""
+    (more than half as many chunks as slots), and at 40000 every slot CTA walks several chunks. Tree rows
+    run on attn_tree_chunk where it fits (a warp per query tile), plain decode on attn_decode_chunk."""
     T = 32
     kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + d)
     tree = attn_decode(q, kc, vc, length_t(length), mask, gate=gate)
@@ -106,6 +110,40 @@ def test_tree_rows_equal_plain_decode_bitwise(nh, nkv, d, length, max_len):
             q[i : i + 1], kc2, vc2, length_t(length + len(path) - 1), one, gate=gate[i : i + 1]
         )
         assert torch.equal(plain[0], tree[i]), f"row {i} (depth {len(path) - 1})"
+
+
+TREE_SHAPES = [(24, 4, 256), (4, 2, 64), (16, 1, 128), (9, 1, 256), (12, 4, 64), (32, 2, 128)]
+
+
+@pytest.mark.parametrize("nh,nkv,d", TREE_SHAPES, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in TREE_SHAPES])
+@pytest.mark.parametrize("T", [2, 7, 32])
+@pytest.mark.parametrize(
+    "length,max_len", [(700, 764), (300, 8192), (5000, 5100)], ids=["700", "300-of-8k", "5000"]
+)
+def test_tree_chunk_kernel_equals_decode_chunk_kernel(nh, nkv, d, T, length, max_len):
+    """attn_tree_chunk (a warp per query tile over whole chunks staged in shared memory) writes the same
+    split-K partials as attn_decode_chunk (a warp per 16 keys, sub-partials combined across warps), bit for
+    bit, for every row: odd query-head counts (G = 9, 16: a tile holds parts of several rows; 32 tiles for 8
+    warps), partial last tiles, short prefixes whose slots split the rows and long ones walked chunk by
+    chunk."""
+    if not tree_chunk_kernel(T, d, torch.device(DEV)):
+        pytest.skip("this device's shared memory per block does not hold a chunk's K and V")
+    kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + 7 * T + nh)
+    outs, parts = [], []
+    for tree_kernel in (True, False):
+        ws = tuple(torch.full_like(w, float("nan")) for w in attn_decode_workspace(T, nh, d, max_len, DEV))
+        attention.TREE_CHUNK = tree_kernel
+        try:
+            outs.append(attn_decode(q, kc, vc, length_t(length), mask, gate=gate, workspace=ws))
+        finally:
+            attention.TREE_CHUNK = True
+        parts.append(ws)
+    nb = length // CHUNK  # chunks below the length: the slot CTAs' partials (the tail CTAs are shared code)
+    assert torch.isfinite(parts[0][0][:, :, :nb]).all() and torch.isfinite(parts[0][1][:, :, :nb]).all()
+    assert torch.equal(parts[0][0][:, :, :nb], parts[1][0][:, :, :nb])
+    assert torch.equal(parts[0][1][:, :, :nb], parts[1][1][:, :, :nb])
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], attn_decode_ref(q, kc, vc, length, mask.cpu(), gate=gate)) < 1e-2
 
 
 def test_strided_gate_equals_contiguous_gate():

@@ -25,7 +25,8 @@ from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import accept, build_tree
 from lumo.weights import load_model
 
-ATTENTION_KERNELS = ("attn_decode_chunk", "attn_decode_merge", "attn_decode_merge_head")  # attention._kernels
+# attention._kernels: chunk (plain decode), chunk (tree rows), merge (plain decode), merge (tree rows)
+ATTENTION_KERNELS = ("attn_decode_chunk", "attn_tree_chunk", "attn_decode_merge", "attn_decode_merge_head")
 
 # The modules themselves (lumo.kernels re-exports functions under some module names, e.g. gdn_tree).
 attention, conv, gdn, gdn_tree, linear, norms, rope_kv, sampling, tree_ops = (
@@ -75,7 +76,7 @@ def stubbed(monkeypatch):
         kern.tree = holder.get("tree")
         return kern
 
-    def attn_kernels(*a, **k):  # attention._kernels: chunk, merge (plain decode), merge (tree rows)
+    def attn_kernels(*a, **k):  # attention._kernels
         return tuple(StubKernel(n, log, gen, 0) for n in ATTENTION_KERNELS)
 
     def named(name):

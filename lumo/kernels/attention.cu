@@ -43,6 +43,7 @@
 // lumo:test-defines D=256 G=6
 // lumo:test-defines D=64 G=2
 // lumo:test-defines D=128 G=12
+// lumo:test-defines D=256 G=6 TREE_SI=4
 
 #include <cuda_bf16.h>
 
@@ -155,6 +156,52 @@ __device__ __forceinline__ void stage_q_tile(bf16* tile, const bf16* __restrict_
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
+// Softmax of one sub-chunk's scores s (chunk_partials' mma layout) per query row: the max m, the sum l of
+// e^(s * scale - m) and the weights as P^T fragments pb[hh] (rows 8hh + g, keys {2t, 2t+1} / {8+2t, 9+2t};
+// keys >= cnt weigh nothing). The quad of lanes g holds all 16 scores of its rows. Shared by both chunk
+// paths, with every multiply and add rounded on its own (__fmul_rn / __fadd_rn: no contraction into an
+// FMA that one inlined copy might get and the other not), so a row's bits do not depend on the path.
+__device__ __forceinline__ void sub_softmax(const float (&s)[2][4], int cnt, int t, float scale, float (&m)[2],
+                                            float (&l)[2], u32 (&pb)[2][2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = 8 * (i >> 1) + 2 * t + (i & 1);
+      v[i] = key < cnt ? __fmul_rn(s[i >> 1][2 * hh + (i & 1)], scale) : -INFINITY;
+    }
+    float mx = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = mx == -INFINITY ? 0.0f : expf(__fsub_rn(v[i], mx));
+    float sum = __fadd_rn(__fadd_rn(v[0], v[1]), __fadd_rn(v[2], v[3]));
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));  // x + y == y + x: both lanes get the same bits
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+    m[hh] = mx;
+    l[hh] = sum;
+    pb[hh][0] = bf16x2(v[0], v[1]);
+    pb[hh][1] = bf16x2(v[2], v[3]);
+  }
+}
+
+// The fold of a row's NSUB sub-partials in sub order: M = their max, f[sb] = e^(m_sb - M) (0 for an empty
+// sub-chunk, m = -inf), L = sum of l_sb f[sb]; the accumulators then take acc = fma(acc_sb, f[sb], acc) from
+// zero in sub order. Shared by both chunk paths (see sub_softmax).
+__device__ __forceinline__ void sub_weights(const float (&ms)[NSUB], const float (&ls)[NSUB], float (&f)[NSUB],
+                                            float& M, float& L) {
+  M = -INFINITY;
+#pragma unroll
+  for (int sb = 0; sb < NSUB; ++sb) M = fmaxf(M, ms[sb]);
+  L = 0.0f;
+#pragma unroll
+  for (int sb = 0; sb < NSUB; ++sb) {
+    f[sb] = ms[sb] == -INFINITY ? 0.0f : expf(__fsub_rn(ms[sb], M));
+    L = fmaf(ls[sb], f[sb], L);
+  }
+}
+
 // The partials (acc, m, l) of query rows [qlo, qhi) of kv head h over chunks c0, c0 + cstep, ... < cend,
 // whose keys are the logical positions < n mapped to cache slots by (len, mk): mk = 0 and n = len for the
 // chunks below len (every row sees the same keys there), a row's own mask for its tail chunks. A warp reads
@@ -230,27 +277,7 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
       // Softmax over the warp's keys per query row (the quad of lanes g holds all 16 scores of its rows).
       float m[2], l[2];
       u32 pb[2][2];  // P^T fragments: rows qt + 8hh + g, keys {2t, 2t+1} / {8+2t, 9+2t}
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int key = 8 * (i >> 1) + 2 * t + (i & 1);
-          v[i] = key < cnt ? s[i >> 1][2 * hh + (i & 1)] * scale : -INFINITY;
-        }
-        float mx = fmaxf(fmaxf(v[0], v[1]), fmaxf(v[2], v[3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = mx == -INFINITY ? 0.0f : expf(v[i] - mx);
-        float sum = (v[0] + v[1]) + (v[2] + v[3]);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // x + y == y + x: both lanes get the same bits
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        m[hh] = mx;
-        l[hh] = sum;
-        pb[hh][0] = bf16x2(v[0], v[1]);
-        pb[hh][1] = bf16x2(v[2], v[3]);
-      }
+      sub_softmax(s, cnt, t, scale, m, l, pb);
 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -290,16 +317,10 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
         // nothing): warp j sums query row rb + j.
         const int j = warp, r = rb + j;
         if (r < qhi) {
-          float M = -INFINITY;
+          float ms[NSUB], ls[NSUB], f[NSUB], M, L;
 #pragma unroll
-          for (int sb = 0; sb < NSUB; ++sb) M = fmaxf(M, pml[(sb * QROWS + j) * 2]);
-          float f[NSUB], L = 0.0f;
-#pragma unroll
-          for (int sb = 0; sb < NSUB; ++sb) {
-            const float ms = pml[(sb * QROWS + j) * 2];
-            f[sb] = ms == -INFINITY ? 0.0f : expf(ms - M);
-            L = fmaf(pml[(sb * QROWS + j) * 2 + 1], f[sb], L);
-          }
+          for (int sb = 0; sb < NSUB; ++sb) ms[sb] = pml[(sb * QROWS + j) * 2], ls[sb] = pml[(sb * QROWS + j) * 2 + 1];
+          sub_weights(ms, ls, f, M, L);
           const size_t prow = ((size_t)(r / G) * nh + h * G + r % G) * nch + c;
 #pragma unroll
           for (int k = 4 * lane; k < D; k += 128) {  // four dims per lane: 16-byte shared and global accesses
@@ -324,6 +345,197 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
   asm volatile("cp.async.wait_group 0;\n" ::);  // nothing in flight into shared memory at exit
 }
 
+// attn_tree_chunk's slot CTAs (tree rows, chunks wholly below len): a warp owns whole m16 query tiles and
+// runs all NSUB sub-chunks of a chunk itself, from the chunk's K and V rows staged once in shared memory for
+// every tile, so a (row, chunk) partial needs no combine across warps (chunk_partials spends 2 barriers and
+// a round trip of NSUB sub-partials through shared memory per 8 query rows: 24 passes per chunk at 32 rows
+// x 6 heads). The operations and their order are chunk_partials' for every row: each sub-chunk's scores
+// over the same permuted k-steps, sub_softmax, P.V from zero (one mma per 16 dims), the sub-partials folded
+// in sub order by sub_weights' factors with fma from zero. So the partials, and a tree row's output, are
+// bitwise chunk_partials' (the GPU tests compare tree rows with plain decoding).
+//
+// Shared memory: K then V of the chunk, [CHUNK][D] bf16 each (TSMEM_BYTES: 128 KB at d = 256), stored in
+// 16-byte units with the unit index XOR-swizzled by the row so that the mma operand reads do not share
+// banks: K (key row 8j + g, unit 4u + t) ^ 4 (row & 1); V (key rows 2t + .., unit 8w + g) ^ (row & 6).
+#define TREE_PSLOT (NSUB * 4 * 32 + NSUB * 16)  // per warp, u32: P^T fragments by lane, fold factors by row
+#define TSMEM_BYTES (2 * CHUNK * D * 2 + (THREADS / 32) * TREE_PSLOT * 4)
+#ifndef TREE_PROBE
+#define TREE_PROBE 0  // timing probe (bench/probe_tree_attn.py): 1 scores only, 2 no partial stores, 3 no K/V staging, 4 staging only
+#endif
+#ifndef TREE_PVU
+#define TREE_PVU 1  // tree_prefix_partials: unroll of the P.V loop over sub-chunks
+#endif
+#ifndef TREE_SI
+#define TREE_SI 2  // tree_prefix_partials: sub-chunks whose scores are computed together (1, 2, 4 or 8)
+#endif
+
+__device__ __forceinline__ int k_unit(int row, int unit) { return row * (D / 8) + (unit ^ ((row & 1) << 2)); }
+__device__ __forceinline__ int v_unit(int row, int unit) { return row * (D / 8) + (unit ^ (row & 6)); }
+
+__device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend, int qlo, int qhi, int len,
+                                                     const bf16* __restrict__ q, const bf16* kbase,
+                                                     const bf16* vbase, size_t kv_row, int max_len, int h,
+                                                     int nh, int nch, float* __restrict__ part_acc,
+                                                     float* __restrict__ part_ml, uint4* smem) {
+  constexpr int UNITS = D / 8;  // 16-byte units per K or V row
+  constexpr int NWARP = THREADS / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint4* ks = smem;
+  uint4* vs = smem + CHUNK * UNITS;
+  const float scale = 1.0f / sqrtf((float)D);
+  const int tiles = (qhi - qlo + 15) / 16;
+
+  // Per tile, between its scores and its P.V: the P^T fragments (by lane) and the fold factors (by row) in
+  // this warp's slot of shared memory, the rows' (M, L) in registers (rows g / g + 8).
+  u32* pw = reinterpret_cast<u32*>(smem + 2 * CHUNK * UNITS) + warp * TREE_PSLOT;  // [NSUB][hh][2][32 lanes]
+  float* fw = reinterpret_cast<float*>(pw + NSUB * 4 * 32);                        // [NSUB][16 rows]
+  float M[2], L[2];
+  auto scores = [&](int qt) {
+    uint4 qa[KU], qb[KU];  // query rows qt + g / qt + g + 8, dims 32u + 8t .. + 7 (zero past qhi)
+    const int ra = qt + g, rb = qt + g + 8;
+    const bf16* qpa = q + ((size_t)(ra / G) * nh + h * G + ra % G) * D + 8 * t;
+    const bf16* qpb = q + ((size_t)(rb / G) * nh + h * G + rb % G) * D + 8 * t;
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      qa[u] = ra < qhi ? __ldg(reinterpret_cast<const uint4*>(qpa + 32 * u)) : make_uint4(0, 0, 0, 0);
+      qb[u] = rb < qhi ? __ldg(reinterpret_cast<const uint4*>(qpb + 32 * u)) : make_uint4(0, 0, 0, 0);
+    }
+    __syncwarp();  // the previous tile's P.V has read this warp's slot
+    float ms[2][NSUB], ls[2][NSUB];
+    // TREE_SI sub-chunks at a time: 2 TREE_SI independent accumulation chains of KU * 2 mmas each.
+#pragma unroll
+    for (int s0 = 0; s0 < NSUB; s0 += TREE_SI) {
+      float s[TREE_SI][2][4] = {};
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        uint4 kf[TREE_SI][2];  // K of key rows 8j + g of each sub-chunk, dims 32u + 8t .. + 7
+#pragma unroll
+        for (int i = 0; i < TREE_SI; ++i)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) kf[i][j] = ks[k_unit((s0 + i) * SUB + 8 * j + g, 4 * u + t)];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int i = 0; i < TREE_SI; ++i)
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+              mma_bf16(s[i][j], word(qa[u], 2 * e), word(qb[u], 2 * e), word(qa[u], 2 * e + 1),
+                       word(qb[u], 2 * e + 1), word(kf[i][j], 2 * e), word(kf[i][j], 2 * e + 1));
+      }
+#pragma unroll
+      for (int i = 0; i < TREE_SI; ++i) {
+        float m[2], l[2];
+        u32 pb[2][2];
+        sub_softmax(s[i], SUB, t, scale, m, l, pb);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          ms[hh][s0 + i] = m[hh], ls[hh][s0 + i] = l[hh];
+          pw[((s0 + i) * 4 + 2 * hh) * 32 + lane] = pb[hh][0];
+          pw[((s0 + i) * 4 + 2 * hh + 1) * 32 + lane] = pb[hh][1];
+        }
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float f[NSUB];
+      sub_weights(ms[hh], ls[hh], f, M[hh], L[hh]);
+      if (t == 0)
+#pragma unroll
+        for (int sb = 0; sb < NSUB; ++sb) fw[sb * 16 + 8 * hh + g] = f[sb];
+    }
+    __syncwarp();  // the slot is written
+  };
+  // P.V and the fold for the rows of n8 tile hh (rows qt + 8hh ..) of the tile, then their partials. The
+  // output dims are laid out for the stores: m16 tile 2w + e, row g / g + 8 = dim 32w + 4g + 2e / + 1, so a
+  // lane holds dims 32w + 4g .. + 3 of query rows 2t, 2t + 1 and one 16-byte store per (w, row) writes
+  // whole 128-byte lines (which dims an mma row holds does not change its bits: an output row depends on
+  // its A row only).
+  auto values = [&](int qt, int c) {
+#pragma unroll 1
+    for (int hh = 0; hh < 2; ++hh) {
+      const int rb = qt + 8 * hh;  // rows rb .. rb + 7
+      if (rb >= qhi) break;        // warp-uniform
+      float acc[D / 16][4] = {};
+#pragma unroll TREE_PVU
+      for (int sb = 0; sb < NSUB; ++sb) {
+        const float f0 = fw[sb * 16 + 8 * hh + 2 * t], f1 = fw[sb * 16 + 8 * hh + 2 * t + 1];
+        const u32 p0 = pw[(sb * 4 + 2 * hh) * 32 + lane], p1 = pw[(sb * 4 + 2 * hh + 1) * 32 + lane];
+#pragma unroll
+        for (int w = 0; w < D / 32; ++w) {
+          uint2 v2[4];  // V of keys 2t, 2t + 1, 8 + 2t, 9 + 2t, dims 32w + 4g .. + 3
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+            v2[r] = reinterpret_cast<const uint2*>(vs + v_unit(sb * SUB + 2 * t + (r & 1) + 8 * (r >> 1),
+                                                               4 * w + (g >> 1)))[g & 1];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const u32 k0 = e ? v2[0].y : v2[0].x, k1 = e ? v2[1].y : v2[1].x;
+            const u32 k8 = e ? v2[2].y : v2[2].x, k9 = e ? v2[3].y : v2[3].x;
+            float o[4] = {};
+            mma_bf16(o, __byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632), __byte_perm(k8, k9, 0x5410),
+                     __byte_perm(k8, k9, 0x7632), p0, p1);
+            float* A = acc[2 * w + e];
+            A[0] = fmaf(o[0], f0, A[0]);
+            A[1] = fmaf(o[1], f1, A[1]);
+            A[2] = fmaf(o[2], f0, A[2]);
+            A[3] = fmaf(o[3], f1, A[3]);
+          }
+        }
+      }
+      if (TREE_PROBE == 2) {
+        float sink = 0.0f;
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) sink += acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3];
+        if (sink == 1.2345e-38f) part_acc[0] = sink;
+        continue;
+      }
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // query row rb + 2t + b, dims 32w + 4g .. + 3
+        const int r = rb + 2 * t + b;
+        if (r >= qhi) continue;
+        float* dst = part_acc + (((size_t)(r / G) * nh + h * G + r % G) * nch + c) * D + 4 * g;
+#pragma unroll
+        for (int w = 0; w < D / 32; ++w)
+          *reinterpret_cast<float4*>(dst + 32 * w) =
+              make_float4(acc[2 * w][b], acc[2 * w][b + 2], acc[2 * w + 1][b], acc[2 * w + 1][b + 2]);
+      }
+      if (t == 0 && rb + g < qhi) {
+        const int r = rb + g;
+        const size_t prow = ((size_t)(r / G) * nh + h * G + r % G) * nch + c;
+        part_ml[prow * 2] = hh ? M[1] : M[0];
+        part_ml[prow * 2 + 1] = hh ? L[1] : L[0];
+      }
+    }
+  };
+
+  for (int c = c0; c < cend; c += cstep) {
+    __syncthreads();  // every warp is done with the previous chunk's K and V
+    if (TREE_PROBE != 3) {
+    for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS)
+      cp_async16(ks + k_unit(i / UNITS, i % UNITS), kbase + (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS), true);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS)
+      cp_async16(vs + v_unit(i / UNITS, i % UNITS), vbase + (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS), true);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+    // The CTA's next chunk into L2 while this one computes (thread: one K or V row).
+    static_assert(THREADS == 2 * CHUNK, "one thread per K and V row of a chunk");
+    prefetch_row(threadIdx.x < CHUNK ? kbase : vbase, kv_row, (c + cstep) * CHUNK + (threadIdx.x & (CHUNK - 1)),
+                 c + cstep < cend, len, 0, max_len);
+    asm volatile("cp.async.wait_group 1;\n" ::);
+    __syncthreads();  // K is in
+    int ti = TREE_PROBE == 4 ? tiles : warp;
+    if (ti < tiles) scores(qlo + 16 * ti);  // the first tile's scores while V lands
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // V is in
+    for (; ti < tiles; ti += NWARP) {
+      if (ti != warp) scores(qlo + 16 * ti);
+      if (TREE_PROBE == 1) continue;  // (the scores' stores to shared memory keep them alive)
+      values(qlo + 16 * ti, c);
+    }
+  }
+}
+
 // Grid (nkv, slots + T). CTA (h, z < slots): a slot of the chunks wholly below len, which every row sees
 // alike: its K/V rows are read once per CTA and serve many rows (a 32-row tree verify would otherwise
 // read its prefix 32 times). With at least `slots` such chunks, CTA z walks chunks z, z + slots, ... for
@@ -333,16 +545,14 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
 // the same per-row arithmetic. CTA (h, slots + y): row y's tail chunks, from the one holding position
 // len to its last key (at most two: a row has <= 64 tree keys), with the row's own keys. The heavy slot
 // CTAs come first in launch order; CTAs without work only exit, so a captured graph replays for any len.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    attn_decode_chunk(const bf16* __restrict__ q,          // [T, nkv*G, D]
-                      const bf16* __restrict__ kc,         // [max_len, nkv, D]
-                      const bf16* __restrict__ vc,         // [max_len, nkv, D]
-                      const int* __restrict__ length,      // [1] committed positions len
-                      const long long* __restrict__ mask,  // [T] tree-slot bitmask per row
-                      float* __restrict__ part_acc,        // [T, nkv*G, nch, D]
-                      float* __restrict__ part_ml,         // [T, nkv*G, nch, 2]
-                      int nkv, int max_len, int nch, int T) {
-  extern __shared__ float smem[];  // SMEM_BYTES (82 KB at d = 256: dynamic)
+// TREE: the slot CTAs run tree_prefix_partials (attn_tree_chunk, for T > 1 where a chunk's K and V fit the
+// shared memory), else chunk_partials (attn_decode_chunk); the tail CTAs run chunk_partials in both.
+template <bool TREE>
+__device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
+                                             const bf16* __restrict__ vc, const int* __restrict__ length,
+                                             const long long* __restrict__ mask, float* __restrict__ part_acc,
+                                             float* __restrict__ part_ml, int nkv, int max_len, int nch, int T) {
+  extern __shared__ uint4 smem[];  // SMEM_BYTES (82 KB at d = 256), TREE: at least TSMEM_BYTES (dynamic)
   pdl_begin();
   const int h = blockIdx.x, slots = gridDim.y - T, nh = nkv * G;
   const int len = min(*length, nch * CHUNK);
@@ -352,7 +562,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   // This CTA's chunks c0, c0 + cstep, ... < cend for query rows [qlo, qhi), keys < n in slots (len, mk).
   int c0, cstep = 1, cend, qlo, qhi, n = len;
   u64 mk = 0;
-  if (blockIdx.y >= slots) {  // tail CTA of row y
+  const bool tail = blockIdx.y >= slots;
+  if (tail) {  // tail CTA of row y
     const int y = blockIdx.y - slots;
     mk = (u64)mask[y];
     n = min(len + __popcll(mk), nch * CHUNK);  // keys of row y
@@ -378,8 +589,25 @@ extern "C" __global__ void __launch_bounds__(THREADS)
       qhi = min(rows, qlo + per * 16);
     }
   }
-  chunk_partials(c0, cstep, cend, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
-                 part_ml, smem);
+  if (TREE && !tail)
+    tree_prefix_partials(c0, cstep, cend, qlo, qhi, len, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
+                         part_ml, smem);
+  else
+    chunk_partials(c0, cstep, cend, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
+                   part_ml, reinterpret_cast<float*>(smem));
+}
+
+#define CHUNK_ARGS                                                                                          \
+  const bf16 *__restrict__ q, const bf16 *__restrict__ kc, const bf16 *__restrict__ vc,                    \
+      const int *__restrict__ length, const long long *__restrict__ mask, float *__restrict__ part_acc,     \
+      float *__restrict__ part_ml, int nkv, int max_len, int nch, int T
+// q [T, nkv*G, D], kc / vc [max_len, nkv, D], length [1] (committed positions), mask [T] (tree-slot bits per
+// row), part_acc [T, nkv*G, nch, D], part_ml [T, nkv*G, nch, 2].
+extern "C" __global__ void __launch_bounds__(THREADS) attn_decode_chunk(CHUNK_ARGS) {
+  chunk_kernel<false>(q, kc, vc, length, mask, part_acc, part_ml, nkv, max_len, nch, T);
+}
+extern "C" __global__ void __launch_bounds__(THREADS) attn_tree_chunk(CHUNK_ARGS) {
+  chunk_kernel<true>(q, kc, vc, length, mask, part_acc, part_ml, nkv, max_len, nch, T);
 }
 
 // out[t, hq] = (sum_c acc_c e^(m_c - M)) / (sum_c l_c e^(m_c - M)) over row t's chunks, times

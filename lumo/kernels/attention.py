@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from .compile import Kernel, compile_kernel, sm_count
+from .linear import smem_limit
 
 CHUNK = 128  # positions per split-K partial (must match attention.cu)
 _SUB = 16  # positions per warp (attention.cu)
@@ -25,6 +26,10 @@ _QROWS = 8  # query rows per cross-warp combine (attention.cu QROWS)
 _MERGE_THREADS = 256  # the merge kernels: 8 chunk groups x 32 lanes (attention.cu MERGE_GROUPS)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built and tested for
+# Tree rows (T > 1): attn_tree_chunk, whose slot CTAs stage a chunk's K and V in shared memory and give each
+# warp whole query tiles (the same bits as attn_decode_chunk), where the device's shared memory per block
+# holds them (d = 256: 128 KB; not the GB10's 99 KB). False: attn_decode_chunk for every T (A/B switch).
+TREE_CHUNK = True
 
 
 def check_heads(nh: int, nkv: int, d: int) -> None:
@@ -37,10 +42,11 @@ def check_heads(nh: int, nkv: int, d: int) -> None:
 
 
 @functools.cache
-def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel]:
+def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel, Kernel]:
     defines = {"D": d, "G": g}
     return (
         compile_kernel("attention.cu", "attn_decode_chunk", defines),
+        compile_kernel("attention.cu", "attn_tree_chunk", defines),
         compile_kernel("attention.cu", "attn_decode_merge", defines),
         compile_kernel("attention.cu", "attn_decode_merge_head", defines),
     )
@@ -49,6 +55,17 @@ def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel]:
 def _shmem(d: int) -> int:
     """attention.cu SMEM_BYTES: the sub-partials of QROWS query rows, then two staged query tiles."""
     return 4 * _NSUB * _QROWS * (d + 2) + 2 * 16 * (d + 8) * 2
+
+
+def _tree_shmem(d: int) -> int:
+    """attn_tree_chunk's dynamic shared memory (attention.cu TSMEM_BYTES: a chunk's K and V, then each warp's
+    P^T fragments and fold factors), or SMEM_BYTES if more."""
+    return max(_shmem(d), 2 * CHUNK * d * 2 + _NSUB * 4 * (_NSUB * 4 * 32 + _NSUB * 16))
+
+
+def tree_chunk_kernel(t: int, d: int, device: torch.device) -> bool:
+    """Whether attn_decode runs t rows on attn_tree_chunk (launch choice only: the bits are the same)."""
+    return TREE_CHUNK and t > 1 and _tree_shmem(d) <= smem_limit(torch.device(device))
 
 
 def chunk_slots(nkv: int, nch: int, ctas: int, rows: int = 1) -> int:
@@ -116,14 +133,15 @@ def attn_decode(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
-    chunk_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
-    ctas = sm_count(q.device) * max(1, chunk_k.blocks_per_sm(THREADS, _shmem(d)))
+    chunk_k, tree_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
+    chunk, shmem = (tree_k, _tree_shmem(d)) if tree_chunk_kernel(T, d, q.device) else (chunk_k, _shmem(d))
+    ctas = sm_count(q.device) * max(1, chunk.blocks_per_sm(THREADS, shmem))
     slots = chunk_slots(nkv, nch, ctas, T)
-    chunk_k.launch(
+    chunk.launch(
         (nkv, slots + T),
         THREADS,
         (q, k_cache, v_cache, length, mask, acc, ml, nkv, max_len, nch, T),
-        shmem=_shmem(d),
+        shmem=shmem,
         pdl=True,
     )
     g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
