@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lumo.kernels import attention
 from lumo.kernels.attention import (
     CHUNK,
     attn_decode,
@@ -14,7 +13,7 @@ from lumo.kernels.attention import (
     attn_decode_workspace,
     attn_prefill,
     attn_prefill_ref,
-    tree_chunk_kernel,
+    tree_chunk_fits,
 )
 
 pytestmark = pytest.mark.gpu
@@ -126,17 +125,14 @@ def test_tree_chunk_kernel_equals_decode_chunk_kernel(nh, nkv, d, T, length, max
     bit, for every row: odd query-head counts (G = 9, 16: a tile holds parts of several rows; 32 tiles for 8
     warps), partial last tiles, short prefixes whose slots split the rows and long ones walked chunk by
     chunk."""
-    if not tree_chunk_kernel(T, d, torch.device(DEV)):
-        pytest.skip("this device's shared memory per block does not hold a chunk's K and V")
+    if not tree_chunk_fits(d, DEV):
+        pytest.skip("this device's shared memory per block does not hold attn_tree_chunk's")
     kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + 7 * T + nh)
     outs, parts = [], []
-    for tree_kernel in (True, False):
+    for tree_chunk in (True, False):
         ws = tuple(torch.full_like(w, float("nan")) for w in attn_decode_workspace(T, nh, d, max_len, DEV))
-        attention.TREE_CHUNK = tree_kernel
-        try:
-            outs.append(attn_decode(q, kc, vc, length_t(length), mask, gate=gate, workspace=ws))
-        finally:
-            attention.TREE_CHUNK = True
+        n = length_t(length)
+        outs.append(attn_decode(q, kc, vc, n, mask, gate=gate, workspace=ws, tree_chunk=tree_chunk))
         parts.append(ws)
     nb = length // CHUNK  # chunks below the length: the slot CTAs' partials (the tail CTAs are shared code)
     assert torch.isfinite(parts[0][0][:, :, :nb]).all() and torch.isfinite(parts[0][1][:, :, :nb]).all()

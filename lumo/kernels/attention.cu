@@ -38,7 +38,10 @@
 //           line per load, and one byte permute per register pairs two keys' values of a dim.
 // A warp loads its keys' K and V rows once per chunk (after an L2 prefetch of them) and keeps them in
 // registers for every query tile; the query tiles are staged in shared memory by cp.async, the next one
-// during this one; the CTA's next chunk is prefetched into L2 while this one computes.
+// during this one; the CTA's next chunk is prefetched into L2 while this one computes. Tree rows (T > 1)
+// run attn_tree_chunk instead where the device has the shared memory: its slot CTAs stage each chunk's K and
+// V in shared memory and a warp runs whole query tiles over all sub-chunks (tree_prefix_partials), the same
+// operations in the same order, so the same bits, without chunk_partials' cross-warp passes.
 //
 // lumo:test-defines D=256 G=6
 // lumo:test-defines D=64 G=2
@@ -319,7 +322,10 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
         if (r < qhi) {
           float ms[NSUB], ls[NSUB], f[NSUB], M, L;
 #pragma unroll
-          for (int sb = 0; sb < NSUB; ++sb) ms[sb] = pml[(sb * QROWS + j) * 2], ls[sb] = pml[(sb * QROWS + j) * 2 + 1];
+          for (int sb = 0; sb < NSUB; ++sb) {
+            ms[sb] = pml[(sb * QROWS + j) * 2];
+            ls[sb] = pml[(sb * QROWS + j) * 2 + 1];
+          }
           sub_weights(ms, ls, f, M, L);
           const size_t prow = ((size_t)(r / G) * nh + h * G + r % G) * nch + c;
 #pragma unroll
@@ -354,17 +360,14 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
 // in sub order by sub_weights' factors with fma from zero. So the partials, and a tree row's output, are
 // bitwise chunk_partials' (the GPU tests compare tree rows with plain decoding).
 //
-// Shared memory: K then V of the chunk, [CHUNK][D] bf16 each (TSMEM_BYTES: 128 KB at d = 256), stored in
-// 16-byte units with the unit index XOR-swizzled by the row so that the mma operand reads do not share
-// banks: K (key row 8j + g, unit 4u + t) ^ 4 (row & 1); V (key rows 2t + .., unit 8w + g) ^ (row & 6).
+// Shared memory (TSMEM_BYTES: 164 KB at d = 256, 100 KB at d = 128, 68 KB at d = 64; attention.py runs the
+// kernel only where the device grants that much per block, so not at d >= 128 on a GB10's 99 KB): K then V
+// of the chunk, [CHUNK][D] bf16 each, in 16-byte units whose index is XOR-swizzled by the row so that the
+// mma operand reads of a quarter-warp hit distinct banks: K (key rows 8j + g, units 4u + t) ^ 4 (row & 1),
+// V (key rows 2t + .., 8-byte halves of units 4w + g / 2) ^ (row & 6); then each warp's slot (TREE_PSLOT) for
+// a tile's P^T fragments and fold factors between its scores and its P.V.
 #define TREE_PSLOT (NSUB * 4 * 32 + NSUB * 16)  // per warp, u32: P^T fragments by lane, fold factors by row
 #define TSMEM_BYTES (2 * CHUNK * D * 2 + (THREADS / 32) * TREE_PSLOT * 4)
-#ifndef TREE_PROBE
-#define TREE_PROBE 0  // timing probe (bench/probe_tree_attn.py): 1 scores only, 2 no partial stores, 3 no K/V staging, 4 staging only
-#endif
-#ifndef TREE_PVU
-#define TREE_PVU 1  // tree_prefix_partials: unroll of the P.V loop over sub-chunks
-#endif
 #ifndef TREE_SI
 #define TREE_SI 2  // tree_prefix_partials: sub-chunks whose scores are computed together (1, 2, 4 or 8)
 #endif
@@ -456,7 +459,7 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
       const int rb = qt + 8 * hh;  // rows rb .. rb + 7
       if (rb >= qhi) break;        // warp-uniform
       float acc[D / 16][4] = {};
-#pragma unroll TREE_PVU
+#pragma unroll 1
       for (int sb = 0; sb < NSUB; ++sb) {
         const float f0 = fw[sb * 16 + 8 * hh + 2 * t], f1 = fw[sb * 16 + 8 * hh + 2 * t + 1];
         const u32 p0 = pw[(sb * 4 + 2 * hh) * 32 + lane], p1 = pw[(sb * 4 + 2 * hh + 1) * 32 + lane];
@@ -482,13 +485,6 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
           }
         }
       }
-      if (TREE_PROBE == 2) {
-        float sink = 0.0f;
-#pragma unroll
-        for (int i = 0; i < D / 16; ++i) sink += acc[i][0] + acc[i][1] + acc[i][2] + acc[i][3];
-        if (sink == 1.2345e-38f) part_acc[0] = sink;
-        continue;
-      }
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // query row rb + 2t + b, dims 32w + 4g .. + 3
         const int r = rb + 2 * t + b;
@@ -510,12 +506,14 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
 
   for (int c = c0; c < cend; c += cstep) {
     __syncthreads();  // every warp is done with the previous chunk's K and V
-    if (TREE_PROBE != 3) {
-    for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS)
-      cp_async16(ks + k_unit(i / UNITS, i % UNITS), kbase + (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS), true);
+    for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS) {  // K, then V: two cp.async groups
+      const size_t src = (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS);
+      cp_async16(ks + k_unit(i / UNITS, i % UNITS), kbase + src, true);
+    }
     asm volatile("cp.async.commit_group;\n" ::);
-    for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS)
-      cp_async16(vs + v_unit(i / UNITS, i % UNITS), vbase + (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS), true);
+    for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS) {
+      const size_t src = (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS);
+      cp_async16(vs + v_unit(i / UNITS, i % UNITS), vbase + src, true);
     }
     asm volatile("cp.async.commit_group;\n" ::);
     // The CTA's next chunk into L2 while this one computes (thread: one K or V row).
@@ -524,13 +522,12 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
                  c + cstep < cend, len, 0, max_len);
     asm volatile("cp.async.wait_group 1;\n" ::);
     __syncthreads();  // K is in
-    int ti = TREE_PROBE == 4 ? tiles : warp;
+    int ti = warp;
     if (ti < tiles) scores(qlo + 16 * ti);  // the first tile's scores while V lands
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // V is in
     for (; ti < tiles; ti += NWARP) {
       if (ti != warp) scores(qlo + 16 * ti);
-      if (TREE_PROBE == 1) continue;  // (the scores' stores to shared memory keep them alive)
       values(qlo + 16 * ti, c);
     }
   }

@@ -28,7 +28,7 @@ HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built and tested for
 # Tree rows (T > 1): attn_tree_chunk, whose slot CTAs stage a chunk's K and V in shared memory and give each
 # warp whole query tiles (the same bits as attn_decode_chunk), where the device's shared memory per block
-# holds them (d = 256: 128 KB; not the GB10's 99 KB). False: attn_decode_chunk for every T (A/B switch).
+# holds them (d = 256: 164 KB; not a GB10's 99 KB). False: attn_decode_chunk for every T (bench/ab.py switch).
 TREE_CHUNK = True
 
 
@@ -63,9 +63,14 @@ def _tree_shmem(d: int) -> int:
     return max(_shmem(d), 2 * CHUNK * d * 2 + _NSUB * 4 * (_NSUB * 4 * 32 + _NSUB * 16))
 
 
-def tree_chunk_kernel(t: int, d: int, device: torch.device) -> bool:
-    """Whether attn_decode runs t rows on attn_tree_chunk (launch choice only: the bits are the same)."""
-    return TREE_CHUNK and t > 1 and _tree_shmem(d) <= smem_limit(torch.device(device))
+def tree_chunk_kernel(t: int, d: int, device: torch.device | str) -> bool:
+    """Whether attn_decode's default runs t rows on attn_tree_chunk (a launch choice: the same bits)."""
+    return TREE_CHUNK and t > 1 and tree_chunk_fits(d, device)
+
+
+def tree_chunk_fits(d: int, device: torch.device | str) -> bool:
+    """Whether the device grants attn_tree_chunk's shared memory per block at head dim d."""
+    return _tree_shmem(d) <= smem_limit(torch.device(device))
 
 
 def chunk_slots(nkv: int, nch: int, ctas: int, rows: int = 1) -> int:
@@ -100,6 +105,7 @@ def attn_decode(
     gate: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree_chunk: bool | None = None,
 ) -> torch.Tensor:
     """Attention of T rows q [T, nh, d] bf16 over k/v_cache [max_len, nkv, d] bf16 -> [T, nh, d] bf16.
 
@@ -107,6 +113,8 @@ def attn_decode(
     gate: [T, nh, d] bf16 or None (a strided view is fine, e.g. the gate half of a [T, nh, 2d] projection);
     with it the output is attention * sigmoid(gate) (fused, fp32).
     Pass out= and workspace= (attn_decode_workspace) on the hot path: then nothing is allocated.
+    tree_chunk: which chunk kernel (the same bits either way): None = tree_chunk_kernel's choice, True =
+    attn_tree_chunk (T > 1, where it fits), False = attn_decode_chunk.
     """
     T, nh, d = q.shape
     max_len, nkv, dk = k_cache.shape
@@ -134,7 +142,11 @@ def attn_decode(
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
     chunk_k, tree_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
-    chunk, shmem = (tree_k, _tree_shmem(d)) if tree_chunk_kernel(T, d, q.device) else (chunk_k, _shmem(d))
+    if tree_chunk is None:
+        tree_chunk = tree_chunk_kernel(T, d, q.device)
+    elif tree_chunk and (T == 1 or not tree_chunk_fits(d, q.device)):
+        raise ValueError(f"attn_decode: attn_tree_chunk needs T > 1 and {_tree_shmem(d)} B of shared memory")
+    chunk, shmem = (tree_k, _tree_shmem(d)) if tree_chunk else (chunk_k, _shmem(d))
     ctas = sm_count(q.device) * max(1, chunk.blocks_per_sm(THREADS, shmem))
     slots = chunk_slots(nkv, nch, ctas, T)
     chunk.launch(
