@@ -146,6 +146,10 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0));
 }
 
+// Index of query row r's (row r / G, head h * G + r % G) vector among the T x nh query heads: its q row, and
+// (times nch, plus the chunk) its partials' row. Query rows of kv head h go through the kernels in this order.
+__device__ __forceinline__ size_t head_row(int r, int h, int nh) { return (size_t)(r / G) * nh + h * G + r % G; }
+
 // Query rows qt .. qt + 15 (zero past qhi) into a shared tile, 16 bytes per thread and step; query row r is
 // head h * G + r % G of row r / G (the group's G heads of each row in turn).
 __device__ __forceinline__ void stage_q_tile(bf16* tile, const bf16* __restrict__ q, int qt, int qhi, int h,
@@ -154,7 +158,7 @@ __device__ __forceinline__ void stage_q_tile(bf16* tile, const bf16* __restrict_
     const int r = i / (D / 8), col = 8 * (i % (D / 8));
     const bool ok = qt + r < qhi;
     const int qr = ok ? qt + r : 0;
-    cp_async16(tile + r * QSTRIDE + col, q + ((size_t)(qr / G) * nh + h * G + qr % G) * D + col, ok);
+    cp_async16(tile + r * QSTRIDE + col, q + head_row(qr, h, nh) * D + col, ok);
   }
   asm volatile("cp.async.commit_group;\n" ::);
 }
@@ -327,7 +331,7 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
             ls[sb] = pml[(sb * QROWS + j) * 2 + 1];
           }
           sub_weights(ms, ls, f, M, L);
-          const size_t prow = ((size_t)(r / G) * nh + h * G + r % G) * nch + c;
+          const size_t prow = head_row(r, h, nh) * nch + c;
 #pragma unroll
           for (int k = 4 * lane; k < D; k += 128) {  // four dims per lane: 16-byte shared and global accesses
             float4 A = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -396,8 +400,8 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
   auto scores = [&](int qt) {
     uint4 qa[KU], qb[KU];  // query rows qt + g / qt + g + 8, dims 32u + 8t .. + 7 (zero past qhi)
     const int ra = qt + g, rb = qt + g + 8;
-    const bf16* qpa = q + ((size_t)(ra / G) * nh + h * G + ra % G) * D + 8 * t;
-    const bf16* qpb = q + ((size_t)(rb / G) * nh + h * G + rb % G) * D + 8 * t;
+    const bf16* qpa = q + head_row(ra, h, nh) * D + 8 * t;
+    const bf16* qpb = q + head_row(rb, h, nh) * D + 8 * t;
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       qa[u] = ra < qhi ? __ldg(reinterpret_cast<const uint4*>(qpa + 32 * u)) : make_uint4(0, 0, 0, 0);
@@ -489,7 +493,7 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
       for (int b = 0; b < 2; ++b) {  // query row rb + 2t + b, dims 32w + 4g .. + 3
         const int r = rb + 2 * t + b;
         if (r >= qhi) continue;
-        float* dst = part_acc + (((size_t)(r / G) * nh + h * G + r % G) * nch + c) * D + 4 * g;
+        float* dst = part_acc + (head_row(r, h, nh) * nch + c) * D + 4 * g;
 #pragma unroll
         for (int w = 0; w < D / 32; ++w)
           *reinterpret_cast<float4*>(dst + 32 * w) =
@@ -497,7 +501,7 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
       }
       if (t == 0 && rb + g < qhi) {
         const int r = rb + g;
-        const size_t prow = ((size_t)(r / G) * nh + h * G + r % G) * nch + c;
+        const size_t prow = head_row(r, h, nh) * nch + c;
         part_ml[prow * 2] = hh ? M[1] : M[0];
         part_ml[prow * 2 + 1] = hh ? L[1] : L[0];
       }
