@@ -7,9 +7,11 @@ One table: microseconds per call (median of graph replays, rotating over 16 laye
 whatever the row count), GB/s and % of the device copy bandwidth measured in the same run, and the floor:
 those bytes plus, for tree rows, the split-K partials the chunk kernel writes and the merge reads back
 (T x nh x 1 KB per 128-position chunk, 4 bytes per dim; the bits require them), at the copy bandwidth.
-Rows 32 is a 32-node tree verify (a chain of masks: row i sees tree slots 0..i); for tree rows the same
-call runs on both chunk kernels (attn_tree_chunk, the default where it fits, and attn_decode_chunk), whose
-outputs must be bitwise equal (checked here too).
+Rows 32 is a 32-node tree verify (a chain of masks: row i sees tree slots 0..i). The last column times the
+same call on the previous kernel, whose outputs must be bitwise equal (checked here too): for tree rows
+attn_decode_chunk against attn_tree_chunk (the default where it fits); for one row attn_decode_chunk
+against attn_decode_chunk_st (the default where it fits: a walking CTA's next chunk staged in shared memory).
+`--stage-l2-ahead N` builds attn_decode_chunk_st with STAGE_L2_AHEAD = N (an experiment's knob).
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from pathlib import Path
 import torch
 
 from bench.bench_linear import copy_bandwidth, time_graph
-from lumo.kernels.attention import CHUNK, attn_decode, attn_decode_workspace, tree_chunk_kernel
+from lumo.kernels import attention
+from lumo.kernels.attention import (
+    CHUNK,
+    attn_decode,
+    attn_decode_workspace,
+    decode_stage_fits,
+    tree_chunk_kernel,
+)
 
 NH, NKV, D = 24, 4, 256  # the 27B's gated attention
 MAX_LEN = 131264  # bench_decode's cache capacity (128k context + tree slots)
@@ -35,7 +44,10 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_attention.json"))
+    ap.add_argument("--stage-l2-ahead", type=int, default=0, help="attention.cu STAGE_L2_AHEAD (0: default)")
     args = ap.parse_args()
+    if args.stage_l2_ahead:
+        attention.EXTRA_DEFINES["STAGE_L2_AHEAD"] = args.stage_l2_ahead
     if max(args.contexts) + max(args.rows) > MAX_LEN or max(args.rows) > 63:
         raise SystemExit(f"bench_attention: context + rows must fit {MAX_LEN} slots, rows <= 63")
     dev = torch.device("cuda")
@@ -48,7 +60,7 @@ def main() -> None:
     name = torch.cuda.get_device_name()
     rows_out = []
     print(f"\n## bench_attention: {name}, nh {NH}, nkv {NKV}, d {D}; copy bandwidth {bw:.0f} GB/s")
-    print("| context | rows | us/call | K/V MB | GB/s | % of copy bw | floor us | x floor | old kernel us |")
+    print("| context | rows | us/call | K/V MB | GB/s | % of copy bw | floor us | x floor | previous us |")
     print("|---|---|---|---|---|---|---|---|---|")
     for T in args.rows:
         q = torch.randn(T, NH, D, device=dev, generator=gen, dtype=torch.bfloat16)
@@ -68,14 +80,20 @@ def main() -> None:
             row = {"context": ctx, "rows": T, "us": us, "kv_mb": kv_bytes / 1e6, "gbs": gbs}
             row["floor_us"] = floor_us
             old_us = ""
-            if tree_chunk_kernel(T, D, dev):  # the same call on attn_decode_chunk: time and bits
+            if tree_chunk_kernel(T, D, dev):  # the same call on the previous kernel: time and bits
+                previous = {"tree_chunk": False}
+            elif T * NH // NKV <= 16 and attention.DECODE_STAGE and decode_stage_fits(D, dev):
+                previous = {"stage": False}
+            else:
+                previous = None
+            if previous:
                 fns[0]()
                 new_out = out.clone()
-                old = [partial(call, q, k, v, length, mask, tree_chunk=False) for k, v in caches]
-                row["decode_chunk_us"] = time_graph(old, reps=4 * LAYERS, trials=9)
+                old = [partial(call, q, k, v, length, mask, **previous) for k, v in caches]
+                row["previous_us"] = time_graph(old, reps=4 * LAYERS, trials=9)
                 old[0]()
                 row["bits_equal"] = torch.equal(out, new_out)
-                old_us = f"{row['decode_chunk_us']:.1f}" + ("" if row["bits_equal"] else " (BITS DIFFER)")
+                old_us = f"{row['previous_us']:.1f}" + ("" if row["bits_equal"] else " (BITS DIFFER)")
             rows_out.append(row)
             print(
                 f"| {ctx} | {T} | {us:.1f} | {kv_bytes / 1e6:.1f} | {gbs:.0f} | {100 * gbs / bw:.1f} | "
