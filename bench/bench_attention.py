@@ -10,8 +10,7 @@ those bytes plus, for tree rows, the split-K partials the chunk kernel writes an
 Rows 32 is a 32-node tree verify (a chain of masks: row i sees tree slots 0..i). The last column times the
 same call on the previous kernel, whose outputs must be bitwise equal (checked here too): for tree rows
 attn_decode_chunk against attn_tree_chunk (the default where it fits); for one row attn_decode_chunk
-against attn_decode_chunk_st (the default where it fits: a walking CTA's next chunk staged in shared memory).
-`--stage-l2-ahead N` builds attn_decode_chunk_st with STAGE_L2_AHEAD = N (an experiment's knob).
+against attn_decode_chunk_pipe (the default: a walking CTA loads its next chunk's K during this chunk).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from lumo.kernels.attention import (
     CHUNK,
     attn_decode,
     attn_decode_workspace,
-    decode_stage_fits,
     tree_chunk_kernel,
 )
 
@@ -44,10 +42,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "bench_attention.json"))
-    ap.add_argument("--stage-l2-ahead", type=int, default=0, help="attention.cu STAGE_L2_AHEAD (0: default)")
     args = ap.parse_args()
-    if args.stage_l2_ahead:
-        attention.EXTRA_DEFINES["STAGE_L2_AHEAD"] = args.stage_l2_ahead
     if max(args.contexts) + max(args.rows) > MAX_LEN or max(args.rows) > 63:
         raise SystemExit(f"bench_attention: context + rows must fit {MAX_LEN} slots, rows <= 63")
     dev = torch.device("cuda")
@@ -82,8 +77,8 @@ def main() -> None:
             old_us = ""
             if tree_chunk_kernel(T, D, dev):  # the same call on the previous kernel: time and bits
                 previous = {"tree_chunk": False}
-            elif T * NH // NKV <= 16 and attention.DECODE_STAGE and decode_stage_fits(D, dev):
-                previous = {"stage": False}
+            elif T * NH // NKV <= 16 and attention.DECODE_PIPE:
+                previous = {"pipe": False}
             else:
                 previous = None
             if previous:

@@ -13,7 +13,6 @@ from lumo.kernels.attention import (
     attn_decode_workspace,
     attn_prefill,
     attn_prefill_ref,
-    decode_stage_fits,
     tree_chunk_fits,
 )
 
@@ -143,26 +142,24 @@ def test_tree_chunk_kernel_equals_decode_chunk_kernel(nh, nkv, d, T, length, max
     assert rel_err(outs[0], attn_decode_ref(q, kc, vc, length, mask.cpu(), gate=gate)) < 1e-2
 
 
-STAGE_SHAPES = [(24, 4, 256), (4, 2, 64), (16, 1, 128), (9, 1, 256), (32, 2, 128), (6, 6, 64)]
+PIPE_SHAPES = [(24, 4, 256), (4, 2, 64), (16, 1, 128), (9, 1, 256), (32, 2, 128), (6, 6, 64)]
 
 
-@pytest.mark.parametrize("nh,nkv,d", STAGE_SHAPES, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in STAGE_SHAPES])
+@pytest.mark.parametrize("nh,nkv,d", PIPE_SHAPES, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in PIPE_SHAPES])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize(
     "length,max_len", [(129, 8192), (4999, 5100), (40007, 40100)], ids=["129", "4999", "40007"]
 )
-def test_staged_decode_chunk_kernel_equals_unstaged(nh, nkv, d, T, length, max_len):
-    """attn_decode_chunk_st (a walking CTA's next chunk copied into shared memory during this one) writes
-    the same split-K partials and outputs as attn_decode_chunk, bit for bit: one row (the plain decode) and
-    two rows where they fit one query tile (T x G <= 16, else the unstaged path runs in both), CTAs walking
-    one chunk or many (40007 positions: ~10 chunks per CTA on an H200), the last chunk partial."""
-    if not decode_stage_fits(d, DEV):
-        pytest.skip("this device's shared memory per block does not hold attn_decode_chunk_st's")
+def test_pipelined_decode_chunk_kernel_equals_decode_chunk_kernel(nh, nkv, d, T, length, max_len):
+    """attn_decode_chunk_pipe (a walking CTA loads its next chunk's rows during this one) writes the same
+    split-K partials and outputs as attn_decode_chunk, bit for bit: one row (the plain decode) and two rows
+    where they fit one query tile (T x G <= 16, else both run the same code), CTAs walking one chunk or many
+    (40007 positions: ~10 chunks per CTA on an H200), the last chunk partial."""
     kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + 5 * T + nh)
     outs, parts = [], []
-    for stage in (True, False):
+    for pipe in (True, False):
         ws = tuple(torch.full_like(w, float("nan")) for w in attn_decode_workspace(T, nh, d, max_len, DEV))
-        outs.append(attn_decode(q, kc, vc, length_t(length), mask, gate=gate, workspace=ws, stage=stage))
+        outs.append(attn_decode(q, kc, vc, length_t(length), mask, gate=gate, workspace=ws, pipe=pipe))
         parts.append(ws)
     nc = -(-(length + T) // CHUNK)  # every chunk a row sees
     assert torch.isfinite(parts[0][0][:, :, :nc]).all() and torch.isfinite(parts[0][1][:, :, :nc]).all()

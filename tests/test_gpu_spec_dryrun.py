@@ -25,11 +25,11 @@ from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import accept, build_tree
 from lumo.weights import load_model
 
-# attention._kernels: chunk (plain decode), chunk with the next chunk staged, chunk (tree rows), merge (plain
+# attention._kernels: chunk (plain decode), chunk pipelined, chunk (tree rows), merge (plain
 # decode), merge (tree rows)
 ATTENTION_KERNELS = (
     "attn_decode_chunk",
-    "attn_decode_chunk_st",
+    "attn_decode_chunk_pipe",
     "attn_tree_chunk",
     "attn_decode_merge",
     "attn_decode_merge_head",

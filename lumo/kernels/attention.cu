@@ -66,6 +66,9 @@
 #define KU (D / 32)       // 16-byte K loads per key and lane (two Q.K k-steps each)
 #define VW (D / 64)       // 16-byte V loads per key and lane (four P.V m16 tiles each)
 #define MERGE_GROUPS 8    // the merge kernels: chunk residues folded in parallel, then in order
+#ifndef MERGE_BATCHED
+#define MERGE_BATCHED 1  // the merge kernels' fold in batches of chunks (0: one chunk after another)
+#endif
 
 static_assert((D == 64 || D == 128 || D == 256) && G >= 1 && G <= 16,
               "attention.cu: d in {64, 128, 256}, 1 <= G <= 16");
@@ -209,40 +212,27 @@ __device__ __forceinline__ void sub_weights(const float (&ms)[NSUB], const float
   }
 }
 
-// chunk_partials' STAGE slots: unit i of thread x (K: j * KU + u, then V: 2 KU + r * VW + w, the register
-// it is loaded into) at stage[i * THREADS + x]: a quarter-warp's 16-byte reads and writes hit distinct banks.
-#define STAGE_UNITS (2 * KU + 4 * VW)
-#define STAGE_BYTES (16 * STAGE_UNITS * THREADS)
-#ifndef STAGE_L2_AHEAD
-#define STAGE_L2_AHEAD 2  // staged chunks: the CTA's chunk asked of L2 while one computes (1 = the staged one)
-#endif
-
-// cp.async of this thread's K (k) or V units of chunk c below len (keys past n, or a slot past the cache,
-// zero-filled as load16 gives them), as one commit group.
-__device__ __forceinline__ void stage_units(uint4* stage, const bf16* base, size_t kv_row, int c, int n, int len,
-                                            int max_len, bool k) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int p0 = c * CHUNK + (threadIdx.x >> 5) * SUB, cnt = max(0, min(SUB, n - p0));
-  if (k) {
+// The K or V rows of the warp's keys p0 .. p0 + cnt - 1 into registers, as chunk_partials loads a chunk's
+// rows: K of key 8j + g (the Q.K B operand), V of keys 2t, 2t + 1, 8 + 2t, 9 + 2t (the P.V A operand).
+__device__ __forceinline__ void load_k(uint4 (&kr)[2][KU], const bf16* kbase, size_t kv_row, int p0, int cnt,
+                                       int len, u64 mk, int max_len) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int slot = key_slot(p0, 8 * j + g, cnt, len, 0, max_len);
+  for (int j = 0; j < 2; ++j) {
+    const int slot = key_slot(p0, 8 * j + g, cnt, len, mk, max_len);
 #pragma unroll
-      for (int u = 0; u < KU; ++u)
-        cp_async16(stage + (j * KU + u) * THREADS + threadIdx.x,
-                   base + (size_t)min(slot, max_len - 1) * kv_row + 32 * u + 8 * t, slot < max_len);
-    }
-  } else {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int slot = key_slot(p0, 2 * t + (r & 1) + 8 * (r >> 1), cnt, len, 0, max_len);
-#pragma unroll
-      for (int w = 0; w < VW; ++w)
-        cp_async16(stage + (2 * KU + r * VW + w) * THREADS + threadIdx.x,
-                   base + (size_t)min(slot, max_len - 1) * kv_row + 64 * w + 8 * g, slot < max_len);
-    }
+    for (int u = 0; u < KU; ++u) kr[j][u] = load16(kbase, kv_row, slot, 32 * u + 8 * t, max_len);
   }
-  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void load_v(uint4 (&vr)[4][VW], const bf16* vbase, size_t kv_row, int p0, int cnt,
+                                       int len, u64 mk, int max_len) {
+  const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int slot = key_slot(p0, 2 * t + (r & 1) + 8 * (r >> 1), cnt, len, mk, max_len);
+#pragma unroll
+    for (int w = 0; w < VW; ++w) vr[r][w] = load16(vbase, kv_row, slot, 64 * w + 8 * g, max_len);
+  }
 }
 
 // The partials (acc, m, l) of query rows [qlo, qhi) of kv head h over chunks c0, c0 + cstep, ... < cend,
@@ -252,48 +242,39 @@ __device__ __forceinline__ void stage_units(uint4* stage, const bf16* base, size
 // shared memory (double-buffered: the next tile, of this chunk or the next, loads during this one; a single
 // tile stays), and the warps' sub-partials are combined per QROWS rows in shared memory. Called by every
 // thread of the CTA.
-template <bool STAGE>
+template <bool PIPE>
 __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int qlo, int qhi, int n, int len,
                                                u64 mk, const bf16* __restrict__ q, const bf16* kbase,
                                                const bf16* vbase, size_t kv_row, int max_len, int h, int nh,
                                                int nch, float* __restrict__ part_acc,
-                                               float* __restrict__ part_ml, float* smem, uint4* stage) {
+                                               float* __restrict__ part_ml, float* smem, bool walk) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float* pacc = smem;                    // [NSUB][QROWS][D]
   float* pml = pacc + NSUB * QROWS * D;  // [NSUB][QROWS][2]
   bf16* qtiles = reinterpret_cast<bf16*>(smem + SMEM_FLOATS);  // [2][16][QSTRIDE]
   const float scale = 1.0f / sqrtf((float)D);
   const bool one_tile = qhi - qlo <= 16;
-  // STAGE (attn_decode_chunk_st's walking slot CTAs, stage != nullptr): with one query tile a chunk's
-  // compute is short and its loads are the step's critical path, so the warp's K / V units of the CTA's
-  // next chunk are copied into this thread's own shared-memory slots (stage_units) while this chunk
-  // computes, and read from there at the next chunk's start. The same bytes: the same bits.
-  const bool staged = STAGE && stage != nullptr && one_tile;
+  // PIPE (attn_decode_chunk_pipe's walking slot CTAs, `walk`): with one query tile, K is dead once the
+  // scores are done, so its registers take the CTA's next chunk's K rows right then, and those loads run
+  // during this chunk's softmax, P.V and combine instead of stalling the next chunk's first mma (V, needed
+  // only after the scores, still loads at the chunk's start: pipelining it too held one more chunk's rows
+  // through the P.V, spilled, and lost at long caches). The same loads of the same rows: the same bits.
+  const bool piped = PIPE && walk && one_tile;
   if (c0 >= cend) return;
   stage_q_tile(qtiles, q, qlo, qhi, h, nh);
   int it = 0;  // query tiles done: the current one is in buffer it & 1 (0 if there is only one)
+  uint4 kr[2][KU], vr[4][VW];
 
   for (int c = c0; c < cend; c += cstep) {
     const int p0 = c * CHUNK + warp * SUB;
     const int cnt = max(0, min(SUB, n - p0));  // keys of this warp (warp-uniform)
-    const bool from_stage = staged && c != c0, stage_next = staged && c + cstep < cend;
-    // K and V rows of the warp's keys: K of key 8j + g (the Q.K B operand), V of keys 2t, 2t + 1, 8 + 2t,
-    // 9 + 2t (the P.V A operand). ptxas may interleave some of these loads with the first mmas (13.5 does
-    // in one of this function's two inlined copies for sm_121a), so the rows are first prefetched into L2
-    // (lane: one key's K or V row); the CTA's next chunk below len follows once this chunk's loads are
-    // issued.
-    uint4 kr[2][KU], vr[4][VW];
-    if (from_stage) {  // this chunk's units, copied during the previous one
-      asm volatile("cp.async.wait_group 0;\n" ::);
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int u = 0; u < KU; ++u) kr[j][u] = stage[(j * KU + u) * THREADS + threadIdx.x];
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int w = 0; w < VW; ++w) vr[r][w] = stage[(2 * KU + r * VW + w) * THREADS + threadIdx.x];
-    } else {
+    const int pn0 = (c + cstep) * CHUNK + warp * SUB, cnt_next = max(0, min(SUB, n - pn0));
+    const bool pipe_next = piped && c + cstep < cend;  // the next chunk's K loads during this one
+    // K and V rows of the warp's keys (load_k, load_v). ptxas may interleave some of these loads with the
+    // first mmas (13.5 does in one of this function's two inlined copies for sm_121a), so the rows are
+    // first prefetched into L2 (lane: one key's K or V row); the CTA's next chunk below len follows once
+    // this chunk's loads are issued.
+    if (!piped || c == c0) {
       prefetch_row(lane < 16 ? kbase : vbase, kv_row, p0 + (lane & 15), (lane & 15) < cnt, len, mk, max_len);
       int ks[2], vs[4];
 #pragma unroll
@@ -308,11 +289,11 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
       for (int r = 0; r < 4; ++r)
 #pragma unroll
         for (int w = 0; w < VW; ++w) vr[r][w] = load16(vbase, kv_row, vs[r], 64 * w + 8 * g, max_len);
+    } else {  // pipelined: K came during the previous chunk
+      load_v(vr, vbase, kv_row, p0, cnt, len, mk, max_len);
     }
-    // L2: the next chunk (staged: the one after it, the next being copied from L2 during this one).
-    const int cn = c + (staged ? STAGE_L2_AHEAD : 1) * cstep;
-    const int pn = cn * CHUNK + warp * SUB + (lane & 15);
-    prefetch_row(lane < 16 ? kbase : vbase, kv_row, pn, cn < cend && pn < len, len, 0, max_len);
+    const int pn = (c + cstep) * CHUNK + warp * SUB + (lane & 15);
+    prefetch_row(lane < 16 ? kbase : vbase, kv_row, pn, c + cstep < cend && pn < len, len, 0, max_len);
 
     for (int qt = qlo; qt < qhi; qt += 16, ++it) {
       if (!one_tile) {  // the next tile: this chunk's next, else the next chunk's first
@@ -338,9 +319,7 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
                      word(kr[j][u], 2 * e), word(kr[j][u], 2 * e + 1));
       }
 
-      // The next chunk's K units replace this one's once the mmas above have consumed them (its V units
-      // after the last P.V below): a thread only ever overwrites slots whose values it holds in registers.
-      if (stage_next) stage_units(stage, kbase, kv_row, c + cstep, n, len, max_len, true);
+      if (pipe_next) load_k(kr, kbase, kv_row, pn0, cnt_next, len, 0, max_len);
 
       // Softmax over the warp's keys per query row (the quad of lanes g holds all 16 scores of its rows).
       float m[2], l[2];
@@ -362,8 +341,6 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
             mma_bf16(o[4 * w + e], __byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632),
                      __byte_perm(k8, k9, 0x5410), __byte_perm(k8, k9, 0x7632), pb[hh][0], pb[hh][1]);
           }
-        if (stage_next && (hh == 1 || rb + 8 >= qhi))
-          stage_units(stage, vbase, kv_row, c + cstep, n, len, max_len, false);
         // The warp's sub-partial to shared memory: query row rb + 2t + b, dims 64w + 8g .. + 7.
 #pragma unroll
         for (int b = 0; b < 2; ++b) {
@@ -611,15 +588,14 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
 // CTAs come first in launch order; CTAs without work only exit, so a captured graph replays for any len.
 // TREE: the slot CTAs run tree_prefix_partials (attn_tree_chunk, for T > 1 where a chunk's K and V fit the
 // shared memory), else chunk_partials (attn_decode_chunk); the tail CTAs run chunk_partials in both.
-// STAGE (attn_decode_chunk_st, where the device grants SMEM_BYTES + STAGE_BYTES): walking slot CTAs with one
-// query tile copy their next chunk into shared memory during this one (chunk_partials).
-template <bool TREE, bool STAGE>
+// PIPE (attn_decode_chunk_pipe): walking slot CTAs with one query tile load their next chunk's K during this
+// one (chunk_partials).
+template <bool TREE, bool PIPE>
 __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const bf16* __restrict__ kc,
                                              const bf16* __restrict__ vc, const int* __restrict__ length,
                                              const long long* __restrict__ mask, float* __restrict__ part_acc,
                                              float* __restrict__ part_ml, int nkv, int max_len, int nch, int T) {
-  // SMEM_BYTES (82 KB at d = 256), TREE: at least TSMEM_BYTES, STAGE: SMEM_BYTES + STAGE_BYTES (dynamic)
-  extern __shared__ uint4 smem[];
+  extern __shared__ uint4 smem[];  // SMEM_BYTES (82 KB at d = 256), TREE: at least TSMEM_BYTES (dynamic)
   pdl_begin();
   const int h = blockIdx.x, slots = gridDim.y - T, nh = nkv * G;
   const int len = min(*length, nch * CHUNK);
@@ -629,7 +605,7 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
   // This CTA's chunks c0, c0 + cstep, ... < cend for query rows [qlo, qhi), keys < n in slots (len, mk).
   int c0, cstep = 1, cend, qlo, qhi, n = len;
   u64 mk = 0;
-  uint4* stage = nullptr;  // chunk_partials' slots for the next chunk (STAGE, walking slot CTAs)
+  bool walk = false;  // a slot CTA walking chunks z, z + slots, ...
   const bool tail = blockIdx.y >= slots;
   if (tail) {  // tail CTA of row y
     const int y = blockIdx.y - slots;
@@ -648,7 +624,7 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
       cend = nb;
       qlo = 0;
       qhi = rows;
-      if (STAGE) stage = smem + SMEM_BYTES / 16;
+      walk = true;
     } else {  // item z: chunk z % nb, the z / nb-th group of `per` m16 query tiles
       const int per = (tiles + groups_max - 1) / groups_max;
       if (z >= nb * ((tiles + per - 1) / per)) return;
@@ -662,8 +638,8 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
     tree_prefix_partials(c0, cstep, cend, qlo, qhi, len, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
                          part_ml, smem);
   else
-    chunk_partials<STAGE>(c0, cstep, cend, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len, h, nh, nch,
-                          part_acc, part_ml, reinterpret_cast<float*>(smem), stage);
+    chunk_partials<PIPE>(c0, cstep, cend, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len, h, nh, nch,
+                         part_acc, part_ml, reinterpret_cast<float*>(smem), walk);
 }
 
 #define CHUNK_ARGS                                                                                          \
@@ -675,7 +651,7 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
 extern "C" __global__ void __launch_bounds__(THREADS) attn_decode_chunk(CHUNK_ARGS) {
   chunk_kernel<false, false>(q, kc, vc, length, mask, part_acc, part_ml, nkv, max_len, nch, T);
 }
-extern "C" __global__ void __launch_bounds__(THREADS) attn_decode_chunk_st(CHUNK_ARGS) {
+extern "C" __global__ void __launch_bounds__(THREADS) attn_decode_chunk_pipe(CHUNK_ARGS) {
   chunk_kernel<false, true>(q, kc, vc, length, mask, part_acc, part_ml, nkv, max_len, nch, T);
 }
 extern "C" __global__ void __launch_bounds__(THREADS) attn_tree_chunk(CHUNK_ARGS) {
@@ -702,6 +678,43 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
   const int n = *length + __popcll((u64)mask[t]);
   const int nc = min((n + CHUNK - 1) / CHUNK, nch);
   const size_t base = (size_t)blockIdx.x * nch;
+#if MERGE_BATCHED
+  // Group grp's chunks grp + MERGE_GROUPS i, i < ng. Its max M first, lane-strided then across the warp (a
+  // max is exact: any order gives its bits); then the fold in chunk order, MERGE_BATCH chunks at a time:
+  // lane j computes the batch's j-th factor f = e^(m - M) and reads its l, every lane takes both by shuffle,
+  // and a batch's accumulator loads are all issued before its first fma. The operations and their order
+  // are those of one lane walking the chunks: the same bits, with ~ng / MERGE_BATCH load round trips
+  // instead of ng / 4.
+  constexpr int MERGE_BATCH = 32 / PER;
+  const int ng = nc > grp ? (nc - grp + MERGE_GROUPS - 1) / MERGE_GROUPS : 0;
+  float M = -INFINITY;
+  for (int i = lane; i < ng; i += 32) M = fmaxf(M, part_ml[(base + grp + MERGE_GROUPS * i) * 2]);
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float L = 0.0f, A[PER] = {};
+  for (int i0 = 0; i0 < ng; i0 += MERGE_BATCH) {
+    float f = 0.0f, l = 0.0f;
+    if (lane < MERGE_BATCH && i0 + lane < ng) {
+      const size_t r = base + grp + MERGE_GROUPS * (i0 + lane);
+      f = expf(part_ml[r * 2] - M);
+      l = part_ml[r * 2 + 1];
+    }
+    float a[MERGE_BATCH][PER];
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j)
+#pragma unroll
+      for (int kb = 0; kb < PER; ++kb)
+        a[j][kb] = i0 + j < ng ? part_acc[(base + grp + MERGE_GROUPS * (i0 + j)) * D + k0 + 32 * kb + lane] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j) {
+      if (i0 + j >= ng) break;  // warp-uniform
+      const float fj = __shfl_sync(0xffffffffu, f, j), lj = __shfl_sync(0xffffffffu, l, j);
+      L = fmaf(lj, fj, L);
+#pragma unroll
+      for (int kb = 0; kb < PER; ++kb) A[kb] = fmaf(a[j][kb], fj, A[kb]);
+    }
+  }
+#else
   float M = -INFINITY;
   for (int c = grp; c < nc; c += MERGE_GROUPS) M = fmaxf(M, part_ml[(base + c) * 2]);
   float L = 0.0f, A[PER] = {};
@@ -712,6 +725,7 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
 #pragma unroll
     for (int kb = 0; kb < PER; ++kb) A[kb] = fmaf(part_acc[(base + c) * D + k0 + 32 * kb + lane], f, A[kb]);
   }
+#endif
   if (lane == 0) {
     gm[grp][0] = M;
     gm[grp][1] = L;

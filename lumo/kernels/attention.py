@@ -30,10 +30,10 @@ MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built 
 # warp whole query tiles (the same bits as attn_decode_chunk), where the device's shared memory per block
 # holds them (d = 256: 164 KB; not a GB10's 99 KB). False: attn_decode_chunk for every T (bench/ab.py switch).
 TREE_CHUNK = True
-# Walking slot CTAs with one query tile (plain decode: T = 1; any T x G <= 16) copy their next chunk's K and V
-# into shared memory during this one (attn_decode_chunk_st: SMEM_BYTES + STAGE_BYTES per block, 211 KB at
-# d = 256: not a GB10's 99 KB there). False: attn_decode_chunk (bench/ab.py switch). The same bits.
-DECODE_STAGE = True
+# Walking slot CTAs with one query tile (plain decode: T = 1; any T x G <= 16) load their next chunk's K rows
+# into the registers this chunk's scores have finished with (attn_decode_chunk_pipe). False:
+# attn_decode_chunk (bench/ab.py switch). The same bits.
+DECODE_PIPE = True
 
 
 def check_heads(nh: int, nkv: int, d: int) -> None:
@@ -45,15 +45,12 @@ def check_heads(nh: int, nkv: int, d: int) -> None:
         )
 
 
-EXTRA_DEFINES: dict[str, int] = {}  # attention.cu knobs for experiments (bench_attention --stage-l2-ahead)
-
-
 @functools.cache
 def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel, Kernel, Kernel]:
-    defines = {"D": d, "G": g} | EXTRA_DEFINES
+    defines = {"D": d, "G": g}
     return (
         compile_kernel("attention.cu", "attn_decode_chunk", defines),
-        compile_kernel("attention.cu", "attn_decode_chunk_st", defines),
+        compile_kernel("attention.cu", "attn_decode_chunk_pipe", defines),
         compile_kernel("attention.cu", "attn_tree_chunk", defines),
         compile_kernel("attention.cu", "attn_decode_merge", defines),
         compile_kernel("attention.cu", "attn_decode_merge_head", defines),
@@ -69,17 +66,6 @@ def _tree_shmem(d: int) -> int:
     """attn_tree_chunk's dynamic shared memory (attention.cu TSMEM_BYTES: a chunk's K and V, then each warp's
     P^T fragments and fold factors), or SMEM_BYTES if more."""
     return max(_shmem(d), 2 * CHUNK * d * 2 + _NSUB * 4 * (_NSUB * 4 * 32 + _NSUB * 16))
-
-
-def _stage_shmem(d: int) -> int:
-    """attn_decode_chunk_st's dynamic shared memory: SMEM_BYTES, then each thread's 16-byte K / V units of
-    the next chunk (attention.cu STAGE_BYTES: 2 d / 32 K + 4 d / 64 V units per thread)."""
-    return _shmem(d) + 16 * (2 * (d // 32) + 4 * (d // 64)) * THREADS
-
-
-def decode_stage_fits(d: int, device: torch.device | str) -> bool:
-    """Whether the device grants attn_decode_chunk_st's shared memory per block at head dim d."""
-    return _stage_shmem(d) <= smem_limit(torch.device(device))
 
 
 def tree_chunk_kernel(t: int, d: int, device: torch.device | str) -> bool:
@@ -125,7 +111,7 @@ def attn_decode(
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tree_chunk: bool | None = None,
-    stage: bool | None = None,
+    pipe: bool | None = None,
 ) -> torch.Tensor:
     """Attention of T rows q [T, nh, d] bf16 over k/v_cache [max_len, nkv, d] bf16 -> [T, nh, d] bf16.
 
@@ -135,9 +121,8 @@ def attn_decode(
     Pass out= and workspace= (attn_decode_workspace) on the hot path: then nothing is allocated.
     tree_chunk: which chunk kernel (the same bits either way): None = tree_chunk_kernel's choice, True =
     attn_tree_chunk (T > 1, where it fits), False = attn_decode_chunk.
-    stage: where attn_decode_chunk runs (not tree_chunk), whether as attn_decode_chunk_st, which copies a
-    walking CTA's next chunk into shared memory during this one (the same bits): None = DECODE_STAGE where
-    it fits, True (where it fits) or False.
+    pipe: where attn_decode_chunk runs (not tree_chunk), whether as attn_decode_chunk_pipe, whose walking CTAs
+    load their next chunk's K during this one (the same bits): None = DECODE_PIPE, True or False.
     """
     T, nh, d = q.shape
     max_len, nkv, dk = k_cache.shape
@@ -164,19 +149,17 @@ def attn_decode(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
-    chunk_k, stage_k, tree_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
+    chunk_k, pipe_k, tree_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
     if tree_chunk is None:
         tree_chunk = tree_chunk_kernel(T, d, q.device)
     elif tree_chunk and (T == 1 or not tree_chunk_fits(d, q.device)):
         raise ValueError(f"attn_decode: attn_tree_chunk needs T > 1 and {_tree_shmem(d)} B of shared memory")
-    if stage is None:
-        stage = DECODE_STAGE and decode_stage_fits(d, q.device)
-    elif stage and not decode_stage_fits(d, q.device):
-        raise ValueError(f"attn_decode: attn_decode_chunk_st needs {_stage_shmem(d)} B of shared memory")
+    if pipe is None:
+        pipe = DECODE_PIPE
     if tree_chunk:
         chunk, shmem = tree_k, _tree_shmem(d)
     else:
-        chunk, shmem = (stage_k, _stage_shmem(d)) if stage else (chunk_k, _shmem(d))
+        chunk, shmem = (pipe_k if pipe else chunk_k), _shmem(d)
     ctas = sm_count(q.device) * max(1, chunk.blocks_per_sm(THREADS, shmem))
     slots = chunk_slots(nkv, nch, ctas, T)
     chunk.launch(
