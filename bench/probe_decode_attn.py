@@ -1,11 +1,12 @@
-"""Probe (session 30): one decode row's attention split into its two launches, us per call at the 27B shape.
+"""Probe: one decode row's attention split into its two launches, us per call at the 27B shape.
 
     python -m bench.probe_decode_attn [--contexts 8192 32768 131072]
 
-For each context: the chunk kernel alone (attn_decode_chunk and builds of attn_decode_chunk_pipe, whose
-partials are compared bitwise with attn_decode_chunk's) and the merge kernel alone (attn_decode_merge, built
-with MERGE_BATCHED 0 and 1, outputs compared bitwise with the library call's), graph replays rotating over 16
-layer caches as in bench_attention, and the library call.
+For each context: the chunk kernel alone (attn_decode_chunk and attn_decode_chunk_pipe, whose partials are
+compared bitwise with attn_decode_chunk's), the merge kernel alone (attn_decode_merge, its output compared
+bitwise with the library call's) and the library call (attn_decode), graph replays rotating over 16 layer
+caches as in bench_attention. Session 30's runs (with the builds of its experiment commit 9984776):
+bench/results/probe_decode_attn_session30.log.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from bench.bench_attention import LAYERS, MAX_LEN, NH, NKV, D
 from bench.bench_linear import time_graph
-from lumo.kernels.attention import THREADS, _shmem, attn_decode, attn_decode_workspace, chunk_slots
+from lumo.kernels.attention import CHUNK, THREADS, _shmem, attn_decode, attn_decode_workspace, chunk_slots
 from lumo.kernels.compile import compile_kernel, sm_count
 
 
@@ -39,13 +40,11 @@ def main() -> None:
     acc, ml = ws
     nch = acc.shape[2]
     defines = {"D": D, "G": NH // NKV}
-    builds = {"chunk": ("attn_decode_chunk", {}), "chunk (pipe)": ("attn_decode_chunk_pipe", {})}
-    chunks = [compile_kernel("attention.cu", n, defines | d) for n, d in builds.values()]
-    merges = {
-        u: compile_kernel("attention.cu", "attn_decode_merge", defines | {"MERGE_BATCHED": u}) for u in (0, 1)
-    }
+    names = ("attn_decode_chunk", "attn_decode_chunk_pipe")
+    chunks = [compile_kernel("attention.cu", n, defines) for n in names]
+    merge = compile_kernel("attention.cu", "attn_decode_merge", defines)
     out = torch.empty_like(q)
-    heads = [f"{b} us" for b in builds] + [f"merge batched={u} us" for u in merges] + ["library call us"]
+    heads = [f"{n} us" for n in names] + ["attn_decode_merge us", "attn_decode us"]
     print("| context | " + " | ".join(heads) + " |")
     print("|---" * (1 + len(heads)) + "|")
     for ctx in args.contexts:
@@ -66,29 +65,28 @@ def main() -> None:
             ]
             row.append(time_graph(fns, reps=4 * LAYERS, trials=9))
             fns[0]()
-            nc = -(-(ctx + 1) // 128)
+            nc = -(-(ctx + 1) // CHUNK)
             if kern is chunks[0]:
                 ref_parts = (acc[:, :, :nc].clone(), ml[:, :, :nc].clone())
             assert torch.equal(acc[:, :, :nc], ref_parts[0]) and torch.equal(ml[:, :, :nc], ref_parts[1])
         ref = attn_decode(q, *caches[0], length, mask, gate=gate, workspace=ws).clone()
-        for u, merge in merges.items():
-            margs = (
-                acc,
-                ml,
-                length,
-                mask,
-                gate,
-                ctypes.c_longlong(gate.stride(0)),
-                gate.stride(1),
-                out,
-                NH,
-                nch,
-                1,
-            )
-            fn = partial(merge.launch, (NH, D // 32), 256, margs, pdl=True)
-            row.append(time_graph([fn], reps=4 * LAYERS, trials=9))
-            fn()
-            assert torch.equal(out, ref), f"merge batched={u}: bits differ"
+        margs = (
+            acc,
+            ml,
+            length,
+            mask,
+            gate,
+            ctypes.c_longlong(gate.stride(0)),
+            gate.stride(1),
+            out,
+            NH,
+            nch,
+            1,
+        )
+        fn = partial(merge.launch, (NH, D // 32), 256, margs, pdl=True)
+        row.append(time_graph([fn], reps=4 * LAYERS, trials=9))
+        fn()
+        assert torch.equal(out, ref), "merge: bits differ"
         lib = [
             partial(attn_decode, q, k, v, length, mask, gate=gate, out=out, workspace=ws) for k, v in caches
         ]

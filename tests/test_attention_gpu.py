@@ -117,14 +117,17 @@ TREE_SHAPES = [(24, 4, 256), (4, 2, 64), (16, 1, 128), (9, 1, 256), (12, 4, 64),
 @pytest.mark.parametrize("nh,nkv,d", TREE_SHAPES, ids=[f"nh{a}-nkv{b}-d{c}" for a, b, c in TREE_SHAPES])
 @pytest.mark.parametrize("T", [2, 7, 32])
 @pytest.mark.parametrize(
-    "length,max_len", [(700, 764), (300, 8192), (5000, 5100)], ids=["700", "300-of-8k", "5000"]
+    "length,max_len",
+    [(700, 764), (300, 8192), (5000, 5100), (17000, 17100)],
+    ids=["700", "300-of-8k", "5000", "17000"],
 )
 def test_tree_chunk_kernel_equals_decode_chunk_kernel(nh, nkv, d, T, length, max_len):
-    """attn_tree_chunk (a warp per query tile over whole chunks staged in shared memory) writes the same
-    split-K partials as attn_decode_chunk (a warp per 16 keys, sub-partials combined across warps), bit for
-    bit, for every row: odd query-head counts (G = 9, 16: a tile holds parts of several rows; 32 tiles for 8
-    warps), partial last tiles, short prefixes whose slots split the rows and long ones walked chunk by
-    chunk."""
+    """attn_tree_chunk (its walking CTAs: a warp per query tile over whole chunks staged in shared memory)
+    writes the same split-K partials as attn_decode_chunk (a warp per 16 keys, sub-partials combined across
+    warps), bit for bit, for every row: odd query-head counts (G = 9, 16: a tile holds parts of several rows;
+    32 tiles for 8 warps), partial last tiles, short prefixes whose slots split the rows (chunk_partials in
+    both) and long ones walked chunk by chunk (17000: more than half as many chunks as slots per kv head
+    for every shape, up to 132 slots on an H200)."""
     if not tree_chunk_fits(d, DEV):
         pytest.skip("this device's shared memory per block does not hold attn_tree_chunk's")
     kc, vc, q, gate, mask = setup(max_len, T, nh, nkv, d, seed=length + 7 * T + nh)

@@ -38,10 +38,12 @@
 //           line per load, and one byte permute per register pairs two keys' values of a dim.
 // A warp loads its keys' K and V rows once per chunk (after an L2 prefetch of them) and keeps them in
 // registers for every query tile; the query tiles are staged in shared memory by cp.async, the next one
-// during this one; the CTA's next chunk is prefetched into L2 while this one computes. Tree rows (T > 1)
-// run attn_tree_chunk instead where the device has the shared memory: its slot CTAs stage each chunk's K and
-// V in shared memory and a warp runs whole query tiles over all sub-chunks (tree_prefix_partials), the same
-// operations in the same order, so the same bits, without chunk_partials' cross-warp passes.
+// during this one; the CTA's next chunk is prefetched into L2 while this one computes (and, for one query
+// tile, attn_decode_chunk_pipe loads its K during this one). Tree rows (T > 1) run attn_tree_chunk instead
+// where the device has the shared memory: its slot CTAs that walk the prefix chunk by chunk stage each
+// chunk's K and V in shared memory and a warp runs whole query tiles over all sub-chunks
+// (tree_prefix_partials), the same operations in the same order, so the same bits, without chunk_partials'
+// cross-warp passes.
 //
 // lumo:test-defines D=256 G=6
 // lumo:test-defines D=64 G=2
@@ -66,9 +68,6 @@
 #define KU (D / 32)       // 16-byte K loads per key and lane (two Q.K k-steps each)
 #define VW (D / 64)       // 16-byte V loads per key and lane (four P.V m16 tiles each)
 #define MERGE_GROUPS 8    // the merge kernels: chunk residues folded in parallel, then in order
-#ifndef MERGE_BATCHED
-#define MERGE_BATCHED 1  // the merge kernels' fold in batches of chunks (0: one chunk after another)
-#endif
 
 static_assert((D == 64 || D == 128 || D == 256) && G >= 1 && G <= 16,
               "attention.cu: d in {64, 128, 256}, 1 <= G <= 16");
@@ -395,8 +394,8 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
   asm volatile("cp.async.wait_group 0;\n" ::);  // nothing in flight into shared memory at exit
 }
 
-// attn_tree_chunk's slot CTAs (tree rows, chunks wholly below len): a warp owns whole m16 query tiles and
-// runs all NSUB sub-chunks of a chunk itself, from the chunk's K and V rows staged once in shared memory for
+// attn_tree_chunk's walking slot CTAs (tree rows, chunks wholly below len): a warp owns whole m16 query tiles
+// and runs all NSUB sub-chunks of a chunk itself, from the chunk's K and V rows staged once in shared memory for
 // every tile, so a (row, chunk) partial needs no combine across warps (chunk_partials spends 2 barriers and
 // a round trip of NSUB sub-partials through shared memory per 8 query rows: 24 passes per chunk at 32 rows
 // x 6 heads). The operations and their order are chunk_partials' for every row: each sub-chunk's scores
@@ -586,8 +585,10 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
 // the same per-row arithmetic. CTA (h, slots + y): row y's tail chunks, from the one holding position
 // len to its last key (at most two: a row has <= 64 tree keys), with the row's own keys. The heavy slot
 // CTAs come first in launch order; CTAs without work only exit, so a captured graph replays for any len.
-// TREE: the slot CTAs run tree_prefix_partials (attn_tree_chunk, for T > 1 where a chunk's K and V fit the
-// shared memory), else chunk_partials (attn_decode_chunk); the tail CTAs run chunk_partials in both.
+// TREE (attn_tree_chunk, for T > 1 where a chunk's K and V fit the shared memory): the walking slot CTAs run
+// tree_prefix_partials; items and tail CTAs run chunk_partials, as attn_decode_chunk does for all. (An item
+// holds a few query tiles, which left most of tree_prefix_partials' warps idle: session 30 measured the
+// 27B verify at 1k 9.57 ms with items on it, 9.47 without, 9.49 on attn_decode_chunk.)
 // PIPE (attn_decode_chunk_pipe): walking slot CTAs with one query tile load their next chunk's K during this
 // one (chunk_partials).
 template <bool TREE, bool PIPE>
@@ -634,7 +635,7 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
       qhi = min(rows, qlo + per * 16);
     }
   }
-  if (TREE && !tail)
+  if (TREE && walk)
     tree_prefix_partials(c0, cstep, cend, qlo, qhi, len, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
                          part_ml, smem);
   else
@@ -678,13 +679,12 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
   const int n = *length + __popcll((u64)mask[t]);
   const int nc = min((n + CHUNK - 1) / CHUNK, nch);
   const size_t base = (size_t)blockIdx.x * nch;
-#if MERGE_BATCHED
   // Group grp's chunks grp + MERGE_GROUPS i, i < ng. Its max M first, lane-strided then across the warp (a
   // max is exact: any order gives its bits); then the fold in chunk order, MERGE_BATCH chunks at a time:
   // lane j computes the batch's j-th factor f = e^(m - M) and reads its l, every lane takes both by shuffle,
   // and a batch's accumulator loads are all issued before its first fma. The operations and their order
-  // are those of one lane walking the chunks: the same bits, with ~ng / MERGE_BATCH load round trips
-  // instead of ng / 4.
+  // are those of one lane walking the chunks (session 30: the same bits as that loop, with ~ng / MERGE_BATCH
+  // load round trips instead of ng / 4: one row at 128k 26.9 -> 10.0 us).
   constexpr int MERGE_BATCH = 32 / PER;
   const int ng = nc > grp ? (nc - grp + MERGE_GROUPS - 1) / MERGE_GROUPS : 0;
   float M = -INFINITY;
@@ -704,7 +704,8 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
     for (int j = 0; j < MERGE_BATCH; ++j)
 #pragma unroll
       for (int kb = 0; kb < PER; ++kb)
-        a[j][kb] = i0 + j < ng ? part_acc[(base + grp + MERGE_GROUPS * (i0 + j)) * D + k0 + 32 * kb + lane] : 0.0f;
+        a[j][kb] = i0 + j < ng ? part_acc[(base + grp + MERGE_GROUPS * (i0 + j)) * D + k0 + 32 * kb + lane]
+                               : 0.0f;
 #pragma unroll
     for (int j = 0; j < MERGE_BATCH; ++j) {
       if (i0 + j >= ng) break;  // warp-uniform
@@ -714,18 +715,6 @@ __device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, c
       for (int kb = 0; kb < PER; ++kb) A[kb] = fmaf(a[j][kb], fj, A[kb]);
     }
   }
-#else
-  float M = -INFINITY;
-  for (int c = grp; c < nc; c += MERGE_GROUPS) M = fmaxf(M, part_ml[(base + c) * 2]);
-  float L = 0.0f, A[PER] = {};
-#pragma unroll(PER == 1 ? 4 : 2)
-  for (int c = grp; c < nc; c += MERGE_GROUPS) {
-    const float f = expf(part_ml[(base + c) * 2] - M);
-    L = fmaf(part_ml[(base + c) * 2 + 1], f, L);
-#pragma unroll
-    for (int kb = 0; kb < PER; ++kb) A[kb] = fmaf(part_acc[(base + c) * D + k0 + 32 * kb + lane], f, A[kb]);
-  }
-#endif
   if (lane == 0) {
     gm[grp][0] = M;
     gm[grp][1] = L;
