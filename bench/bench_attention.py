@@ -25,12 +25,7 @@ import torch
 
 from bench.bench_linear import copy_bandwidth, time_graph
 from lumo.kernels import attention
-from lumo.kernels.attention import (
-    CHUNK,
-    attn_decode,
-    attn_decode_workspace,
-    tree_chunk_kernel,
-)
+from lumo.kernels.attention import CHUNK, attn_decode, attn_decode_workspace, tree_chunk_kernel
 
 NH, NKV, D = 24, 4, 256  # the 27B's gated attention
 MAX_LEN = 131264  # bench_decode's cache capacity (128k context + tree slots)

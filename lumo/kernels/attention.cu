@@ -273,7 +273,7 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
     // first mmas (13.5 does in one of this function's two inlined copies for sm_121a), so the rows are
     // first prefetched into L2 (lane: one key's K or V row); the CTA's next chunk below len follows once
     // this chunk's loads are issued.
-    if (!piped || c == c0) {
+    if (!piped || c == c0) {  // every slot, then every load (load_k / load_v's order would change the SASS)
       prefetch_row(lane < 16 ? kbase : vbase, kv_row, p0 + (lane & 15), (lane & 15) < cnt, len, mk, max_len);
       int ks[2], vs[4];
 #pragma unroll
@@ -395,10 +395,10 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
 }
 
 // attn_tree_chunk's walking slot CTAs (tree rows, chunks wholly below len): a warp owns whole m16 query tiles
-// and runs all NSUB sub-chunks of a chunk itself, from the chunk's K and V rows staged once in shared memory for
-// every tile, so a (row, chunk) partial needs no combine across warps (chunk_partials spends 2 barriers and
-// a round trip of NSUB sub-partials through shared memory per 8 query rows: 24 passes per chunk at 32 rows
-// x 6 heads). The operations and their order are chunk_partials' for every row: each sub-chunk's scores
+// and runs all NSUB sub-chunks of a chunk itself, from the chunk's K and V rows staged once in shared memory
+// for every tile, so a (row, chunk) partial needs no combine across warps (chunk_partials spends 2 barriers
+// and a round trip of NSUB sub-partials through shared memory per 8 query rows: 24 passes per chunk at 32
+// rows x 6 heads). The operations and their order are chunk_partials' for every row: each sub-chunk's scores
 // over the same permuted k-steps, sub_softmax, P.V from zero (one mma per 16 dims), the sub-partials folded
 // in sub order by sub_weights' factors with fma from zero. So the partials, and a tree row's output, are
 // bitwise chunk_partials' (the GPU tests compare tree rows with plain decoding).
