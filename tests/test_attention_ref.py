@@ -109,3 +109,50 @@ def test_decode_kernel_shared_memory_fits_a_gb10():
 def test_chunk_slots(nkv, nch, ctas, rows, slots):
     """The chunk kernel's slots per kv head: one wave of the CTAs the device holds (session 16's sweep)."""
     assert chunk_slots(nkv, nch, ctas, rows) == slots
+
+
+class LaunchLog:
+    """Stands in for a compiled kernel: records (name, grid) per launch, runs nothing."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def blocks_per_sm(self, block: int, shmem: int) -> int:
+        return 1
+
+    def launch(self, grid, block, args, shmem: int = 0, pdl: bool = False) -> None:
+        self.log.append((self.name, tuple(grid)))
+
+
+@pytest.mark.parametrize(
+    "T,kwargs,pipe_default,chunk",
+    [
+        (1, {}, True, "attn_decode_chunk_pipe"),  # plain decode
+        (1, {"pipe": False}, True, "attn_decode_chunk"),
+        (1, {}, False, "attn_decode_chunk"),  # the module switch (bench/ab.py)
+        (5, {}, True, "attn_tree_chunk"),  # tree rows where the shared memory holds it
+        (5, {"tree_chunk": False}, True, "attn_decode_chunk_pipe"),  # pipelines one-tile CTAs only
+        (5, {"tree_chunk": False, "pipe": False}, True, "attn_decode_chunk"),
+    ],
+)
+def test_decode_launch_choices(monkeypatch, T, kwargs, pipe_default, chunk):
+    """attn_decode's chunk kernel (a launch choice: the kernels give the same bits, GPU-tested) and its
+    grid: (kv heads, slots + T) with one wave of slots, then the merge for plain or tree rows."""
+    from lumo.kernels import attention as attn
+
+    log: list = []
+    names = ("attn_decode_chunk", "attn_decode_chunk_pipe", "attn_tree_chunk", "attn_decode_merge",
+             "attn_decode_merge_head")  # fmt: skip
+    monkeypatch.setattr(attn, "_kernels", lambda d, g: tuple(LaunchLog(n, log) for n in names))
+    monkeypatch.setattr(attn, "sm_count", lambda device: 132)
+    monkeypatch.setattr(attn, "DECODE_PIPE", pipe_default)
+    nh, nkv, d, max_len = 24, 4, 256, 1000
+    gen = torch.Generator().manual_seed(T)
+    kc, vc = rand_cache(max_len, nkv, d, gen)
+    q = torch.randn(T, nh, d, generator=gen).to(torch.bfloat16)
+    mask = torch.tensor([(1 << (i + 1)) - 1 for i in range(T)], dtype=torch.int64)
+    length = torch.tensor([500], dtype=torch.int32)
+    attn.attn_decode(q, kc, vc, length, mask, **kwargs)
+    merge = "attn_decode_merge" if T == 1 else "attn_decode_merge_head"
+    slots = chunk_slots(nkv, -(-max_len // 128), 132, T)
+    assert log == [(chunk, (nkv, slots + T)), (merge, (T * nh, d // 32 if T == 1 else 1))]
