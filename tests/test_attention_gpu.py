@@ -154,7 +154,7 @@ PIPE_SHAPES = [(24, 4, 256), (4, 2, 64), (16, 1, 128), (9, 1, 256), (32, 2, 128)
     "length,max_len", [(129, 8192), (4999, 5100), (40007, 40100)], ids=["129", "4999", "40007"]
 )
 def test_pipelined_decode_chunk_kernel_equals_decode_chunk_kernel(nh, nkv, d, T, length, max_len):
-    """attn_decode_chunk_pipe (a walking CTA loads its next chunk's rows during this one) writes the same
+    """attn_decode_chunk_pipe (a walking CTA loads its next chunk's K during this one) writes the same
     split-K partials and outputs as attn_decode_chunk, bit for bit: one row (the plain decode) and two rows
     where they fit one query tile (T x G <= 16, else both run the same code), CTAs walking one chunk or many
     (40007 positions: ~10 chunks per CTA on an H200), the last chunk partial."""

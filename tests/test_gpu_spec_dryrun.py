@@ -25,8 +25,7 @@ from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import accept, build_tree
 from lumo.weights import load_model
 
-# attention._kernels: chunk (plain decode), chunk pipelined, chunk (tree rows), merge (plain
-# decode), merge (tree rows)
+# attention._kernels: chunk, chunk pipelined (plain decode), chunk (tree rows), merge (plain), merge (tree)
 ATTENTION_KERNELS = (
     "attn_decode_chunk",
     "attn_decode_chunk_pipe",
