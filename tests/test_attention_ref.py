@@ -101,8 +101,7 @@ def test_decode_kernel_shared_memory_fits_a_gb10():
         (4, 23, 132, 1, 23),  # one row: no more slots than chunks
         (4, 23, 132, 32, 33),  # tree rows: all of them (they split a short prefix's query tiles)
         (5, 1000, 48, 1, 9),  # never more than the device holds at once: 45 of 48 CTAs
-        (2, 1000, 264, 1, 64),  # two resident CTAs per SM (d = 64): one row walks at most GROUPS groups
-        (2, 1000, 264, 32, 132),  # tree rows: every slot (they split a short prefix's query tiles)
+        (2, 1000, 264, 1, 132),  # two resident CTAs per SM (d = 64)
         (8, 1000, 4, 32, 1),
         (4, 0, 132, 1, 1),
     ],
@@ -142,7 +141,8 @@ def test_decode_launch_choices(monkeypatch, T, kwargs, pipe_default, chunk):
     from lumo.kernels import attention as attn
 
     log: list = []
-    names = ("attn_decode_chunk", "attn_decode_chunk_pipe", "attn_tree_chunk", "attn_decode_merge")
+    names = ("attn_decode_chunk", "attn_decode_chunk_pipe", "attn_tree_chunk", "attn_decode_merge",
+             "attn_decode_merge_head")  # fmt: skip
     monkeypatch.setattr(attn, "_kernels", lambda d, g: tuple(LaunchLog(n, log) for n in names))
     monkeypatch.setattr(attn, "sm_count", lambda device: 132)
     monkeypatch.setattr(attn, "DECODE_PIPE", pipe_default)
@@ -153,5 +153,6 @@ def test_decode_launch_choices(monkeypatch, T, kwargs, pipe_default, chunk):
     mask = torch.tensor([(1 << (i + 1)) - 1 for i in range(T)], dtype=torch.int64)
     length = torch.tensor([500], dtype=torch.int32)
     attn.attn_decode(q, kc, vc, length, mask, **kwargs)
+    merge = "attn_decode_merge" if T == 1 else "attn_decode_merge_head"
     slots = chunk_slots(nkv, -(-max_len // 128), 132, T)
-    assert log == [(chunk, (nkv, slots + T)), ("attn_decode_merge", (T * nh,))]
+    assert log == [(chunk, (nkv, slots + T)), (merge, (T * nh, d // 32 if T == 1 else 1))]

@@ -25,8 +25,14 @@ from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import accept, build_tree
 from lumo.weights import load_model
 
-# attention._kernels: chunk, chunk pipelined (plain decode), chunk (tree rows), merge
-ATTENTION_KERNELS = ("attn_decode_chunk", "attn_decode_chunk_pipe", "attn_tree_chunk", "attn_decode_merge")
+# attention._kernels: chunk, chunk pipelined (plain decode), chunk (tree rows), merge (plain), merge (tree)
+ATTENTION_KERNELS = (
+    "attn_decode_chunk",
+    "attn_decode_chunk_pipe",
+    "attn_tree_chunk",
+    "attn_decode_merge",
+    "attn_decode_merge_head",
+)
 
 # The modules themselves (lumo.kernels re-exports functions under some module names, e.g. gdn_tree).
 attention, conv, gdn, gdn_tree, linear, norms, rope_kv, sampling, tree_ops = (

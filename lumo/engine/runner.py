@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from ..config import FULL, ModelConfig
-from ..kernels.attention import NSLOT as ATTN_NSLOT
+from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_prefill
 from ..kernels.gdn import (
@@ -491,7 +491,7 @@ def memory_plan(
     if T >= CHUNKED_MIN_TOKENS and chunked_fits(dk, dv):
         gdn += chunked_workspace_bytes(T, nv, dk, dv)
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
-    attn_partials = 4 * nh * ATTN_NSLOT * (d + 2)  # one row's attn_decode_workspace
+    attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
         "splitk_partials": splitk_partial_bytes(cfg, partial_min_splits) if nvfp4 else 0,

@@ -67,12 +67,10 @@
 #define THREADS (32 * NSUB)
 #define KU (D / 32)       // 16-byte K loads per key and lane (two Q.K k-steps each)
 #define VW (D / 64)       // 16-byte V loads per key and lane (four P.V m16 tiles each)
-#define GROUPS 64         // chunk groups (c mod GROUPS), each folded in chunk order (part of the arithmetic)
-#define NSLOT (GROUPS + 2)  // partial slots per query row: the groups' prefix folds, then two tail chunks
+#define MERGE_GROUPS 8    // the merge kernels: chunk residues folded in parallel, then in order
 
 static_assert((D == 64 || D == 128 || D == 256) && G >= 1 && G <= 16,
               "attention.cu: d in {64, 128, 256}, 1 <= G <= 16");
-static_assert(D >= GROUPS, "attn_decode_merge: a thread per dim, the first GROUPS of them one per group");
 
 typedef __nv_bfloat16 bf16;
 typedef unsigned int u32;
@@ -140,12 +138,10 @@ __device__ __forceinline__ void prefetch_row(const bf16* base, size_t kv_row, in
 
 #define QROWS 8   // query rows per cross-warp combine: one n8 tile of P.V
 #define QSTRIDE (D + 8)  // bf16 per staged query row (16 bytes of padding: 4-way, not 8-way, bank sharing)
-#define SSTRIDE (D + 4)  // floats per running group partial in shared memory: acc [D], m, l (16-byte rows)
 // Shared memory: the NSUB sub-partials of QROWS query rows, acc [NSUB][QROWS][D] and (m, l)
-// [NSUB][QROWS][2] (floats), two query tiles [2][16][QSTRIDE] (bf16), then a walking CTA's running group
-// partials of one query tile [16][SSTRIDE] (floats).
+// [NSUB][QROWS][2] (floats), then two query tiles [2][16][QSTRIDE] (bf16).
 #define SMEM_FLOATS (NSUB * QROWS * (D + 2))
-#define SMEM_BYTES (4 * SMEM_FLOATS + 2 * 16 * QSTRIDE * 2 + 16 * SSTRIDE * 4)
+#define SMEM_BYTES (4 * SMEM_FLOATS + 2 * 16 * QSTRIDE * 2)
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool ok) {
   const u32 d = (u32)__cvta_generic_to_shared(dst);
@@ -215,34 +211,6 @@ __device__ __forceinline__ void sub_weights(const float (&ms)[NSUB], const float
   }
 }
 
-// One step of a group's fold (chunks c = g mod GROUPS in chunk order, header): the running partial (ms, ls, as)
-// and the next chunk's (mc, lc, ac) become (M, fold(ls, fs, lc, fc), fold(as, fs, ac, fc)) with M their max and
-// f = e^(m - M) (0 for an empty side, m = -inf). A group's first chunk is its running partial as it is. Shared
-// by the chunk kernels (walking CTAs fold on chip) and the merge (the tail chunks), every operation rounded on
-// its own, so where a chunk is folded does not change the bits.
-__device__ __forceinline__ void fold_factors(float ms, float mc, float& fs, float& fc, float& M) {
-  M = fmaxf(ms, mc);
-  fs = ms == -INFINITY ? 0.0f : expf(__fsub_rn(ms, M));
-  fc = mc == -INFINITY ? 0.0f : expf(__fsub_rn(mc, M));
-}
-__device__ __forceinline__ float fold(float s, float fs, float c, float fc) {
-  return __fmaf_rn(c, fc, __fmul_rn(s, fs));
-}
-__device__ __forceinline__ float4 fold4(float4 s, float fs, float4 c, float fc) {
-  return make_float4(fold(s.x, fs, c.x, fc), fold(s.y, fs, c.y, fc), fold(s.z, fs, c.z, fc),
-                     fold(s.w, fs, c.w, fc));
-}
-
-// The chunk after c of a CTA's sequence (cend when none): items and tail CTAs take c0 .. cend - 1; a walking
-// slot CTA z takes its groups z, z + slots, ... (< GROUPS and < cend), each group's chunks g, g + GROUPS, ...
-// < cend in order, so that it folds them on chip.
-__device__ __forceinline__ int next_chunk(int c, int cend, bool walk, int slots) {
-  if (!walk) return c + 1;
-  if (c + GROUPS < cend) return c + GROUPS;
-  const int g = c % GROUPS + slots;
-  return g < min(GROUPS, cend) ? g : cend;
-}
-
 // The K or V rows of the warp's keys p0 .. p0 + cnt - 1 into registers, as chunk_partials loads a chunk's
 // rows: K of key 8j + g (the Q.K B operand), V of keys 2t, 2t + 1, 8 + 2t, 9 + 2t (the P.V A operand).
 __device__ __forceinline__ void load_k(uint4 (&kr)[2][KU], const bf16* kbase, size_t kv_row, int p0, int cnt,
@@ -266,30 +234,25 @@ __device__ __forceinline__ void load_v(uint4 (&vr)[4][VW], const bf16* vbase, si
   }
 }
 
-// The partials (acc, m, l) of query rows [qlo, qhi) of kv head h over chunks c0, next_chunk(c0), ... < cend,
+// The partials (acc, m, l) of query rows [qlo, qhi) of kv head h over chunks c0, c0 + cstep, ... < cend,
 // whose keys are the logical positions < n mapped to cache slots by (len, mk): mk = 0 and n = len for the
 // chunks below len (every row sees the same keys there), a row's own mask for its tail chunks. A warp reads
 // its 16 keys' K and V rows once per chunk into registers; the query rows go through in m16 tiles staged in
 // shared memory (double-buffered: the next tile, of this chunk or the next, loads during this one; a single
-// tile stays), and the warps' sub-partials are combined per QROWS rows in shared memory. A walking CTA
-// (`walk`) folds each chunk into its group's running partial (in shared memory for one query tile, else in
-// the group's slot, read back by the thread that wrote it) and leaves the group's fold in slot c mod GROUPS;
-// items leave their chunk there (a group's only chunk below len), a tail CTA its chunks (from len / CHUNK on)
-// in slots GROUPS + c - len / CHUNK. Called by every thread of the CTA.
+// tile stays), and the warps' sub-partials are combined per QROWS rows in shared memory. Called by every
+// thread of the CTA.
 template <bool PIPE>
-__device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int slots, int qlo, int qhi,
-                                               int n, int len, u64 mk, const bf16* __restrict__ q,
-                                               const bf16* kbase, const bf16* vbase, size_t kv_row, int max_len,
-                                               int h, int nh, float* __restrict__ part_acc,
-                                               float* __restrict__ part_ml, float* smem) {
+__device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int qlo, int qhi, int n, int len,
+                                               u64 mk, const bf16* __restrict__ q, const bf16* kbase,
+                                               const bf16* vbase, size_t kv_row, int max_len, int h, int nh,
+                                               int nch, float* __restrict__ part_acc,
+                                               float* __restrict__ part_ml, float* smem, bool walk) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   float* pacc = smem;                    // [NSUB][QROWS][D]
   float* pml = pacc + NSUB * QROWS * D;  // [NSUB][QROWS][2]
   bf16* qtiles = reinterpret_cast<bf16*>(smem + SMEM_FLOATS);  // [2][16][QSTRIDE]
-  float* gstate = reinterpret_cast<float*>(qtiles + 2 * 16 * QSTRIDE);  // [16][SSTRIDE]
   const float scale = 1.0f / sqrtf((float)D);
   const bool one_tile = qhi - qlo <= 16;
-  const bool state_smem = walk && one_tile;  // the running group partials in shared memory
   // PIPE (attn_decode_chunk_pipe's walking slot CTAs, `walk`): with one query tile, K is dead once the
   // scores are done, so its registers take the CTA's next chunk's K rows right then, and those loads run
   // during this chunk's softmax, P.V and combine instead of stalling the next chunk's first mma (V, needed
@@ -301,12 +264,11 @@ __device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int 
   int it = 0;  // query tiles done: the current one is in buffer it & 1 (0 if there is only one)
   uint4 kr[2][KU], vr[4][VW];
 
-  for (int c = c0, cn; c < cend; c = cn) {
-    cn = next_chunk(c, cend, walk, slots);
+  for (int c = c0; c < cend; c += cstep) {
     const int p0 = c * CHUNK + warp * SUB;
     const int cnt = max(0, min(SUB, n - p0));  // keys of this warp (warp-uniform)
-    const int pn0 = cn * CHUNK + warp * SUB, cnt_next = max(0, min(SUB, n - pn0));
-    const bool pipe_next = piped && cn < cend;  // the next chunk's K loads during this one
+    const int pn0 = (c + cstep) * CHUNK + warp * SUB, cnt_next = max(0, min(SUB, n - pn0));
+    const bool pipe_next = piped && c + cstep < cend;  // the next chunk's K loads during this one
     // K and V rows of the warp's keys (load_k, load_v). ptxas may interleave some of these loads with the
     // first mmas (13.5 does in one of this function's two inlined copies for sm_121a), so the rows are
     // first prefetched into L2 (lane: one key's K or V row); the CTA's next chunk below len follows once
@@ -329,13 +291,13 @@ __device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int 
     } else {  // pipelined: K came during the previous chunk
       load_v(vr, vbase, kv_row, p0, cnt, len, mk, max_len);
     }
-    const int pn = cn * CHUNK + warp * SUB + (lane & 15);
-    prefetch_row(lane < 16 ? kbase : vbase, kv_row, pn, cn < cend && pn < len, len, 0, max_len);
+    const int pn = (c + cstep) * CHUNK + warp * SUB + (lane & 15);
+    prefetch_row(lane < 16 ? kbase : vbase, kv_row, pn, c + cstep < cend && pn < len, len, 0, max_len);
 
     for (int qt = qlo; qt < qhi; qt += 16, ++it) {
       if (!one_tile) {  // the next tile: this chunk's next, else the next chunk's first
         const int nq = qt + 16 < qhi ? qt + 16 : qlo;
-        if (qt + 16 < qhi || cn < cend) stage_q_tile(qtiles + ((it + 1) & 1) * 16 * QSTRIDE, q, nq, qhi, h, nh);
+        if (qt + 16 < qhi || c + cstep < cend) stage_q_tile(qtiles + ((it + 1) & 1) * 16 * QSTRIDE, q, nq, qhi, h, nh);
       }
       asm volatile("cp.async.commit_group;\n" ::);  // (empty when nothing was staged: uniform group count)
       asm volatile("cp.async.wait_group 1;\n" ::);
@@ -398,7 +360,7 @@ __device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int 
         }
         __syncthreads();
         // Combine the NSUB sub-partials in sub order (empty sub-chunks have m = -inf and contribute
-        // nothing): warp j sums query row rb + j, then a walking CTA folds it into the row's group.
+        // nothing): warp j sums query row rb + j.
         const int j = warp, r = rb + j;
         if (r < qhi) {
           float ms[NSUB], ls[NSUB], f[NSUB], M, L;
@@ -408,22 +370,8 @@ __device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int 
             ls[sb] = pml[(sb * QROWS + j) * 2 + 1];
           }
           sub_weights(ms, ls, f, M, L);
-          const int nb = len / CHUNK;  // chunks from nb on: a tail CTA's, in slots GROUPS + c - nb
-          const size_t prow = head_row(r, h, nh) * NSLOT + (c >= nb ? GROUPS + c - nb : c % GROUPS);
-          // The group's running partial: this thread wrote it at the group's previous chunk (a global slot
-          // is read back by the thread that wrote it). Kept in shared memory until the group's last chunk.
-          const bool fold_in = walk && c >= GROUPS, keep = state_smem && c + GROUPS < cend;
-          float* srow = gstate + (r - qlo) * SSTRIDE;  // [D] acc, then m, l
-          float fs = 0.0f, fc = 1.0f;
-          if (fold_in) {
-            const float m0 = state_smem ? srow[D] : part_ml[prow * 2];
-            const float l0 = state_smem ? srow[D + 1] : part_ml[prow * 2 + 1];
-            float Mn;
-            fold_factors(m0, M, fs, fc, Mn);
-            L = fold(l0, fs, L, fc);
-            M = Mn;
-          }
-#pragma unroll 1
+          const size_t prow = head_row(r, h, nh) * nch + c;
+#pragma unroll
           for (int k = 4 * lane; k < D; k += 128) {  // four dims per lane: 16-byte shared and global accesses
             float4 A = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
@@ -432,15 +380,11 @@ __device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int 
               A = make_float4(fmaf(a.x, f[sb], A.x), fmaf(a.y, f[sb], A.y), fmaf(a.z, f[sb], A.z),
                               fmaf(a.w, f[sb], A.w));
             }
-            if (fold_in)
-              A = fold4(*reinterpret_cast<const float4*>(state_smem ? srow + k : part_acc + prow * D + k), fs, A, fc);
-            *reinterpret_cast<float4*>(keep ? srow + k : part_acc + prow * D + k) = A;
+            *reinterpret_cast<float4*>(part_acc + prow * D + k) = A;
           }
-          __syncwarp();  // every lane has read the running (m, l)
           if (lane == 0) {
-            float* dml = keep ? srow + D : part_ml + prow * 2;
-            dml[0] = M;
-            dml[1] = L;
+            part_ml[prow * 2] = M;
+            part_ml[prow * 2 + 1] = L;
           }
         }
         __syncthreads();  // the shared partials are rewritten by the next pass
@@ -474,10 +418,10 @@ __device__ __forceinline__ void chunk_partials(int c0, int cend, bool walk, int 
 __device__ __forceinline__ int k_unit(int row, int unit) { return row * (D / 8) + (unit ^ ((row & 1) << 2)); }
 __device__ __forceinline__ int v_unit(int row, int unit) { return row * (D / 8) + (unit ^ (row & 6)); }
 
-__device__ __forceinline__ void tree_prefix_partials(int c0, int cend, int slots, int qlo, int qhi, int len,
+__device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend, int qlo, int qhi, int len,
                                                      const bf16* __restrict__ q, const bf16* kbase,
                                                      const bf16* vbase, size_t kv_row, int max_len, int h,
-                                                     int nh, float* __restrict__ part_acc,
+                                                     int nh, int nch, float* __restrict__ part_acc,
                                                      float* __restrict__ part_ml, uint4* smem) {
   constexpr int UNITS = D / 8;  // 16-byte units per K or V row
   constexpr int NWARP = THREADS / 32;
@@ -584,56 +528,26 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cend, int slots
           }
         }
       }
-      // Into the rows' groups (slot c mod GROUPS): the chunk as it is at a group's first chunk, else folded
-      // into the running partial this warp left there at the group's previous chunk (chunk_partials' fold).
-      const int slot = c % GROUPS;
-      const bool fold_in = c >= GROUPS;
-      const float Mh = hh ? M[1] : M[0], Lh = hh ? L[1] : L[0];  // rows rb + g
-      float mine[2], fs[2] = {0.0f, 0.0f}, fc[2] = {1.0f, 1.0f}, Mn;
-#pragma unroll
-      for (int b = 0; b < 2; ++b) mine[b] = __shfl_sync(0xffffffffu, Mh, 4 * (2 * t + b));  // rows rb + 2t + b
-      float l0 = 0.0f, m0 = -INFINITY;
-      if (fold_in) {
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          const int r = rb + 2 * t + b;
-          if (r < qhi) fold_factors(part_ml[(head_row(r, h, nh) * NSLOT + slot) * 2], mine[b], fs[b], fc[b], Mn);
-        }
-        if (t == 0 && rb + g < qhi) {
-          const size_t prow = head_row(rb + g, h, nh) * NSLOT + slot;
-          m0 = part_ml[prow * 2];
-          l0 = part_ml[prow * 2 + 1];
-        }
-        __syncwarp();  // every lane has read the running (m, l) before lanes t = 0 rewrite them
-      }
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // query row rb + 2t + b, dims 32w + 4g .. + 3
         const int r = rb + 2 * t + b;
         if (r >= qhi) continue;
-        float* dst = part_acc + (head_row(r, h, nh) * NSLOT + slot) * D + 4 * g;
+        float* dst = part_acc + (head_row(r, h, nh) * nch + c) * D + 4 * g;
 #pragma unroll
-        for (int w = 0; w < D / 32; ++w) {
-          float4 a = make_float4(acc[2 * w][b], acc[2 * w][b + 2], acc[2 * w + 1][b], acc[2 * w + 1][b + 2]);
-          if (fold_in) a = fold4(*reinterpret_cast<const float4*>(dst + 32 * w), fs[b], a, fc[b]);
-          *reinterpret_cast<float4*>(dst + 32 * w) = a;
-        }
+        for (int w = 0; w < D / 32; ++w)
+          *reinterpret_cast<float4*>(dst + 32 * w) =
+              make_float4(acc[2 * w][b], acc[2 * w][b + 2], acc[2 * w + 1][b], acc[2 * w + 1][b + 2]);
       }
       if (t == 0 && rb + g < qhi) {
-        const size_t prow = head_row(rb + g, h, nh) * NSLOT + slot;
-        float m = Mh, l = Lh;
-        if (fold_in) {
-          float f0, f1;
-          fold_factors(m0, Mh, f0, f1, m);
-          l = fold(l0, f0, Lh, f1);
-        }
-        part_ml[prow * 2] = m;
-        part_ml[prow * 2 + 1] = l;
+        const int r = rb + g;
+        const size_t prow = head_row(r, h, nh) * nch + c;
+        part_ml[prow * 2] = hh ? M[1] : M[0];
+        part_ml[prow * 2 + 1] = hh ? L[1] : L[0];
       }
     }
   };
 
-  for (int c = c0, cn; c < cend; c = cn) {
-    cn = next_chunk(c, cend, true, slots);
+  for (int c = c0; c < cend; c += cstep) {
     __syncthreads();  // every warp is done with the previous chunk's K and V
     for (int i = threadIdx.x; i < CHUNK * UNITS; i += THREADS) {  // K, then V: two cp.async groups
       const size_t src = (size_t)(c * CHUNK + i / UNITS) * kv_row + 8 * (i % UNITS);
@@ -647,8 +561,8 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cend, int slots
     asm volatile("cp.async.commit_group;\n" ::);
     // The CTA's next chunk into L2 while this one computes (thread: one K or V row).
     static_assert(THREADS == 2 * CHUNK, "one thread per K and V row of a chunk");
-    prefetch_row(threadIdx.x < CHUNK ? kbase : vbase, kv_row, cn * CHUNK + (threadIdx.x & (CHUNK - 1)), cn < cend,
-                 len, 0, max_len);
+    prefetch_row(threadIdx.x < CHUNK ? kbase : vbase, kv_row, (c + cstep) * CHUNK + (threadIdx.x & (CHUNK - 1)),
+                 c + cstep < cend, len, 0, max_len);
     asm volatile("cp.async.wait_group 1;\n" ::);
     __syncthreads();  // K is in
     int ti = warp;
@@ -689,10 +603,10 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
   const size_t kv_row = (size_t)nkv * D;
   const bf16* kbase = kc + h * D;
   const bf16* vbase = vc + h * D;
-  // This CTA's chunks c0, next_chunk(c0), ... < cend for query rows [qlo, qhi), keys < n in slots (len, mk).
-  int c0, cend, qlo, qhi, n = len;
+  // This CTA's chunks c0, c0 + cstep, ... < cend for query rows [qlo, qhi), keys < n in slots (len, mk).
+  int c0, cstep = 1, cend, qlo, qhi, n = len;
   u64 mk = 0;
-  bool walk = false;  // a slot CTA walking its groups of chunks (next_chunk)
+  bool walk = false;  // a slot CTA walking chunks z, z + slots, ...
   const bool tail = blockIdx.y >= slots;
   if (tail) {  // tail CTA of row y
     const int y = blockIdx.y - slots;
@@ -704,11 +618,10 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
     qhi = qlo + G;
   } else {
     const int z = blockIdx.y, nb = len / CHUNK, rows = T * G, tiles = (rows + 15) / 16;
-    // Items only where every group has at most one chunk below len (a group's fold stays in one CTA).
-    const int groups_max = nb > 0 && nb <= GROUPS ? min(tiles, max(1, slots / nb)) : 1;
-    if (groups_max == 1) {  // every row, the groups z, z + slots, ... (< GROUPS)
-      if (z >= GROUPS) return;
+    const int groups_max = nb > 0 ? min(tiles, max(1, slots / nb)) : 1;
+    if (groups_max == 1) {  // every row, chunks z, z + slots, ...
       c0 = z;
+      cstep = slots;
       cend = nb;
       qlo = 0;
       qhi = rows;
@@ -723,11 +636,11 @@ __device__ __forceinline__ void chunk_kernel(const bf16* __restrict__ q, const b
     }
   }
   if (TREE && walk)
-    tree_prefix_partials(c0, cend, slots, qlo, qhi, len, q, kbase, vbase, kv_row, max_len, h, nh, part_acc,
+    tree_prefix_partials(c0, cstep, cend, qlo, qhi, len, q, kbase, vbase, kv_row, max_len, h, nh, nch, part_acc,
                          part_ml, smem);
   else
-    chunk_partials<PIPE>(c0, cend, walk, slots, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len,
-                         h, nh, part_acc, part_ml, reinterpret_cast<float*>(smem));
+    chunk_partials<PIPE>(c0, cstep, cend, qlo, qhi, n, len, mk, q, kbase, vbase, kv_row, max_len, h, nh, nch,
+                         part_acc, part_ml, reinterpret_cast<float*>(smem), walk);
 }
 
 #define CHUNK_ARGS                                                                                          \
@@ -746,84 +659,103 @@ extern "C" __global__ void __launch_bounds__(THREADS) attn_tree_chunk(CHUNK_ARGS
   chunk_kernel<true, false>(q, kc, vc, length, mask, part_acc, part_ml, nkv, max_len, nch, T);
 }
 
-// out[t, hq] = A / L times sigmoid(gate[t, hq]) when use_gate, where the row's GROUPS group partials
-// (m_g, l_g, a_g) are folded in group order: M = max m_g, f_g = e^(m_g - M) (0 for an empty group),
-// L = sum l_g f_g, A = sum a_g f_g (fma from zero, g = 0, 1, ...). A group's partial is its slot (the fold of
-// its chunks below len) with the row's tail chunks (slots GROUPS, GROUPS + 1: chunks len / CHUNK and the
-// next) folded in after it, as a walking CTA folds the next chunk of a group. Grid T * nh, a thread per dim.
-extern "C" __global__ void __launch_bounds__(256)
-    attn_decode_merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                      const int* __restrict__ length, const long long* __restrict__ mask,
-                      const bf16* __restrict__ gate, long long gate_rs, int gate_hs, bf16* __restrict__ out,
-                      int nh, int nch, int use_gate) {
-  __shared__ float gm[GROUPS], gl[GROUPS], gf[GROUPS], tfs[2], tfc[2];
-  __shared__ int tg[2];  // the group each tail chunk folds into (-1: none), then whether it starts the group
-  pdl_begin_early();     // the out-projection's CTAs prefetch its weights while the chunk kernel runs
-  const int t = blockIdx.x / nh, k = threadIdx.x;
-  const int len = min(*length, nch * CHUNK), nb = len / CHUNK, nbg = min(nb, GROUPS);
-  const int n = min(len + __popcll((u64)mask[t]), nch * CHUNK);
-  const int nc = (n + CHUNK - 1) / CHUNK;  // the row's chunks: nb .. nc - 1 (<= 2) are its tail chunks
-  const size_t base = (size_t)blockIdx.x * NSLOT;
-  if (k < GROUPS) {  // group k's (m, l), the tail chunks folded in
-    float m = -INFINITY, l = 0.0f;
-    bool have = k < nbg;
-    if (have) {
-      m = part_ml[(base + k) * 2];
-      l = part_ml[(base + k) * 2 + 1];
-    }
+// out[t, hq] = (sum_c acc_c e^(m_c - M)) / (sum_c l_c e^(m_c - M)) over row t's chunks, times
+// sigmoid(gate[t, hq]) when use_gate. A CTA covers PER blocks of 32 dims of one (row, query head): its
+// MERGE_GROUPS warps fold the chunks c = group (mod MERGE_GROUPS) in chunk order, then the groups are
+// folded in group order: a fixed order for a given key count, whatever PER is. attn_decode_merge (plain
+// decode, grid (T * nh, D / 32)): PER = 1, many CTAs stream a long cache's partials. attn_decode_merge_head
+// (tree rows, grid (T * nh)): PER = D / 32, a whole head per CTA, so M and L are folded once per head
+// instead of once per 32 dims and the T * nh CTAs are few enough for one wave (session 7: 14.3 -> 6.0 us
+// per 32-row verify call at 1k).
+template <int PER>
+__device__ __forceinline__ void merge_body(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
+                                           const int* __restrict__ length, const long long* __restrict__ mask,
+                                           const bf16* __restrict__ gate, long long gate_rs, int gate_hs,
+                                           bf16* __restrict__ out, int nh, int nch, int use_gate) {
+  __shared__ float gm[MERGE_GROUPS][2], ga[MERGE_GROUPS][32 * PER];
+  pdl_begin_early();  // the out-projection's CTAs prefetch its weights while the chunk kernel runs
+  const int grp = threadIdx.x >> 5, lane = threadIdx.x & 31, k0 = blockIdx.y * 32 * PER;
+  const int t = blockIdx.x / nh;
+  const int n = *length + __popcll((u64)mask[t]);
+  const int nc = min((n + CHUNK - 1) / CHUNK, nch);
+  const size_t base = (size_t)blockIdx.x * nch;
+  // Group grp's chunks grp + MERGE_GROUPS i, i < ng. Its max M first, lane-strided then across the warp (a
+  // max is exact: any order gives its bits); then the fold in chunk order, MERGE_BATCH chunks at a time:
+  // lane j computes the batch's j-th factor f = e^(m - M) and reads its l, every lane takes both by shuffle,
+  // and a batch's accumulator loads are all issued before its first fma. The operations and their order
+  // are those of one lane walking the chunks (session 30: the same bits as that loop, with ~ng / MERGE_BATCH
+  // load round trips instead of ng / 4: one row at 128k 26.9 -> 10.0 us).
+  constexpr int MERGE_BATCH = 32 / PER;
+  const int ng = nc > grp ? (nc - grp + MERGE_GROUPS - 1) / MERGE_GROUPS : 0;
+  float M = -INFINITY;
+  for (int i = lane; i < ng; i += 32) M = fmaxf(M, part_ml[(base + grp + MERGE_GROUPS * i) * 2]);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int c = nb + i;
-      if (c >= nc || c % GROUPS != k) continue;
-      const float mc = part_ml[(base + GROUPS + i) * 2], lc = part_ml[(base + GROUPS + i) * 2 + 1];
-      float fs = 0.0f, fc = 1.0f;
-      if (have) {
-        float M;
-        fold_factors(m, mc, fs, fc, M);
-        l = fold(l, fs, lc, fc);
-        m = M;
-      } else {
-        m = mc;
-        l = lc;
-      }
-      tfs[i] = fs;
-      tfc[i] = fc;
-      tg[i] = have ? k : GROUPS + k;  // >= GROUPS: the tail chunk is the group's first, taken as it is
-      have = true;
+  for (int o = 16; o >= 1; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  float L = 0.0f, A[PER] = {};
+  for (int i0 = 0; i0 < ng; i0 += MERGE_BATCH) {
+    float f = 0.0f, l = 0.0f;
+    if (lane < MERGE_BATCH && i0 + lane < ng) {
+      const size_t r = base + grp + MERGE_GROUPS * (i0 + lane);
+      f = expf(part_ml[r * 2] - M);
+      l = part_ml[r * 2 + 1];
     }
-    gm[k] = m;
-    gl[k] = l;
+    float a[MERGE_BATCH][PER];
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j)
+#pragma unroll
+      for (int kb = 0; kb < PER; ++kb)
+        a[j][kb] = i0 + j < ng ? part_acc[(base + grp + MERGE_GROUPS * (i0 + j)) * D + k0 + 32 * kb + lane]
+                               : 0.0f;
+#pragma unroll
+    for (int j = 0; j < MERGE_BATCH; ++j) {
+      if (i0 + j >= ng) break;  // warp-uniform
+      const float fj = __shfl_sync(0xffffffffu, f, j), lj = __shfl_sync(0xffffffffu, l, j);
+      L = fmaf(lj, fj, L);
+#pragma unroll
+      for (int kb = 0; kb < PER; ++kb) A[kb] = fmaf(a[j][kb], fj, A[kb]);
+    }
   }
-  if (k < 2 && nb + k >= nc) tg[k] = -1;
+  if (lane == 0) {
+    gm[grp][0] = M;
+    gm[grp][1] = L;
+  }
+#pragma unroll
+  for (int kb = 0; kb < PER; ++kb) ga[grp][32 * kb + lane] = A[kb];
   __syncthreads();
-  if (k < GROUPS) {
-    float M = -INFINITY;
-#pragma unroll 8
-    for (int g = 0; g < GROUPS; ++g) M = fmaxf(M, gm[g]);  // exact in any order
-    gf[k] = gm[k] == -INFINITY ? 0.0f : expf(gm[k] - M);
+  if (threadIdx.x >= 32 * PER) return;  // the final fold: one thread per dim of the CTA
+  M = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < MERGE_GROUPS; ++i) M = fmaxf(M, gm[i][0]);
+  float f[MERGE_GROUPS];
+  L = 0.0f;
+#pragma unroll
+  for (int i = 0; i < MERGE_GROUPS; ++i) {
+    f[i] = gm[i][0] == -INFINITY ? 0.0f : expf(gm[i][0] - M);  // groups without chunks: none
+    L = fmaf(gm[i][1], f[i], L);
   }
-  __syncthreads();
-  float L = 0.0f;
-#pragma unroll 8
-  for (int g = 0; g < GROUPS; ++g) L = fmaf(gl[g], gf[g], L);
-  float tail_a[2];
+  for (int j = threadIdx.x; j < 32 * PER; j += 32 * MERGE_GROUPS) {  // once: 32 * PER <= D <= 256 threads
+    float a = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) tail_a[i] = tg[i] >= 0 ? part_acc[(base + GROUPS + i) * D + k] : 0.0f;
-  float A = 0.0f;
-#pragma unroll 16
-  for (int g = 0; g < GROUPS; ++g) {
-    float a = g < nbg ? part_acc[(base + g) * D + k] : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (tg[i] == g) a = fold(a, tfs[i], tail_a[i], tfc[i]);
-      if (tg[i] == GROUPS + g) a = tail_a[i];
+    for (int i = 0; i < MERGE_GROUPS; ++i) a = fmaf(ga[i][j], f[i], a);
+    float o = a / L;
+    const int k = k0 + j;
+    if (use_gate) {
+      const float gv = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
+      o = o / (1.0f + expf(-gv));
     }
-    A = fmaf(a, gf[g], A);
+    out[(size_t)blockIdx.x * D + k] = __float2bfloat16_rn(o);
   }
-  float o = A / L;
-  if (use_gate) {
-    const float gv = __bfloat162float(gate[t * gate_rs + (long long)(blockIdx.x % nh) * gate_hs + k]);
-    o = o / (1.0f + expf(-gv));
-  }
-  out[(size_t)blockIdx.x * D + k] = __float2bfloat16_rn(o);
+}
+
+#define MERGE_ARGS                                                                                          \
+  const float *__restrict__ part_acc, const float *__restrict__ part_ml, const int *__restrict__ length,    \
+      const long long *__restrict__ mask, const bf16 *__restrict__ gate, long long gate_rs, int gate_hs,    \
+      bf16 *__restrict__ out, int nh, int nch, int use_gate
+// part_acc [T, nh, nch, D], part_ml [T, nh, nch, 2], gate [T, nh, D] with strides (gate_rs, gate_hs, 1),
+// out [T, nh, D].
+extern "C" __global__ void __launch_bounds__(32 * MERGE_GROUPS) attn_decode_merge(MERGE_ARGS) {
+  merge_body<1>(part_acc, part_ml, length, mask, gate, gate_rs, gate_hs, out, nh, nch, use_gate);
+}
+extern "C" __global__ void __launch_bounds__(32 * MERGE_GROUPS) attn_decode_merge_head(MERGE_ARGS) {
+  merge_body<D / 32>(part_acc, part_ml, length, mask, gate, gate_rs, gate_hs, out, nh, nch, use_gate);
 }

@@ -19,16 +19,15 @@ from .compile import Kernel, compile_kernel, sm_count
 from .linear import smem_limit
 
 CHUNK = 128  # positions per split-K partial (must match attention.cu)
-GROUPS = 64  # chunk groups c mod GROUPS, each folded in chunk order (attention.cu)
-NSLOT = GROUPS + 2  # partial slots per query row and head: the groups, then two tail chunks (attention.cu)
 _SUB = 16  # positions per warp (attention.cu)
 _NSUB = CHUNK // _SUB
 THREADS = 32 * _NSUB
 _QROWS = 8  # query rows per cross-warp combine (attention.cu QROWS)
+_MERGE_THREADS = 256  # the merge kernels: 8 chunk groups x 32 lanes (attention.cu MERGE_GROUPS)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built and tested for
-# Tree rows (T > 1): attn_tree_chunk, whose slot CTAs that walk the prefix chunk by chunk stage a chunk's K
-# and V in shared memory and give each warp whole query tiles (the same bits as attn_decode_chunk), where the
+# Tree rows (T > 1): attn_tree_chunk, whose slot CTAs that walk the prefix chunk by chunk stage a chunk's K and
+# V in shared memory and give each warp whole query tiles (the same bits as attn_decode_chunk), where the
 # device's shared memory per block holds them (d = 256: 164 KB; not a GB10's 99 KB). False: attn_decode_chunk
 # for every T (bench/ab.py switch).
 TREE_CHUNK = True
@@ -48,20 +47,20 @@ def check_heads(nh: int, nkv: int, d: int) -> None:
 
 
 @functools.cache
-def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel, Kernel]:
+def _kernels(d: int, g: int) -> tuple[Kernel, Kernel, Kernel, Kernel, Kernel]:
     defines = {"D": d, "G": g}
     return (
         compile_kernel("attention.cu", "attn_decode_chunk", defines),
         compile_kernel("attention.cu", "attn_decode_chunk_pipe", defines),
         compile_kernel("attention.cu", "attn_tree_chunk", defines),
         compile_kernel("attention.cu", "attn_decode_merge", defines),
+        compile_kernel("attention.cu", "attn_decode_merge_head", defines),
     )
 
 
 def _shmem(d: int) -> int:
-    """attention.cu SMEM_BYTES: the sub-partials of QROWS query rows, two staged query tiles, then a walking
-    CTA's running group partials of one query tile."""
-    return 4 * _NSUB * _QROWS * (d + 2) + 2 * 16 * (d + 8) * 2 + 16 * (d + 4) * 4
+    """attention.cu SMEM_BYTES: the sub-partials of QROWS query rows, then two staged query tiles."""
+    return 4 * _NSUB * _QROWS * (d + 2) + 2 * 16 * (d + 8) * 2
 
 
 def _tree_shmem(d: int) -> int:
@@ -81,26 +80,25 @@ def tree_chunk_fits(d: int, device: torch.device | str) -> bool:
 
 
 def chunk_slots(nkv: int, nch: int, ctas: int, rows: int = 1) -> int:
-    """CTAs per kv head along the chunks below the committed length (launch choice only: CTA z walks the
-    chunk groups z, z + slots, ... < GROUPS, or where at most half as many chunks as slots lie below the
-    length takes one (chunk, query tiles) item). As many in all as the device holds at once (`ctas`: SMs x
-    resident chunk CTAs per SM, one at d = 128 and 256), so the slot CTAs are one wave and the rows' tail
-    CTAs the next. (H200, d = 256, session 16: twice that was up to 15% slower for 32 rows, and 40-50 per kv
-    head at 132 SMs up to 1.6x slower for one row at long caches.) One row walks: no more slots than chunks
-    or groups. Tree rows keep all the slots where the cache has fewer chunks: there the slots split the
-    rows' query tiles of a short prefix."""
+    """CTAs per kv head along the chunks below the committed length (launch choice only: a CTA walks
+    chunks z, z + slots, ..., or where at most half as many chunks as slots lie below the length takes
+    one (chunk, query tiles) item). As many in all as the device holds at once (`ctas`: SMs x resident
+    chunk CTAs per SM, one at d = 128 and 256), so the slot CTAs are one wave and the rows' tail CTAs the
+    next. (H200, d = 256, session 16: twice that was up to 15% slower for 32 rows, and 40-50 per kv head at
+    132 SMs up to 1.6x slower for one row at long caches.) Tree rows keep all the slots where the cache
+    has fewer chunks: there the slots split the rows' query tiles of a short prefix."""
     per = max(1, ctas // nkv)
-    return per if rows > 1 else max(1, min(nch, per, GROUPS))
+    return per if rows > 1 else max(1, min(nch, per))
 
 
 def attn_decode_workspace(
     t: int, nh: int, d: int, max_len: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-K partials for t rows: (acc [t, nh, NSLOT, d] f32, ml [t, nh, NSLOT, 2]), the chunk groups' folds
-    and two tail chunks per row and head, whatever the cache length (max_len: kept for the callers)."""
+    """Split-K partials for t rows and a max_len-slot cache: (acc [t, nh, nch, d] f32, ml [t, nh, nch, 2])."""
+    nch = -(-max_len // CHUNK)
     return (
-        torch.empty(t, nh, NSLOT, d, dtype=torch.float32, device=device),
-        torch.empty(t, nh, NSLOT, 2, dtype=torch.float32, device=device),
+        torch.empty(t, nh, nch, d, dtype=torch.float32, device=device),
+        torch.empty(t, nh, nch, 2, dtype=torch.float32, device=device),
     )
 
 
@@ -146,13 +144,13 @@ def attn_decode(
     if workspace is None:
         workspace = attn_decode_workspace(T, nh, d, max_len, q.device)
     acc, ml = workspace
-    if acc.shape[0] < T or acc.shape[1:] != (nh, NSLOT, d) or ml.shape[1:] != (nh, NSLOT, 2):
-        raise ValueError(f"attn_decode: workspace {tuple(acc.shape)} is not attn_decode_workspace's (T={T})")
+    if acc.shape[0] < T or acc.shape[1:] != (nh, nch, d) or ml.shape[1:] != (nh, nch, 2):
+        raise ValueError(f"attn_decode: workspace {tuple(acc.shape)} too small for T={T} nh={nh} nch={nch}")
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError("attn_decode: out must be a contiguous bf16 tensor shaped like q")
-    chunk_k, pipe_k, tree_k, merge_k = _kernels(d, nh // nkv)
+    chunk_k, pipe_k, tree_k, merge_k, merge_head_k = _kernels(d, nh // nkv)
     if tree_chunk is None:
         tree_chunk = tree_chunk_kernel(T, d, q.device)
     elif tree_chunk and (T == 1 or not tree_chunk_fits(d, q.device)):
@@ -173,9 +171,11 @@ def attn_decode(
         pdl=True,
     )
     g_rs, g_hs = (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
-    merge_k.launch(
-        (T * nh,),
-        d,
+    # Plain decode: a CTA per 32 dims; tree rows: a whole head per CTA (attention.cu). The same bits.
+    merge, dim_blocks = (merge_k, d // 32) if T == 1 else (merge_head_k, 1)
+    merge.launch(
+        (T * nh, dim_blocks),
+        _MERGE_THREADS,
         (acc, ml, length, mask, q if gate is None else gate, ctypes.c_longlong(g_rs), g_hs, out, nh, nch)
         + (int(gate is not None),),
         pdl=True,
