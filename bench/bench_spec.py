@@ -269,9 +269,10 @@ def gdn_designs(engine: GPUSpecEngine) -> dict:
     }
 
 
-def event_engine(runner: GPURunner, context: int) -> GPUSpecEngine:
-    """A tree engine on the runner after `context` random prompt tokens, graphs captured."""
-    engine = GPUSpecEngine(runner, TreeConfig())
+def event_engine(runner: GPURunner, context: int, tree: TreeConfig | None = None) -> GPUSpecEngine:
+    """A tree engine (default shape unless `tree`) on the runner after `context` random prompt tokens,
+    graphs captured."""
+    engine = GPUSpecEngine(runner, tree or TreeConfig())
     vocab = runner.cfg.vocab_size
     ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.set_sampling(GREEDY)
@@ -282,7 +283,13 @@ def event_engine(runner: GPURunner, context: int) -> GPUSpecEngine:
 
 
 def big(
-    layers: int, context: int, events: int, draft_vocab: int, dense_head: bool = False, quant: str = "auto"
+    layers: int,
+    context: int,
+    events: int,
+    draft_vocab: int,
+    dense_head: bool = False,
+    quant: str = "auto",
+    tree: TreeConfig | None = None,
 ) -> dict:
     bw = copy_bandwidth()
     torch.cuda.empty_cache()
@@ -305,7 +312,7 @@ def big(
     runner = GPURunner(cfg, gw, capacity)
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
-    engine = event_engine(runner, context)
+    engine = event_engine(runner, context, tree)
     extra = torch.cuda.memory_allocated() - m0  # engine buffers + MTP cache + graph pools
     sp = spans(engine, events)
     kernels = graph_profile(engine)
@@ -313,11 +320,12 @@ def big(
     plain = plain_step_ms(runner, context)
     floor_ms = step_bytes(cfg, gw, context) / bw * 1e3
     ev = sp["event_wall_ms"]
-    sp_dv = spans(event_engine(GPURunner(cfg, gw_dv, capacity), context), events)
+    sp_dv = spans(event_engine(GPURunner(cfg, gw_dv, capacity), context, tree), events)
     ev_dv = sp_dv["event_wall_ms"]
     return {
         "layers": layers,
         "context": context,
+        "tree": [(tree or TreeConfig()).depth, (tree or TreeConfig()).topk, engine.tb.n_nodes - 1, engine.R],
         "dense_head": dense_head,
         "draft_nvfp4": nvfp4,
         "copy_bandwidth_GBps": bw / GB,
@@ -351,6 +359,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--skip-27b", action="store_true")
+    ap.add_argument("--skip-embedded", action="store_true")
+    ap.add_argument(
+        "--tree-27b",
+        type=int,
+        nargs=4,
+        metavar=("DEPTH", "TOPK", "BUDGET", "ROWS"),
+        help="the 27B's tree (TreeConfig; default: the default tree), e.g. 5 1 5 6 for a 5-draft chain",
+    )
     ap.add_argument(
         "--draft-vocab",
         type=int,
@@ -371,11 +387,18 @@ def main() -> None:
         help="the 27B drafter's weights (gpu_weights.draft_quant; auto: NVFP4, the target being NVFP4)",
     )
     args = ap.parse_args()
-    emb = embedded(args.prompts, args.tokens, args.draft_vocab[0])
+    emb = {} if args.skip_embedded else embedded(args.prompts, args.tokens, args.draft_vocab[0])
     result = {"device": torch.cuda.get_device_name(), "embedded": emb}
     if not args.skip_27b:
+        tree = TreeConfig(*args.tree_27b) if args.tree_27b else None
         result["27b"] = big(
-            args.layers, args.context, args.events, args.draft_vocab[1], args.bf16_head, args.draft_quant
+            args.layers,
+            args.context,
+            args.events,
+            args.draft_vocab[1],
+            args.bf16_head,
+            args.draft_quant,
+            tree,
         )
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_spec.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -397,7 +420,11 @@ def main() -> None:
                 f"{b['draft']:.3f}",
                 "",
             ),
-            ("27B verify ms (32 rows)", f"{b['verify']:.3f}", ""),
+            (
+                f"27B verify ms ({b['tree'][3]} rows)",
+                f"{b['verify']:.3f}",
+                f"tree (D, k, nodes, rows) {b['tree']}",
+            ),
             ("27B accept+commit ms", f"{b['commit']:.3f}", ""),
             ("27B plain decode step ms (floor)", f"{b['plain_step_ms']:.3f} ({b['floor_ms']:.3f})", ""),
             ("27B verify / plain step", f"{b['verify_over_plain']:.2f}", "goal <= 1.25"),

@@ -407,8 +407,8 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
 // kernel only where the device grants that much per block, so not at d >= 128 on a GB10's 99 KB): K then V
 // of the chunk, [CHUNK][D] bf16 each, in 16-byte units whose index is XOR-swizzled by the row so that the
 // mma operand reads of a quarter-warp hit distinct banks: K (key rows 8j + g, units 4u + t) ^ 4 (row & 1),
-// V (key rows 2t + .., 8-byte halves of units 4w + g / 2) ^ (row & 6); then each warp's slot (TREE_PSLOT) for
-// a tile's P^T fragments and fold factors between its scores and its P.V.
+// V (ldmatrix: 8 key rows of one unit) ^ (row & 7); then each warp's slot (TREE_PSLOT) for a tile's P^T
+// fragments and fold factors between its scores and its P.V.
 #define TREE_PSLOT (NSUB * 4 * 32 + NSUB * 16)  // per warp, u32: P^T fragments by lane, fold factors by row
 #define TSMEM_BYTES (2 * CHUNK * D * 2 + (THREADS / 32) * TREE_PSLOT * 4)
 #ifndef TREE_SI
@@ -416,7 +416,15 @@ __device__ __forceinline__ void chunk_partials(int c0, int cstep, int cend, int 
 #endif
 
 __device__ __forceinline__ int k_unit(int row, int unit) { return row * (D / 8) + (unit ^ ((row & 1) << 2)); }
-__device__ __forceinline__ int v_unit(int row, int unit) { return row * (D / 8) + (unit ^ (row & 6)); }
+__device__ __forceinline__ int v_unit(int row, int unit) { return row * (D / 8) + (unit ^ (row & 7)); }
+
+// Four 8x8 bf16 matrices from shared memory, transposed (ldmatrix .trans): lane l gives the address of row l
+// & 7 of matrix l / 8; register j of lane (g, t) gets elements (2t, g) and (2t + 1, g) of matrix j.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 
 __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend, int qlo, int qhi, int len,
                                                      const bf16* __restrict__ q, const bf16* kbase,
@@ -491,11 +499,17 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
     }
     __syncwarp();  // the slot is written
   };
-  // P.V and the fold for the rows of n8 tile hh (rows qt + 8hh ..) of the tile, then their partials. The
-  // output dims are laid out for the stores: m16 tile 2w + e, row g / g + 8 = dim 32w + 4g + 2e / + 1, so a
-  // lane holds dims 32w + 4g .. + 3 of query rows 2t, 2t + 1 and one 16-byte store per (w, row) writes
-  // whole 128-byte lines (which dims an mma row holds does not change its bits: an output row depends on
-  // its A row only).
+  // P.V and the fold for the rows of n8 tile hh (rows qt + 8hh ..) of the tile, then their partials. A sub-
+  // chunk's V^T fragments come from shared memory by ldmatrix.trans, one x4 per m16 tile of 16 dims: m16 tile
+  // i, row g / g + 8 = dim 16i + g / 16i + 8 + g (which dims an mma row holds does not change its bits: an
+  // output row depends on its A row only). Lane l addresses row l & 7 of matrix l / 8: keys (l & 7) +
+  // 8 (l / 16) of the sub-chunk, unit 2i + (l / 8) % 2; its four possible swizzled units (i mod 4) are
+  // precomputed, the rest is an immediate offset.
+  const u32 vs_lane = (u32)__cvta_generic_to_shared(vs) +
+                      16 * (((lane & 7) + 8 * (lane >> 4)) * UNITS);  // the lane's key row of sub-chunk 0
+  u32 vunit[4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) vunit[x] = 16 * ((2 * x) ^ ((lane & 7) ^ ((lane >> 3) & 1)));
   auto values = [&](int qt, int c) {
 #pragma unroll 1
     for (int hh = 0; hh < 2; ++hh) {
@@ -506,37 +520,30 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
       for (int sb = 0; sb < NSUB; ++sb) {
         const float f0 = fw[sb * 16 + 8 * hh + 2 * t], f1 = fw[sb * 16 + 8 * hh + 2 * t + 1];
         const u32 p0 = pw[(sb * 4 + 2 * hh) * 32 + lane], p1 = pw[(sb * 4 + 2 * hh + 1) * 32 + lane];
+        const u32 vrow = vs_lane + sb * SUB * UNITS * 16;
 #pragma unroll
-        for (int w = 0; w < D / 32; ++w) {
-          uint2 v2[4];  // V of keys 2t, 2t + 1, 8 + 2t, 9 + 2t, dims 32w + 4g .. + 3
-#pragma unroll
-          for (int r = 0; r < 4; ++r)
-            v2[r] = reinterpret_cast<const uint2*>(vs + v_unit(sb * SUB + 2 * t + (r & 1) + 8 * (r >> 1),
-                                                               4 * w + (g >> 1)))[g & 1];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const u32 k0 = e ? v2[0].y : v2[0].x, k1 = e ? v2[1].y : v2[1].x;
-            const u32 k8 = e ? v2[2].y : v2[2].x, k9 = e ? v2[3].y : v2[3].x;
-            float o[4] = {};
-            mma_bf16(o, __byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632), __byte_perm(k8, k9, 0x5410),
-                     __byte_perm(k8, k9, 0x7632), p0, p1);
-            float* A = acc[2 * w + e];
-            A[0] = fmaf(o[0], f0, A[0]);
-            A[1] = fmaf(o[1], f1, A[1]);
-            A[2] = fmaf(o[2], f0, A[2]);
-            A[3] = fmaf(o[3], f1, A[3]);
-          }
+        for (int i = 0; i < D / 16; ++i) {
+          u32 a[4];  // V^T of dims 16i .. + 15 (rows) x the sub-chunk's keys (columns)
+          ldmatrix_x4_trans(a, vrow + vunit[i & 3] + 128 * (i >> 2));
+          float o[4] = {};
+          mma_bf16(o, a[0], a[1], a[2], a[3], p0, p1);
+          float* A = acc[i];
+          A[0] = fmaf(o[0], f0, A[0]);
+          A[1] = fmaf(o[1], f1, A[1]);
+          A[2] = fmaf(o[2], f0, A[2]);
+          A[3] = fmaf(o[3], f1, A[3]);
         }
       }
 #pragma unroll
-      for (int b = 0; b < 2; ++b) {  // query row rb + 2t + b, dims 32w + 4g .. + 3
+      for (int b = 0; b < 2; ++b) {  // query row rb + 2t + b, dims 16i + g and 16i + 8 + g
         const int r = rb + 2 * t + b;
         if (r >= qhi) continue;
-        float* dst = part_acc + (head_row(r, h, nh) * nch + c) * D + 4 * g;
+        float* dst = part_acc + (head_row(r, h, nh) * nch + c) * D + g;  // lanes g: 32 contiguous bytes
 #pragma unroll
-        for (int w = 0; w < D / 32; ++w)
-          *reinterpret_cast<float4*>(dst + 32 * w) =
-              make_float4(acc[2 * w][b], acc[2 * w][b + 2], acc[2 * w + 1][b], acc[2 * w + 1][b + 2]);
+        for (int i = 0; i < D / 16; ++i) {
+          dst[16 * i] = acc[i][b];
+          dst[16 * i + 8] = acc[i][b + 2];
+        }
       }
       if (t == 0 && rb + g < qhi) {
         const int r = rb + g;

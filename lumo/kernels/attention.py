@@ -26,8 +26,8 @@ _QROWS = 8  # query rows per cross-warp combine (attention.cu QROWS)
 _MERGE_THREADS = 256  # the merge kernels: 8 chunk groups x 32 lanes (attention.cu MERGE_GROUPS)
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16  # query heads per kv head: the range the decode kernel is built and tested for
-# Tree rows (T > 1): attn_tree_chunk, whose slot CTAs that walk the prefix chunk by chunk stage a chunk's K and
-# V in shared memory and give each warp whole query tiles (the same bits as attn_decode_chunk), where the
+# Tree rows (T > 1): attn_tree_chunk, whose slot CTAs that walk the prefix chunk by chunk stage a chunk's K
+# and V in shared memory and give each warp whole query tiles (the same bits as attn_decode_chunk), where the
 # device's shared memory per block holds them (d = 256: 164 KB; not a GB10's 99 KB). False: attn_decode_chunk
 # for every T (bench/ab.py switch).
 TREE_CHUNK = True
