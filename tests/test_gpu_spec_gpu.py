@@ -232,12 +232,23 @@ def test_27b_shaped_tree_equals_plain(dense_head, draft_nvfp4):
     NVFP4 weights with a random MTP head, 4 layers, a small vocabulary; tokens and state bitwise. With the
     lm_head and MTP head in BF16 as ModelOpt ships them (large enough for bf16_gemv, not the one-warp kernel:
     the plain step's and the verify's lm_head, the drafter), and with the drafter's NVFP4 copies of them."""
+    check_27b_shaped(dense_head, draft_nvfp4, 77)
+
+
+def test_27b_shaped_tree_equals_plain_after_a_long_prompt():
+    """The same after 4099 prompt tokens: 32 chunks below the length, so the verify's attention runs
+    attn_tree_chunk's walking CTAs (shared-memory K / V, ldmatrix P.V; from 17 chunks at this shape on an
+    H200) through whole events, against plain decoding's attn_decode_chunk_pipe."""
+    check_27b_shaped(False, False, 4099)
+
+
+def check_27b_shaped(dense_head: bool, draft_nvfp4: bool, prompt_len: int) -> None:
     cfg = config_27b(4, vocab_size=4096)
     w = random_model_weights(cfg, DEV, nvfp4=True, seed=3, mtp=True, dense_head=dense_head)
     gw = pack_weights(cfg, w, DEV, mtp=True, draft_nvfp4=draft_nvfp4)
     del w
-    rp, rs = GPURunner(cfg, gw, 256), GPURunner(cfg, gw, 256)
-    prompt = torch.randint(0, 4096, (77,), generator=torch.Generator().manual_seed(0)).tolist()
+    rp, rs = GPURunner(cfg, gw, prompt_len + 179), GPURunner(cfg, gw, prompt_len + 179)
+    prompt = torch.randint(0, 4096, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     dec = GPUSpecDecoder(rs, GREEDY, TreeConfig())
     got = dec.prefill(prompt)
     while len(got) < 24:
