@@ -169,7 +169,10 @@ __device__ __forceinline__ void stage_q_tile(bf16* tile, const bf16* __restrict_
 // e^(s * scale - m) and the weights as P^T fragments pb[hh] (rows 8hh + g, keys {2t, 2t+1} / {8+2t, 9+2t};
 // keys >= cnt weigh nothing). The quad of lanes g holds all 16 scores of its rows. Shared by both chunk
 // paths, with every multiply and add rounded on its own (__fmul_rn / __fadd_rn: no contraction into an
-// FMA that one inlined copy might get and the other not), so a row's bits do not depend on the path.
+// FMA that one inlined copy might get and the other not), so a row's bits do not depend on the path. FULL
+// (tree_prefix_partials: every key of the sub-chunk is there, cnt = SUB, so m is finite): the exps without
+// their branch for an empty row (session 31: 10% of attn_tree_chunk's instructions), the same values.
+template <bool FULL = false>
 __device__ __forceinline__ void sub_softmax(const float (&s)[2][4], int cnt, int t, float scale, float (&m)[2],
                                             float (&l)[2], u32 (&pb)[2][2]) {
 #pragma unroll
@@ -184,7 +187,7 @@ __device__ __forceinline__ void sub_softmax(const float (&s)[2][4], int cnt, int
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = mx == -INFINITY ? 0.0f : expf(__fsub_rn(v[i], mx));
+    for (int i = 0; i < 4; ++i) v[i] = !FULL && mx == -INFINITY ? 0.0f : expf(__fsub_rn(v[i], mx));
     float sum = __fadd_rn(__fadd_rn(v[0], v[1]), __fadd_rn(v[2], v[3]));
     sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));  // x + y == y + x: both lanes get the same bits
     sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
@@ -197,7 +200,8 @@ __device__ __forceinline__ void sub_softmax(const float (&s)[2][4], int cnt, int
 
 // The fold of a row's NSUB sub-partials in sub order: M = their max, f[sb] = e^(m_sb - M) (0 for an empty
 // sub-chunk, m = -inf), L = sum of l_sb f[sb]; the accumulators then take acc = fma(acc_sb, f[sb], acc) from
-// zero in sub order. Shared by both chunk paths (see sub_softmax).
+// zero in sub order. Shared by both chunk paths (see sub_softmax; FULL: no sub-chunk is empty).
+template <bool FULL = false>
 __device__ __forceinline__ void sub_weights(const float (&ms)[NSUB], const float (&ls)[NSUB], float (&f)[NSUB],
                                             float& M, float& L) {
   M = -INFINITY;
@@ -206,7 +210,7 @@ __device__ __forceinline__ void sub_weights(const float (&ms)[NSUB], const float
   L = 0.0f;
 #pragma unroll
   for (int sb = 0; sb < NSUB; ++sb) {
-    f[sb] = ms[sb] == -INFINITY ? 0.0f : expf(__fsub_rn(ms[sb], M));
+    f[sb] = !FULL && ms[sb] == -INFINITY ? 0.0f : expf(__fsub_rn(ms[sb], M));
     L = fmaf(ls[sb], f[sb], L);
   }
 }
@@ -480,7 +484,7 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
       for (int i = 0; i < TREE_SI; ++i) {
         float m[2], l[2];
         u32 pb[2][2];
-        sub_softmax(s[i], SUB, t, scale, m, l, pb);
+        sub_softmax<true>(s[i], SUB, t, scale, m, l, pb);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           ms[hh][s0 + i] = m[hh], ls[hh][s0 + i] = l[hh];
@@ -492,7 +496,7 @@ __device__ __forceinline__ void tree_prefix_partials(int c0, int cstep, int cend
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float f[NSUB];
-      sub_weights(ms[hh], ls[hh], f, M[hh], L[hh]);
+      sub_weights<true>(ms[hh], ls[hh], f, M[hh], L[hh]);
       if (t == 0)
 #pragma unroll
         for (int sb = 0; sb < NSUB; ++sb) fw[sb * 16 + 8 * hh + g] = f[sb];
