@@ -412,6 +412,8 @@ def main() -> None:
     if "27b" in result:
         b = result["27b"]
         g = b["gdn"]
+        t = TreeConfig()
+        default_tree = [t.depth, t.topk, t.budget, t.rows]
         rows += [
             (
                 f"27B ({b['layers']} layers, ctx {b['context']}"
@@ -436,7 +438,13 @@ def main() -> None:
             (
                 "27B tokens/s at 4.05 drafts: H200 / GB10",
                 f"{b['tokens_per_s_h200_at_4.05']:.0f} / {b['tokens_per_s_gb10_at_4.05']:.1f}",
-                f"plain {b['plain_tokens_per_s_h200']:.0f}",
+                f"plain {b['plain_tokens_per_s_h200']:.0f}"
+                + ("" if b["tree"] == default_tree else " (4.05 is the default tree's acceptance)"),
+            ),
+            (
+                "27B break-even accepted drafts per event (event wall / plain step - 1)",
+                f"{b['event_wall_ms'] / b['plain_step_ms'] - 1:.2f}",
+                "the tree beats plain decoding above it",
             ),
             (
                 f"27B draft vocabulary {b['draft_vocab']['size']}: draft / verify / commit ms",
