@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from .config import DRAFT_QUANTS
+from .config import DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
 
 USER_ERROR = 2
 
@@ -48,6 +48,15 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "load, or none (the checkpoint's); auto: nvfp4 for an NVFP4 checkpoint. The output is unchanged; "
         "the drafter reads fewer bytes and may be accepted less often",
     )
+    p.add_argument(
+        "--prefix-snapshots",
+        type=int,
+        default=DEFAULT_PREFIX_SNAPSHOTS,
+        metavar="N",
+        help="prefix caching: a prompt that starts like an earlier one resumes after the shared prefix, from "
+        "one of N snapshots of the recurrent state taken on the prefill's chunk grid (~154 MB each on a "
+        "27B); the output is unchanged. 0 turns it off",
+    )
 
 
 def _llm(args: argparse.Namespace, progress: bool = False):
@@ -68,6 +77,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         backend=args.backend,
         draft_vocab=args.draft_vocab,
         draft_quant=args.draft_quant,
+        prefix_snapshots=args.prefix_snapshots,
     )
 
 

@@ -27,6 +27,7 @@ class ConfigError(ValueError):
 
 
 DRAFT_QUANTS = ("auto", "nvfp4", "none")  # the drafter's precision (lumo.engine.gpu_weights.draft_quant)
+DEFAULT_PREFIX_SNAPSHOTS = 4  # prefix-cache state snapshots kept (lumo.engine.prefix): ~0.6 GB on a 27B
 
 
 def check_draft_quant(choice: str) -> str:

@@ -8,7 +8,9 @@ Numerics are not checked here (the stubs compute nothing): that is tests/test_gp
 from __future__ import annotations
 
 import functools
+import gc
 import importlib
+import weakref
 from collections import Counter
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 from lumo.config import TreeConfig
 from lumo.engine.decode import SpecDecoder
 from lumo.engine.gpu_decode import GPUDecoder
-from lumo.engine.gpu_spec import GPUSpecDecoder
+from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
@@ -520,3 +522,65 @@ def test_emulated_tree_decoding_with_an_nvfp4_drafter_equals_plain(monkeypatch, 
     assert sum(spec.stats.accepted) / spec.stats.events > (0.5 if params.greedy else 0.0)
     for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["tree", "plain"])
+def test_emulated_prefix_cache_resume_equals_cold(monkeypatch, kind):
+    """The runner's prefix cache (lumo/engine/prefix.py) through the GPU engine's own bookkeeping: a second
+    request that shares 37 tokens with the first resumes at the snapshot at 30 (chunks of 10) and then
+    equals the same request on a fresh runner: tokens, states, K/V, the MTP's K/V and draft logits."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5)
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    warm_r, cold_r = (GPURunner(cfg, gw, 128, prefill_chunk=10, device="cpu") for _ in range(2))
+    warm_r.enable_prefix_cache(3)
+
+    engines = {}  # one per runner, as SpecBackend keeps it: the MTP's K/V live in the engine
+
+    def decoder(r):
+        if kind == "plain":
+            return GPUDecoder(r, params, use_graph=False)
+        return GPUSpecDecoder(engines.setdefault(id(r), GPUSpecEngine(r, tree)), params)
+
+    first = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3)
+    assert 50 <= len(first) < 60
+    d = decoder(warm_r)
+    d.prefill(first)
+    for _ in range(3):
+        d.step()
+    assert d.cached_tokens == 0 and sorted(warm_r.prefix.snapshots) == [30, 40, 50]  # 10, 20 evicted
+    second = first[:37] + tokenizer().encode("    print(name)\n")
+    warm, cold = decoder(warm_r), decoder(cold_r)
+    got, want = warm.prefill(second), cold.prefill(second)
+    assert (warm.cached_tokens, cold.cached_tokens) == (30, 0)
+    assert sorted(warm_r.prefix.snapshots) == list(range(30, len(second) + 1, 10))  # 40, 50 rewritten
+    while len(got) < 16:
+        got += warm.step()
+    while len(want) < len(got):
+        want += cold.step()
+    assert got == want[: len(got)]
+    n = warm_r.length
+    assert n == cold_r.length
+    for a, b in zip(warm_r.gdn_state + warm_r.conv_state, cold_r.gdn_state + cold_r.conv_state, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(warm_r.kv_k + warm_r.kv_v, cold_r.kv_k + cold_r.kv_v, strict=True):
+        assert torch.equal(a[:n], b[:n])
+    if kind == "tree":
+        ew, ec = warm.engine, cold.engine
+        for a, b in zip(ew.mtp_k + ew.mtp_v, ec.mtp_k + ec.mtp_v, strict=True):
+            assert torch.equal(a[:n], b[:n])
+        assert torch.equal(ew.draft_logits, ec.draft_logits)
+        # another engine on the runner has no MTP K/V of those prompts: it starts the prefix cache afresh
+        other = GPUSpecDecoder(GPUSpecEngine(warm_r, tree), params)
+        other.prefill(second)
+        assert other.cached_tokens == 0
+        # ... and the runner does not keep it alive: an engine left to the garbage collector could have its
+        # CUDA graphs destroyed in the middle of another capture, which invalidates that capture
+        gone = weakref.ref(other.engine)
+        gc.disable()
+        try:
+            del other
+            assert gone() is None, "a reference cycle keeps the engine alive"
+        finally:
+            gc.enable()

@@ -261,3 +261,25 @@ def test_embedded_model_with_tree_speculation():
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
         assert r["choices"][0]["text"] == want
         assert _metric(srv.url, "lumo_spec_accepted_drafts_count") > 0
+
+
+def test_prefix_cache_reuse_is_reported_and_changes_nothing(server, llm):
+    """A second request sharing a 600-token prefix with the first resumes from the prefill snapshot at 512
+    tokens (the reference decoder's chunk): usage and /metrics report it, and the text is a cold engine's."""
+    rng = torch.Generator().manual_seed(11)
+    first = torch.randint(1, llm.tokenizer.vocab_size, (600,), generator=rng).tolist()
+    second = first + torch.randint(1, llm.tokenizer.vocab_size, (30,), generator=rng).tolist()
+    before = _metric(server.url, "lumo_prompt_tokens_cached_total")
+    usage = []
+    for ids in (first, second):
+        body = {"prompt": ids, "max_tokens": 6, "temperature": 0}
+        usage.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"])
+    assert usage[1]["prompt_tokens_details"] == {"cached_tokens": 512}
+    assert _metric(server.url, "lumo_prompt_tokens_cached_total") - before == 512
+    body = {"prompt": second, "max_tokens": 6, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        events = _sse(resp)
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 512}
+    cold = LLM(llm.path, device="cpu", prefix_snapshots=0).generate(second, max_tokens=6, temperature=0)
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == cold.text

@@ -16,40 +16,105 @@ import torch
 from .. import model as M
 from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
+from .prefix import PrefixCache
 from .sampling import SamplingParams, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
+MIN_CAPACITY = 4096  # smallest Slot cache: short requests share one allocation
+
+
+class Slot:
+    """A sequence's cache kept across requests, with its prefix cache (lumo.engine.prefix): what an LLM on
+    the torch backend keeps so that a prompt sharing a prefix with an earlier one resumes after it."""
+
+    def __init__(self, prefix_snapshots: int = 0):
+        self.cache: M.Cache | None = None
+        self.prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots) if prefix_snapshots else None
+
+    def cache_for(self, cfg: ModelConfig, max_len: int, device, dtype) -> M.Cache:
+        """The cache (a slot serves one model on one device), replaced by a larger one, emptying the prefix
+        cache, when it holds fewer than max_len positions. A new one holds a power of two >= MIN_CAPACITY
+        positions, at most the model's context unless max_len (with a tree's extra slots) is larger."""
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = None  # free the old one first
+            cap = MIN_CAPACITY
+            while cap < max_len:
+                cap *= 2
+            if cap > cfg.max_position_embeddings:
+                cap = max(cfg.max_position_embeddings, max_len)
+            self.cache = M.new_cache(cfg, cap, device, dtype)
+            if self.prefix is not None:
+                self.prefix.clear()
+        return self.cache
 
 
 class PlainDecoder:
     """One target forward per token; the native reference for exactness."""
 
     extra_positions = 0  # cache slots needed beyond prompt + output
+    feeds_mtp = False  # its prefill writes the MTP head's K/V (speculative decoders)
 
     def __init__(
-        self, cfg: ModelConfig, w: ModelWeights, params: SamplingParams, max_len: int, device, dtype
+        self,
+        cfg: ModelConfig,
+        w: ModelWeights,
+        params: SamplingParams,
+        max_len: int,
+        device,
+        dtype,
+        slot: Slot | None = None,
     ):
         self.cfg, self.w, self.params = cfg, w, params
         self.device = device
-        self.cache = M.new_cache(cfg, max_len + self.extra_positions, device, dtype)
+        self.prefix = slot.prefix if slot is not None else None
+        if slot is None:
+            self.cache = M.new_cache(cfg, max_len + self.extra_positions, device, dtype)
+        else:
+            self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
+        self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
 
-    def _prefill_forward(self, prompt_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        logits, hidden = [], []
-        for s in range(0, len(prompt_ids), PREFILL_CHUNK):
-            lg, h = M.forward(self.cfg, self.w, ids[None, s : s + PREFILL_CHUNK], self.cache)
-            logits.append(lg[0, -1])
-            hidden.append(h[0])
-        return logits[-1], torch.cat(hidden)
+    def _resume(self, prompt_ids: list[int]) -> int:
+        """Empty the cache, or restore the state after the longest cached prefix; returns its length."""
+        c = self.cache
+        for t in c.gdn_state + c.conv_state:
+            t.zero_()
+        c.length = c.mtp_length = 0
+        self._carry = None  # final-norm hidden row of the position before the next chunk
+        if self.prefix is None:
+            return 0
+        self.prefix.claim(self.feeds_mtp)  # a plain decoder's prefills leave the MTP's K/V behind
+        snap = self.prefix.match(prompt_ids)
+        start = 0 if snap is None else snap.length
+        if snap is not None:
+            n = len(c.gdn_state) + len(c.conv_state)
+            for dst, src in zip(c.gdn_state + c.conv_state, snap.tensors[:n], strict=True):
+                dst.copy_(src)
+            self._carry = snap.tensors[n]
+            c.length = c.mtp_length = start
+        self.prefix.begin(prompt_ids, start)
+        return start
 
     def prefill(self, prompt_ids: list[int]) -> list[int]:
-        last_logits, hidden = self._prefill_forward(prompt_ids)
-        self.pending = sample(last_logits, self.params, position=self.cache.length)
-        self._after_prefill(prompt_ids, hidden)
+        """Chunks of PREFILL_CHUNK tokens on the grid of absolute positions, from the longest cached
+        prefix (prefix.py: the same chunks, so the same bits, as from position 0)."""
+        self.cached_tokens = start = self._resume(prompt_ids)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
+        c = self.cache
+        for s in range(start, len(prompt_ids), PREFILL_CHUNK):
+            lg, h = M.forward(self.cfg, self.w, ids[None, s : s + PREFILL_CHUNK], c)
+            self._after_chunk(ids, h[0], s)
+            self._carry = h[0, -1:]
+            if self.prefix is not None and self.prefix.wants(c.length):
+                self.prefix.add(c.length, [*c.gdn_state, *c.conv_state, self._carry])
+        self.pending = sample(lg[0, -1], self.params, position=c.length)
+        self._after_prefill()
         return [self.pending]
 
-    def _after_prefill(self, prompt_ids: list[int], hidden: torch.Tensor) -> None:
+    def _after_chunk(self, ids: torch.Tensor, hidden: torch.Tensor, start: int) -> None:
+        """hidden [T, H]: the final-norm rows of prompt positions start.. (the MTP head's input)."""
+
+    def _after_prefill(self) -> None:
         pass
 
     def step(self) -> list[int]:
@@ -74,7 +139,9 @@ class SpecStats:
 class SpecDecoder(PlainDecoder):
     """Tree speculative decoding, reference implementation (exact; slow, one forward per tree node)."""
 
-    def __init__(self, cfg, w, params, max_len, device, dtype, tree: TreeConfig, draft_ids=None):
+    feeds_mtp = True
+
+    def __init__(self, cfg, w, params, max_len, device, dtype, tree: TreeConfig, draft_ids=None, slot=None):
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
         self.tree: TreeBuffers = build_tree(tree)
@@ -88,12 +155,20 @@ class SpecDecoder(PlainDecoder):
                     f"a draft vocabulary of {self.draft_ids.numel()} tokens is smaller than the tree's top-k"
                 )
         self.extra_positions = self.tree.depth_max + 1
-        super().__init__(cfg, w, params, max_len, device, dtype)
+        super().__init__(cfg, w, params, max_len, device, dtype, slot)
         self.stats = SpecStats()
 
-    def _after_prefill(self, prompt_ids: list[int], hidden: torch.Tensor) -> None:
-        # The MTP sees the pair (h_q, x_{q+1}) of every prompt position q; the last pairs the pending token.
-        self._feed_mtp(hidden, prompt_ids[1:] + [self.pending], 0)
+    def _after_chunk(self, ids: torch.Tensor, hidden: torch.Tensor, start: int) -> None:
+        # The MTP sees the pair (h_q, x_{q+1}) of every prompt position q, chunk by chunk as the GPU engine
+        # feeds it: a chunk's last row waits for the next chunk's first token (the carry).
+        rows = hidden[:-1] if self._carry is None else torch.cat([self._carry, hidden[:-1]])
+        q0 = start if self._carry is None else start - 1
+        if rows.shape[0]:
+            self._feed_mtp(rows, ids[q0 + 1 : q0 + 1 + rows.shape[0]].tolist(), q0)
+
+    def _after_prefill(self) -> None:
+        # The last prompt position pairs the pending token; its output is the first draft step's input.
+        self._feed_mtp(self._carry, [self.pending], self.cache.length - 1)
 
     def _feed_mtp(self, hidden: torch.Tensor, next_tokens: list[int], start: int) -> None:
         """MTP K/V for committed positions start.. ; the last pair's output is the next draft's first step."""
@@ -162,13 +237,22 @@ class SpecDecoder(PlainDecoder):
 
 
 def make_decoder(
-    cfg, w, params, max_len, device, dtype, spec: str, tree: TreeConfig | None = None, draft_ids=None
+    cfg,
+    w,
+    params,
+    max_len,
+    device,
+    dtype,
+    spec: str,
+    tree: TreeConfig | None = None,
+    draft_ids=None,
+    slot: Slot | None = None,
 ):
     if spec == "off":
-        return PlainDecoder(cfg, w, params, max_len, device, dtype)
+        return PlainDecoder(cfg, w, params, max_len, device, dtype, slot)
     if spec == "chain":
         chain = chain_config((tree or TreeConfig()).depth)
-        return SpecDecoder(cfg, w, params, max_len, device, dtype, chain, draft_ids)
+        return SpecDecoder(cfg, w, params, max_len, device, dtype, chain, draft_ids, slot)
     if spec == "tree":
-        return SpecDecoder(cfg, w, params, max_len, device, dtype, tree or TreeConfig(), draft_ids)
+        return SpecDecoder(cfg, w, params, max_len, device, dtype, tree or TreeConfig(), draft_ids, slot)
     raise ValueError(f"unknown spec mode {spec!r}: use tree, chain or off")

@@ -2,7 +2,8 @@
 
 `GPUBackend` is what an LLM keeps: the packed weights (packed once) and one runner whose caches and
 captured graph are reused by every request; it grows (a new runner, a new capture) only when a request
-needs more positions than it has.
+needs more positions than it has. With `prefix_snapshots` > 0 the runner keeps prompt prefixes across
+requests (lumo.engine.prefix: a hit computes the bits a miss does).
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ class GPUDecoder:
         if use_graph and runner.graph is None:
             runner.capture()  # at length 0: the warm-up touches nothing committed
         self.pending: int | None = None
+        self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
 
     def prefill(self, prompt_ids: list[int]) -> list[int]:
-        self.runner.prefill(prompt_ids)
+        self.cached_tokens = start = self.runner.resume(prompt_ids)
+        self.runner.prefill(prompt_ids[start:])
         self.pending = self.runner.token()
         return [self.pending]
 
@@ -57,9 +60,11 @@ class GPUBackend:
         device: torch.device | str = "cuda",
         use_graph: bool = True,
         prefill_chunk: int = PREFILL_CHUNK,
+        prefix_snapshots: int = 0,
     ):
         self.cfg, self.device = cfg, torch.device(device)
         self.max_model_len, self.use_graph, self.prefill_chunk = max_model_len, use_graph, prefill_chunk
+        self.prefix_snapshots = prefix_snapshots
         self.weights = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, self.device)
         self.runner: GPURunner | None = None
 
@@ -73,11 +78,19 @@ class GPUBackend:
             cap *= 2
         return max(min(cap, self.max_model_len), max_len)
 
-    def decoder(self, params: SamplingParams, max_len: int) -> GPUDecoder:
-        if self.runner is None or self.runner.max_len < max_len:
+    def runner_for(self, max_len: int, extra: int = 0) -> GPURunner:
+        """The runner, replaced by a larger one (new caches: the prefix cache starts empty) when it holds
+        fewer than max_len + extra positions (extra: a speculative tree's slots)."""
+        if max_len > self.max_model_len:
+            raise ValueError(f"{max_len} positions exceed the context length {self.max_model_len}")
+        need = max_len + extra
+        if self.runner is None or self.runner.max_len < need:
             self.runner = None  # free the old caches before allocating the new ones
             torch.cuda.empty_cache()
-            self.runner = GPURunner(
-                self.cfg, self.weights, self.capacity_for(max_len), self.prefill_chunk, self.device
-            )
-        return GPUDecoder(self.runner, params, self.use_graph)
+            cap = max(self.capacity_for(min(need, self.max_model_len)), need)
+            self.runner = GPURunner(self.cfg, self.weights, cap, self.prefill_chunk, self.device)
+            self.runner.enable_prefix_cache(self.prefix_snapshots)
+        return self.runner
+
+    def decoder(self, params: SamplingParams, max_len: int) -> GPUDecoder:
+        return GPUDecoder(self.runner_for(max_len), params, self.use_graph)

@@ -82,6 +82,8 @@ class GPUSpecEngine:
         tb, cfg, dev = self.tb, self.cfg, self.dev
         R, D = tb.rows, tb.depth_max
         self.R, self.D, self.cap = R, D, D + 1  # cap: accepted nodes at most (root + D drafts)
+        self.cached_tokens = 0  # prompt tokens the latest prefill took from the runner's prefix cache
+        self._prefix_owner = object()  # this engine's token in the runner's prefix cache (its MTP K/V)
         self.k = int(tb.rank.max()) + 1  # MTP candidates per depth
         if R > SMALL_M:
             raise ValueError(f"a tree of {R} rows exceeds the {SMALL_M} rows of the batch-invariant GEMV")
@@ -221,9 +223,11 @@ class GPUSpecEngine:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.dev)
         if ids.numel() + self.R + 2 * self.cap > r.max_len:
             raise ValueError(f"prompt of {ids.numel()} tokens leaves no room for a tree in {r.max_len}")
-        r.reset()
-        self._carry = None
-        r.prefill(ids, hidden_hook=lambda hidden, start: self._mtp_prefill(ids, hidden, start))
+        # From a prefix snapshot (lumo.engine.prefix) the MTP's pairs resume with the hidden row of the
+        # snapshot's last position, as the next chunk of an uncached prefill would.
+        self.cached_tokens = start = r.resume(prompt_ids, owner=self._prefix_owner)
+        self._carry = r.hidden.clone() if start else None
+        r.prefill(ids[start:], hidden_hook=lambda hidden, start: self._mtp_prefill(ids, hidden, start))
         n = r.length
         self.tr.out[0:1].copy_(self._carry)  # the feed gathers from the verify's hidden rows
         self.accepted.fill_(-1)
@@ -569,12 +573,17 @@ class GPUSpecDecoder:
             if isinstance(src, GPUBackend):
                 if max_len is None:
                     raise ValueError("GPUSpecDecoder over a GPUBackend needs max_len")
-                src = spec_runner(src, max_len, tree.rows + tree.depth + 1)
+                src = src.runner_for(max_len, tree.rows + tree.depth + 1)
             self.engine = GPUSpecEngine(src, tree)
         self.params, self.use_graph = params, use_graph
         self.extra_positions = self.engine.R + self.engine.cap
         self.stats = SpecStats()
         self.pending: int | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the latest prefill took from the prefix cache."""
+        return self.engine.cached_tokens
 
     def prefill(self, prompt_ids: list[int]) -> list[int]:
         e = self.engine
@@ -596,17 +605,6 @@ class GPUSpecDecoder:
         return out
 
 
-def spec_runner(backend: GPUBackend, max_len: int, extra: int) -> GPURunner:
-    """The backend's runner, grown (as GPUBackend.decoder does) to hold max_len + the tree's slots."""
-    need = max_len + extra
-    if backend.runner is None or backend.runner.max_len < need:
-        backend.runner = None  # free the old caches first
-        torch.cuda.empty_cache()
-        cap = max(backend.capacity_for(min(need, backend.max_model_len)), need)
-        backend.runner = GPURunner(backend.cfg, backend.weights, cap, backend.prefill_chunk, backend.device)
-    return backend.runner
-
-
 class SpecBackend:
     """What an LLM keeps for speculative decoding on the kernels: a GPUBackend (packed with the MTP head)
     and one engine (buffers + graphs) per runner, reused by every request."""
@@ -624,7 +622,7 @@ class SpecBackend:
         self.engine: GPUSpecEngine | None = None
 
     def decoder(self, params: SamplingParams, max_len: int) -> GPUSpecDecoder:
-        runner = spec_runner(self.backend, max_len, self.tree.rows + self.tree.depth + 1)
+        runner = self.backend.runner_for(max_len, self.tree.rows + self.tree.depth + 1)
         if self.engine is None or self.engine.runner is not runner:
             self.engine = None
             self.engine = GPUSpecEngine(runner, self.tree)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import TreeConfig, check_draft_quant
+from ..config import DEFAULT_PREFIX_SNAPSHOTS, TreeConfig, check_draft_quant
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
-from .decode import make_decoder
+from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
@@ -59,6 +59,7 @@ class GenerationResult:
     prompt_token_ids: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled again)
 
 
 @dataclass
@@ -114,12 +115,18 @@ class LLM:
         backend: str = "auto",
         draft_vocab: int | str | os.PathLike | None = None,
         draft_quant: str = "auto",
+        prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
     ):
         if spec not in ("auto", "off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
         if backend not in ("auto", "torch", "kernels"):
             raise ValueError(f"unknown backend {backend!r}: use auto, torch or kernels")
         check_draft_quant(draft_quant)
+        if _integer(prefix_snapshots, "prefix_snapshots") < 0:
+            raise ValueError(f"prefix_snapshots must be >= 0 (0: no prefix caching), got {prefix_snapshots}")
+        # Prompt prefixes reused across requests (lumo.engine.prefix: exact; snapshots of the recurrent
+        # state on the prefill grid, this many kept; 0 = every prompt prefilled from its first token).
+        self.prefix_snapshots = int(prefix_snapshots)
         self.spec, self.tree = spec, tree or TreeConfig()
         self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
         self.device = _pick_device(device)
@@ -192,6 +199,7 @@ class LLM:
         self.draft_quant = draft_quant
         self._defaults = _generation_defaults(path)
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
+        self._slot = Slot(self.prefix_snapshots) if self._gpu is None else None  # torch backend's caches
 
     def _kernel_backend(self):
         from .gpu_decode import GPUBackend
@@ -203,7 +211,9 @@ class LLM:
             self.config, self.weights, self.device, mtp=mtp, draft_ids=self.draft_ids, draft_nvfp4=nvfp4
         )
         self.weights = None  # the packed copy on the GPU is the only one kept
-        backend = GPUBackend(self.config, packed, self.max_model_len, self.device)
+        backend = GPUBackend(
+            self.config, packed, self.max_model_len, self.device, prefix_snapshots=self.prefix_snapshots
+        )
         if self.spec == "off":
             return backend
         from .gpu_spec import SpecBackend
@@ -224,8 +234,9 @@ class LLM:
             reason = chunk.finish_reason or reason
         t1 = time.perf_counter()
         t_first = t_first or t1
+        cached = getattr(self.last_decoder, "cached_tokens", 0)
         return GenerationResult(
-            ids, "".join(text), reason or "length", prompt_ids, t_first - t0, t1 - t_first
+            ids, "".join(text), reason or "length", prompt_ids, t_first - t0, t1 - t_first, cached
         )
 
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
@@ -306,7 +317,7 @@ class LLM:
             decoder = self._gpu.decoder(params, n)
         else:
             args = (self.config, self.weights, params, n, self.device, self.dtype, self.spec, self.tree)
-            decoder = make_decoder(*args, draft_ids=self.draft_ids)
+            decoder = make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
         self.last_decoder = decoder
         detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
         eos = set(self.tokenizer.eos_token_ids)

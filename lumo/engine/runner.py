@@ -38,6 +38,7 @@ from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..weights import ModelWeights
 from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
+from .prefix import PrefixCache
 from .sampling import SamplingParams
 
 PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
@@ -101,6 +102,9 @@ class GPURunner:
         self.gdn_state = [torch.zeros(nv, dk, dv, dtype=f32, device=dev) for _ in range(n_gdn)]
         self.conv_state = [torch.zeros(C, K - 1, dtype=bf, device=dev) for _ in range(n_gdn)]
         self.length = 0  # host mirror of pos: committed tokens (checked against max_len without a sync)
+        # Prompt prefixes kept across requests (lumo.engine.prefix); None: every prefill starts at 0.
+        self.prefix: PrefixCache | None = None
+        self._resumed = False  # resume() armed the next prefill to record its grid snapshots
 
         # ---- per-step values (device): what the captured graph reads and advances ----
         self.tok = torch.zeros(1, dtype=i32, device=dev)  # [1] input token of the next step
@@ -161,12 +165,49 @@ class GPURunner:
         self.top_p.fill_(params.top_p)
         self.seed.fill_(params.seed)
 
+    def enable_prefix_cache(self, snapshots: int) -> None:
+        """Keep up to `snapshots` prefix snapshots on this runner's prefill grid (0: none)."""
+        self.prefix = PrefixCache(self.prefill_chunk, snapshots) if snapshots else None
+
+    def prefix_state(self) -> list[torch.Tensor]:
+        """What a prefix snapshot keeps: the recurrent states and the final-norm row of the last position
+        (the MTP head's input for the next chunk's first pair)."""
+        return [*self.gdn_state, *self.conv_state, self.hidden]
+
+    @torch.inference_mode()
+    def resume(self, ids: Sequence[int] | torch.Tensor, owner: object | None = None) -> int:
+        """Prepare a prefill of the prompt `ids`: empty the slot, or, with a prefix cache, restore the
+        state after the longest cached prefix of ids. Returns the position to prefill from: the caller
+        prefills ids[start:] next (that prefill records the prompt's grid snapshots). owner: a token of
+        whatever keeps caches beside the slot's (a GPUSpecEngine: its MTP K/V); prefixes cached by another
+        owner's prefills are dropped."""
+        self.reset()
+        if self.prefix is None:
+            return 0
+        self.prefix.claim(owner)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        snap = self.prefix.match(ids)
+        start = 0 if snap is None else snap.length
+        if snap is not None:
+            for dst, src in zip(self.prefix_state(), snap.tensors, strict=True):
+                dst.copy_(src)
+            self.length = start
+        self.prefix.begin(ids, start)
+        self._resumed = True
+        return start
+
+    def _forget_from(self, length: int) -> None:
+        """K/V positions length.. are about to be written by something other than a resumed prefill."""
+        if self.prefix is not None:
+            self.prefix.truncate(length)
+
     @torch.inference_mode()
     def seek(self, length: int, token: int = 0) -> None:
         """Point the next decode step at position `length` with input `token`, keeping whatever the caches
         hold (benchmarks time steps at a given context this way; tests feed chosen tokens)."""
         if not 0 <= length < self.max_len:
             raise ValueError(f"length {length} outside [0, {self.max_len})")
+        self._forget_from(length)
         self.length = length
         self.pos.fill_(length)
         self.sample_pos.fill_(length + 1)
@@ -196,9 +237,17 @@ class GPURunner:
             raise ValueError("prefill needs at least one token")
         if self.length + n > self.max_len:
             raise ValueError(f"prompt of {n} tokens after {self.length} exceeds max_len {self.max_len}")
+        # After resume(): snapshots on the grid (the chunks must be the grid's); otherwise positions
+        # length.. of a cached prefix are overwritten here.
+        record = self._resumed and chunk == self.prefill_chunk and self.length % chunk == 0
+        self._resumed = False
+        if not record:
+            self._forget_from(self.length)
         for s in range(0, n, chunk):
             self._prefill_chunk(ids[s : s + chunk], self.length, hidden_hook)
             self.length += min(chunk, n - s)
+            if record and self.prefix.wants(self.length):
+                self.prefix.add(self.length, self.prefix_state())
         self._logits()  # of the last chunk's last row (self.hidden): one lm_head per prompt, not per chunk
         self.pos.fill_(self.length)
         self.sample_pos.fill_(self.length)
@@ -397,6 +446,7 @@ class GPURunner:
         slots >= length are never read before being rewritten."""
         if self.length + 2 > self.max_len:
             raise ValueError("capture() needs two free cache positions for its warm-up steps")
+        self._forget_from(self.length)  # the warm-up writes K/V at length..
         saved = [t.clone() for t in self._state()]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))

@@ -40,8 +40,13 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(n_prompt: int, n_gen: int) -> dict[str, int]:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+def _usage(n_prompt: int, n_gen: int, job: Job) -> dict[str, Any]:
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_gen,
+        "total_tokens": n_prompt + n_gen,
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }
 
 
 def _engine_error(exc: Exception) -> APIError:
@@ -186,7 +191,7 @@ class _Server:
             return self._streaming(self._stream_completion(job, head, len(prompt_ids), usage))
         text, n_gen, reason = await self._collect(job, request)
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason or "length"}
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen)}
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job)}
 
     async def _stream_completion(
         self, job: Job, head: dict[str, Any], n_prompt: int, include_usage: bool
@@ -209,7 +214,7 @@ class _Server:
                 choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
                 yield _sse({**head, "choices": [choice], **extra})
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen)})
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, job)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())
@@ -245,7 +250,7 @@ class _Server:
             "logprobs": None,
             "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
         }
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen)}
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job)}
 
     async def _stream_chat(
         self, job: Job, head: dict[str, Any], parser: ChatOutputParser, n_prompt: int, include_usage: bool
@@ -275,7 +280,7 @@ class _Server:
                     n_calls += len(d.tool_calls)
             yield chunk_of({}, finish_reason(reason, n_calls))
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen)})
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, job)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())

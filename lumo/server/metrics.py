@@ -152,6 +152,9 @@ class ServerMetrics:
             "lumo_requests_total", "HTTP requests by endpoint and status", ("endpoint", "status")
         )
         self.prompt_tokens = r.counter("lumo_prompt_tokens_total", "prompt tokens of generation requests")
+        self.prompt_tokens_cached = r.counter(
+            "lumo_prompt_tokens_cached_total", "prompt tokens taken from the prefix cache, not prefilled"
+        )
         self.generation_tokens = r.counter("lumo_generation_tokens_total", "generated tokens")
         self.ttft = r.histogram(
             "lumo_time_to_first_token_seconds", "arrival to first token, queueing included"

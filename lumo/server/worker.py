@@ -33,6 +33,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_arrival: float = field(default_factory=time.perf_counter)
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (set before the first chunk)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -126,12 +127,17 @@ class EngineWorker:
         gen = None
         try:
             gen = self.llm.generate_stream(job.prompt_ids, max_tokens=job.max_tokens, **job.sampling)
-            t_prev = None
+            t_prev, prefilled = None, False
             while not job.cancelled.is_set():
                 chunk = next(gen, None)
                 if chunk is None:
                     break
                 now = time.perf_counter()
+                if not prefilled:  # the first chunk: the decoder knows what its prefill reused
+                    prefilled = True
+                    decoder = getattr(self.llm, "last_decoder", None)
+                    job.cached_tokens = int(getattr(decoder, "cached_tokens", 0))
+                    m.prompt_tokens_cached.inc(job.cached_tokens)
                 n = len(chunk.token_ids)
                 if n:
                     if t_prev is None:

@@ -1,0 +1,131 @@
+"""Prefix caching on the 27B model: time to first token of a follow-up turn, cold and from a snapshot.
+
+Weights: random NVFP4 at the real 27B config (as bench_decode.py). A conversation's next prompt is the
+previous prompt + the answer + a new message, so the engine can resume after the previous prompt
+(lumo/engine/prefix.py: from the latest snapshot of the recurrent state on the 2048-token prefill grid;
+the answer, decoded, is prefilled again). For each context C: turn 1 = C random tokens, turn 2 = turn 1 +
+`--answer` + `--message` tokens. One table, printed last:
+- turn 2's time to first token (prefill + first sample, one host sync; median of `--trials`) cold (no
+  prefix cache) and warm (after turn 1 on the same runner), the tokens each prefilled, and the speedup;
+- the floor of the warm time: its prefilled tokens at the cold prefill's own rate (tokens/s of this run);
+- turn 1's cost of taking its snapshots (with the cache on against off) and their memory;
+- whether warm and cold agree bitwise: the first token's logits, every GDN/conv state and the K/V.
+JSON goes to $OUT or bench/results/bench_prefix.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
+from lumo.engine.runner import GPURunner
+
+GB = 1e9
+
+
+def first_token(runner: GPURunner, ids: list[int]) -> tuple[float, int]:
+    """(seconds, tokens taken from the prefix cache) of resume + prefill + the first token's host read."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start = runner.resume(ids)
+    runner.prefill(ids[start:])
+    runner.token()
+    return time.perf_counter() - t0, start
+
+
+def state(runner: GPURunner, n: int) -> list[torch.Tensor]:
+    kv = [t[:n] for t in runner.kv_k + runner.kv_v]
+    return [t.clone() for t in (runner.logits[0], *runner.gdn_state, *runner.conv_state, *kv)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=64, help="model depth (64 = the real 27B)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--answer", type=int, default=400, help="tokens of the previous answer in turn 2")
+    ap.add_argument("--message", type=int, default=100, help="tokens of the new message in turn 2")
+    ap.add_argument("--snapshots", type=int, default=4, help="prefix snapshots kept (LLM's default)")
+    ap.add_argument("--trials", type=int, default=3)
+    args = ap.parse_args()
+
+    cfg = config_27b(num_layers=args.layers)
+    dev = torch.cuda.get_device_name()
+    w = random_model_weights(cfg, "cuda", nvfp4=True, seed=0)
+    gw = pack_weights(cfg, w, "cuda")
+    del w
+    extra = args.answer + args.message
+    runner = GPURunner(cfg, gw, max(args.contexts) + extra + 64)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for C in args.contexts:
+        turn1 = torch.randint(0, cfg.vocab_size, (C,), generator=gen).tolist()
+        turn2 = turn1 + torch.randint(0, cfg.vocab_size, (extra,), generator=gen).tolist()
+        first_token(runner, turn1[:4096])  # warm-up: kernels compiled and loaded
+        cold, cold1, warm, warm1 = [], [], [], []
+        for _ in range(args.trials):
+            runner.prefix = None
+            cold1.append(first_token(runner, turn1)[0])
+            t, _ = first_token(runner, turn2)
+            cold.append(t)
+            want = state(runner, len(turn2))
+            runner.enable_prefix_cache(args.snapshots)
+            warm1.append(first_token(runner, turn1)[0])
+            snap_bytes = runner.prefix.nbytes()
+            for _ in range(8):  # the answer decoded: positions past turn 1, never reused
+                runner.decode_step(use_graph=False)
+            t, cached = first_token(runner, turn2)
+            warm.append(t)
+            got = state(runner, len(turn2))
+            equal = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        cold_s, warm_s = statistics.median(cold), statistics.median(warm)
+        rate = len(turn2) / cold_s  # tokens/s of a cold prefill of turn 2
+        row = {
+            "context": C,
+            "turn2_tokens": len(turn2),
+            "cold_ms": cold_s * 1e3,
+            "warm_ms": warm_s * 1e3,
+            "cached_tokens": cached,
+            "warm_prefilled": len(turn2) - cached,
+            "warm_floor_ms": (len(turn2) - cached) / rate * 1e3,
+            "speedup": cold_s / warm_s,
+            "turn1_off_ms": statistics.median(cold1) * 1e3,
+            "turn1_on_ms": statistics.median(warm1) * 1e3,
+            "snapshot_gb": snap_bytes / GB,
+            "bitwise_equal": equal,
+            "trials": {"cold": cold, "warm": warm, "turn1_off": cold1, "turn1_on": warm1},
+        }
+        rows.append(row)
+        print(
+            f"context {C}: turn 2 cold {row['cold_ms']:.1f} ms, warm {row['warm_ms']:.1f} ms "
+            f"({cached} cached), equal {equal}",
+            flush=True,
+        )
+
+    print(f"\n{dev}, {args.layers}-layer 27B config, random NVFP4; turn 2 = turn 1 + {extra} tokens")
+    head = (
+        "context | turn 2 cold ms | warm ms | floor ms | cached / prefilled | speedup | "
+        "turn 1 snapshots on / off ms | snapshots GB | bitwise"
+    )
+    print(head)
+    for r in rows:
+        print(
+            f"{r['context']} | {r['cold_ms']:.1f} | {r['warm_ms']:.1f} | {r['warm_floor_ms']:.1f} | "
+            f"{r['cached_tokens']} / {r['warm_prefilled']} | {r['speedup']:.1f}x | "
+            f"{r['turn1_on_ms']:.1f} / {r['turn1_off_ms']:.1f} | {r['snapshot_gb']:.2f} | "
+            f"{r['bitwise_equal']}"
+        )
+    out = Path(os.environ.get("OUT", "bench/results")) / "bench_prefix.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": dev, "layers": args.layers, "rows": rows}, indent=1))
+    print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+    main()

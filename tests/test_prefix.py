@@ -1,0 +1,212 @@
+"""Prompt-prefix reuse (lumo/engine/prefix.py) on the reference decoders (CPU): a request that resumes from
+a snapshot computes bitwise what the same request computes from position 0 (first token, states, K/V,
+the MTP's K/V and draft logits, every later token), plus the snapshot bookkeeping itself."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lumo.config import TreeConfig
+from lumo.engine import decode
+from lumo.engine.decode import PlainDecoder, Slot, SpecDecoder
+from lumo.engine.prefix import PrefixCache, common_prefix
+from lumo.engine.sampling import SamplingParams
+from lumo.testing import make_tiny_checkpoint
+from lumo.weights import load_model
+
+CHUNK = 16  # the reference prefill's chunk in these tests (decode.PREFILL_CHUNK is patched)
+TREE = TreeConfig(depth=4, topk=3, budget=8, rows=16)
+
+
+# ---- the bookkeeping ----------------------------------------------------------------------------
+
+
+def state(x: float) -> list[torch.Tensor]:
+    return [torch.full((3,), float(x)), torch.full((2, 2), float(x))]
+
+
+def test_match_takes_the_longest_snapshot_inside_the_shared_prefix():
+    pc = PrefixCache(chunk=4, capacity=8)
+    ids = list(range(100, 114))  # 14 tokens: grid points 4, 8, 12
+    pc.begin(ids, 0)
+    for n in (4, 8, 12):
+        pc.add(n, state(n))
+    assert pc.match(ids + [1, 2]).length == 12
+    assert pc.match(ids).length == 12
+    assert pc.match(ids[:12]).length == 8  # at least one token is left to prefill
+    assert pc.match(ids[:10] + [7, 7, 7]).length == 8  # diverges at 10
+    assert pc.match(ids[:3] + [0] * 20) is None
+    assert pc.match([]) is None
+
+
+def test_begin_drops_the_snapshots_a_prefill_overwrites_and_counts_hits():
+    pc = PrefixCache(chunk=4, capacity=8)
+    a = list(range(20))
+    pc.begin(a, 0)
+    for n in (4, 8, 12, 16):
+        pc.add(n, state(n))
+    b = a[:9] + [99] * 10
+    snap = pc.match(b)
+    assert snap.length == 8
+    pc.begin(b, snap.length)
+    assert sorted(pc.snapshots) == [4, 8]  # 12 and 16 followed a[8:12], which b overwrites
+    assert pc.tokens == b and pc.hits == 1 and pc.hit_tokens == 8
+    assert torch.equal(pc.snapshots[8].tensors[0], torch.full((3,), 8.0))
+
+
+def test_least_recently_used_goes_first_and_its_buffers_are_reused():
+    pc = PrefixCache(chunk=4, capacity=2)
+    ids = list(range(40))
+    pc.begin(ids, 0)
+    pc.add(4, state(4))
+    pc.add(8, state(8))
+    buffers = pc.snapshots[4].tensors
+    pc.add(12, state(12))
+    assert sorted(pc.snapshots) == [8, 12]
+    assert pc.snapshots[12].tensors[0] is buffers[0]  # reused, not reallocated
+    assert torch.equal(pc.snapshots[12].tensors[1], torch.full((2, 2), 12.0))
+    assert pc.nbytes() == 2 * (3 + 4) * 4
+    pc.begin(ids[:10] + [0] * 9, pc.match(ids[:10] + [0] * 9).length)  # a hit on 8 (12 is dropped)
+    pc.add(12, state(-12))
+    pc.add(16, state(-16))  # 8, hit before 12 was added, is now the least recently used
+    assert sorted(pc.snapshots) == [12, 16]
+
+
+def test_snapshots_only_on_the_grid_and_truncate():
+    pc = PrefixCache(chunk=4, capacity=3)
+    pc.begin(list(range(12)), 0)
+    with pytest.raises(ValueError, match="grid"):
+        pc.add(6, state(6))
+    pc.add(4, state(4))
+    pc.add(8, state(8))
+    pc.truncate(5)
+    assert sorted(pc.snapshots) == [4] and pc.tokens == [0, 1, 2, 3, 4]
+    assert not PrefixCache(chunk=4, capacity=0).wants(8)
+    with pytest.raises(ValueError):
+        PrefixCache(chunk=0, capacity=1)
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([1], [1, 2]) == 1
+
+
+# ---- exactness on the reference decoders ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3, dtype="float32", num_hidden_layers=4)
+    return load_model(d, progress=False)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", CHUNK)
+
+
+def make(tiny, kind: str, params: SamplingParams, slot: Slot | None):
+    cfg, w = tiny
+    if kind == "plain":
+        return PlainDecoder(cfg, w, params, 160, "cpu", torch.float32, slot)
+    tree = TREE if kind == "tree" else TreeConfig(depth=3, topk=1, budget=3, rows=4)
+    return SpecDecoder(cfg, w, params, 160, "cpu", torch.float32, tree, slot=slot)
+
+
+def assert_same(a, b, n: int) -> None:
+    """Caches and (speculative) draft inputs of two decoders after a prefill of n prompt tokens."""
+    ca, cb = a.cache, b.cache
+    assert ca.length == cb.length == n and a.pending == b.pending
+    for x, y in zip(ca.kv_k + ca.kv_v, cb.kv_k + cb.kv_v, strict=True):
+        assert torch.equal(x[:n], y[:n])
+    for x, y in zip(ca.gdn_state + ca.conv_state, cb.gdn_state + cb.conv_state, strict=True):
+        assert torch.equal(x, y)
+    for x, y in zip(ca.mtp_k + ca.mtp_v, cb.mtp_k + cb.mtp_v, strict=True):
+        assert torch.equal(x[:n], y[:n])  # pairs 0..n-1, the last one with the pending token
+    if isinstance(a, SpecDecoder):
+        assert torch.equal(a.draft_logits, b.draft_logits)
+        assert torch.equal(a.draft_hidden, b.draft_hidden)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 250) for _ in range(n)]
+
+
+FIRST = tokens(70, 0)  # the first request: grid snapshots at 16, 32, 48, 64
+FOLLOW_UPS = {
+    # name: (second prompt, the position it must resume from)
+    "extends": (FIRST + tokens(9, 1), 64),
+    "diverges-mid-chunk": (FIRST[:41] + tokens(30, 2), 32),
+    "same-prompt": (FIRST, 64),
+    "ends-on-the-grid": (FIRST[:48], 32),  # 48 itself would leave no token to prefill
+    "unrelated": (tokens(50, 3), 0),
+}
+
+
+@pytest.mark.parametrize("follow_up", list(FOLLOW_UPS))
+@pytest.mark.parametrize("kind", ["plain", "tree", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_resumed_request_equals_a_cold_one_bitwise(tiny, small_chunks, kind, follow_up, temperature):
+    params = SamplingParams(temperature=temperature, top_k=40, top_p=0.9, seed=7)
+    second, resume_at = FOLLOW_UPS[follow_up]
+    slot = Slot(prefix_snapshots=4)
+    first = make(tiny, kind, params, slot)
+    first.prefill(FIRST)
+    for _ in range(5):  # decoding writes positions past the prompt: never part of a reusable prefix
+        first.step()
+    assert sorted(slot.prefix.snapshots) == [16, 32, 48, 64]
+
+    warm, cold = make(tiny, kind, params, slot), make(tiny, kind, params, None)
+    assert warm.cache is first.cache  # the slot's cache, kept
+    out_w, out_c = warm.prefill(second), cold.prefill(second)
+    assert warm.cached_tokens == resume_at and cold.cached_tokens == 0
+    assert out_w == out_c
+    assert_same(warm, cold, len(second))
+    for _ in range(6):
+        assert warm.step() == cold.step()
+    assert warm.cache.length == cold.cache.length
+
+
+def test_a_third_request_reuses_the_second_ones_snapshots(tiny, small_chunks):
+    params = SamplingParams(temperature=0.0)
+    slot = Slot(prefix_snapshots=2)
+    turn = FIRST
+    for i in range(3):  # each prompt = the previous one + an answer + a new message
+        d = make(tiny, "tree", params, slot)
+        out = d.prefill(turn)
+        while len(out) < 8:
+            out += d.step()
+        assert d.cached_tokens == (0 if i == 0 else (len(turn) - 20) // CHUNK * CHUNK)
+        assert len(slot.prefix.snapshots) <= 2
+        cold = make(tiny, "tree", params, None)
+        assert cold.prefill(turn) == out[:1]
+        turn = turn + out[:8] + tokens(12, 10 + i)
+
+
+def test_a_larger_cache_empties_the_prefix_cache(tiny, small_chunks):
+    cfg, w = tiny
+    slot = Slot(prefix_snapshots=4)
+    params = SamplingParams(temperature=0.0)
+    PlainDecoder(cfg, w, params, 100, "cpu", torch.float32, slot).prefill(FIRST)
+    assert slot.prefix.snapshots and slot.cache.max_len == decode.MIN_CAPACITY
+    big = PlainDecoder(cfg, w, params, decode.MIN_CAPACITY + 1, "cpu", torch.float32, slot)
+    assert not slot.prefix.snapshots and big.cache.max_len > decode.MIN_CAPACITY
+    big.prefill(FIRST)
+    assert big.cached_tokens == 0
+
+
+def test_llm_reports_cached_tokens_and_keeps_outputs(tmp_path):
+    """The LLM's torch backend keeps one slot across requests (default chunk: 512 tokens)."""
+    from lumo.engine.llm import LLM
+
+    d = make_tiny_checkpoint(tmp_path / "m", seed=5, dtype="float32", num_hidden_layers=2)
+    on, off = LLM(d, device="cpu", spec="tree"), LLM(d, device="cpu", spec="tree", prefix_snapshots=0)
+    prompt = tokens(600, 4)
+    r1 = on.generate(prompt, max_tokens=4, temperature=0.7, seed=3)
+    again = prompt[:590] + tokens(20, 5)
+    r2 = on.generate(again, max_tokens=12, temperature=0.7, seed=3)
+    assert (r1.cached_tokens, r2.cached_tokens) == (0, 512)
+    ref = off.generate(again, max_tokens=12, temperature=0.7, seed=3)
+    assert ref.cached_tokens == 0 and r2.token_ids == ref.token_ids
+    with pytest.raises(ValueError, match="prefix_snapshots"):
+        LLM(d, device="cpu", prefix_snapshots=-1)
