@@ -24,7 +24,7 @@ if [[ $what == kernels || $what == all ]]; then
     2>&1 >/dev/null | tail -1
 fi
 if [[ $what == spec || $what == all ]]; then
-  group 540 t_spec $P -s tests/test_gpu_spec_gpu.py tests/test_llm_gpu.py
+  group 540 t_spec $P -s tests/test_gpu_spec_gpu.py tests/test_llm_gpu.py tests/test_prefix_gpu.py
   grep -E "accepted drafts" "$out/t_spec.log"
 fi
 if [[ $what == bench || $what == all ]]; then
@@ -36,4 +36,6 @@ if [[ $what == bench || $what == all ]]; then
   tail -30 "$out/bench_linear.log"
   group 60 bench_attention python -m bench.bench_attention
   grep "^|" "$out/bench_attention.log"
+  group 120 bench_prefix python bench/bench_prefix.py
+  tail -4 "$out/bench_prefix.log"
 fi

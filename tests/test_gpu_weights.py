@@ -24,6 +24,7 @@ from lumo.engine.gpu_weights import (
     swiglu_scratch,
 )
 from lumo.engine.llm import embedded_model_path
+from lumo.engine.prefix import PrefixCache
 from lumo.engine.runner import linear_weight_bytes, memory_plan, splitk_partial_bytes
 from lumo.kernels.attention import attn_decode_workspace
 from lumo.kernels.linear import nvfp4_linear, pack_fused, unpack_nvfp4
@@ -190,6 +191,11 @@ def test_memory_plan_matches_the_reference_cache():
     assert plan["conv_state"] == nbytes(cache.conv_state)
     attn_ws = attn_decode_workspace(1, cfg.num_attention_heads, cfg.head_dim, L, "cpu")
     assert plan["decode_buffers"] > nbytes(attn_ws)  # the attention partials are counted whole
+    pc = PrefixCache(chunk=64, capacity=2)  # what the runner's snapshots hold: states + the hidden row
+    hidden = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+    for n in (64, 128):
+        pc.add(n, [*cache.gdn_state, *cache.conv_state, hidden])
+    assert memory_plan(cfg, L, chunk=64, prefix_snapshots=2)["prefix_snapshots"] == pc.nbytes()
     # the 128k plan on the 27B model fits a GB10 (128 GB shared with the OS) with a wide margin
     big = memory_plan(config_27b(), 131072)
     assert sum(big.values()) < 40e9

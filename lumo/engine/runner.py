@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..config import FULL, ModelConfig
+from ..config import DEFAULT_PREFIX_SNAPSHOTS, FULL, ModelConfig
 from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_prefill
@@ -516,10 +516,12 @@ def memory_plan(
     chunk: int = PREFILL_CHUNK,
     nvfp4: bool = True,
     partial_min_splits: int = 16,
+    prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
 ) -> dict:
-    """Bytes of each part of a runner: weights, caches, decode buffers, and the per-chunk prefill peak.
-    partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8 below). Plain decoding: the MTP head
-    of tree speculation is not counted (bench/bench_spec.py reports it)."""
+    """Bytes of each part of a runner: weights, caches, decode buffers, the per-chunk prefill peak and the
+    prefix cache's snapshots (prefix.py). partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8
+    below). Plain decoding: the MTP head of tree speculation is not counted (bench/bench_spec.py reports
+    it)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     nv, dk, dv, C, K = (
@@ -550,4 +552,6 @@ def memory_plan(
         "conv_state": n_gdn * C * (K - 1) * 2,
         "decode_buffers": attn_partials + 2 * V + 4 * 2 * (2 * I + C + nv * dv),  # + logits, activations
         "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
+        # GDN and conv states + the final-norm row, per snapshot (GPURunner.prefix_state)
+        "prefix_snapshots": prefix_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H),
     }
