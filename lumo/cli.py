@@ -49,6 +49,13 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "the drafter reads fewer bytes and may be accepted less often",
     )
     p.add_argument(
+        "--adaptive-spec",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on the GPU kernels, decode plainly while speculation's events emit fewer tokens per second "
+        "than plain steps (measured as it decodes; tried again later); the output is the same either way",
+    )
+    p.add_argument(
         "--prefix-snapshots",
         type=int,
         default=DEFAULT_PREFIX_SNAPSHOTS,
@@ -78,6 +85,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         draft_vocab=args.draft_vocab,
         draft_quant=args.draft_quant,
         prefix_snapshots=args.prefix_snapshots,
+        adaptive_spec=args.adaptive_spec,
     )
 
 

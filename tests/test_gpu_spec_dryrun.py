@@ -584,3 +584,79 @@ def test_emulated_prefix_cache_resume_equals_cold(monkeypatch, kind):
             assert gone() is None, "a reference cycle keeps the engine alive"
         finally:
             gc.enable()
+
+
+class Scripted:
+    """An adaptive policy with a fixed pattern of choices (True = event), for exactness tests."""
+
+    def __init__(self, pattern: list[bool]):
+        self.pattern, self.i = pattern, 0
+
+    def new_request(self) -> None:
+        pass
+
+    def speculate(self) -> bool:
+        return self.pattern[self.i % len(self.pattern)]
+
+    def record_event(self, tokens: int, seconds: float) -> None:
+        self.i += 1
+
+    def record_plain(self, seconds: float) -> None:
+        self.i += 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=5)],
+    ids=["greedy", "seeded"],
+)
+def test_emulated_events_and_plain_steps_mixed_equal_plain(monkeypatch, params):
+    """Adaptive speculation's plain steps between events (GPUSpecEngine.plain_step): the tokens and the
+    committed state are plain decoding's, and after plain steps the drafter (fed by them) still drafts
+    what the target accepts."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 96, prefill_chunk=10, device="cpu") for _ in range(2))
+    pattern = [True, False, False, True, True, False, True, False, False, False]
+    spec = GPUSpecDecoder(rs, params, tree, adaptive=Scripted(pattern))
+    plain = GPUDecoder(rp, params, use_graph=False)
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    got = spec.prefill(prompt)
+    # Every event's first draft step must come from the drafter's state as it stands (after plain steps:
+    # fed by them, its head run before the event): the depth-1 candidates are the top-k of the head over
+    # the MTP's output row at the event's start.
+    from lumo.kernels.tree_ops import topk_select_ref
+
+    eng, event = spec.engine, spec.engine.event
+    firsts = []
+
+    def checked_event(use_graph=False):
+        want_ids = topk_select_ref(eng.draft_head(eng.d1.out.clone()).float(), eng.k)
+        out = event(use_graph)
+        firsts.append(torch.equal(eng.cand[0], want_ids[0]))
+        return out
+
+    monkeypatch.setattr(eng, "event", checked_event)
+    while len(got) < 40:
+        got += spec.step()
+    assert firsts and all(firsts)
+    # The MTP's K/V (fed by events and plain steps alike, a row at a time) equal those of tree decoding
+    # without plain steps over their common committed positions.
+    only = GPUSpecDecoder(GPURunner(cfg, gw, 96, prefill_chunk=10, device="cpu"), params, tree)
+    out = only.prefill(prompt)
+    while len(out) < 40:
+        out += only.step()
+    n = min(rs.length, only.engine.runner.length) - 1
+    for a, b in zip(eng.mtp_k + eng.mtp_v, only.engine.mtp_k + only.engine.mtp_v, strict=True):
+        assert torch.equal(a[:n], b[:n])
+    want = plain.prefill(prompt)
+    while rp.length < rs.length:
+        want += plain.step()
+    assert got[: len(want)] == want
+    assert spec.stats.plain_steps > 0 and spec.stats.events > 0
+    for a, b in zip(rs.gdn_state + rs.conv_state, rp.gdn_state + rp.conv_state, strict=True):
+        assert torch.equal(a, b)
+    L = rs.length
+    for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
+        assert torch.equal(a[:L], b[:L])

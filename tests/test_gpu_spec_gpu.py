@@ -315,3 +315,51 @@ def test_first_two_tokens_follow_the_target_distribution():
     stat = sum((o - x) ** 2 / x for o, x in zip(obs, exp, strict=True))
     df = len(obs) - 1
     assert stat < chi2_critical(df), f"chi-square {stat:.1f} over {df} dof (critical {chi2_critical(df):.1f})"
+
+
+class Scripted:
+    """An adaptive policy with a fixed pattern of choices (True = event)."""
+
+    def __init__(self, pattern: list[bool]):
+        self.pattern, self.i = pattern, 0
+
+    def new_request(self) -> None:
+        pass
+
+    def speculate(self) -> bool:
+        return self.pattern[self.i % len(self.pattern)]
+
+    def record_event(self, tokens: int, seconds: float) -> None:
+        self.i += 1
+
+    def record_plain(self, seconds: float) -> None:
+        self.i += 1
+
+
+@pytest.mark.parametrize(
+    "params", [GREEDY, SamplingParams(temperature=0.8, top_k=50, seed=11)], ids=["greedy", "seeded"]
+)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_plain_steps_between_events_equal_plain(variant, params):
+    """Adaptive speculation's plain steps (GPUSpecEngine.plain_step, its own CUDA graph) mixed with events:
+    plain decoding's tokens, and the MTP's K/V (fed a row per plain step) bitwise those of tree decoding
+    without plain steps over their common committed positions."""
+    cfg, gw, _ = packed(variant)
+    eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
+    pattern = [True, False, False, True, True, False, True, False, False, False]
+    mixed = GPUSpecDecoder(eng, params, use_graph=True, adaptive=Scripted(pattern))
+    only = GPUSpecDecoder(engine(variant, TreeConfig()), params)
+    accepted = []
+    for i, p in enumerate(prompts(variant)[:12]):
+        want = plain_tokens(variant, p, 192, params)
+        got = spec_tokens(mixed, p, 192)
+        assert eng.graphs is not None and "plain" in eng.graphs
+        assert got == want, f"prompt {i}: first difference at token {first_diff(got, want)}"
+        assert mixed.stats.plain_steps > 0
+        accepted += mixed.stats.accepted
+        spec_tokens(only, p, 192)
+        n = min(eng.runner.length, only.engine.runner.length) - 1
+        for a, b in zip(eng.mtp_k + eng.mtp_v, only.engine.mtp_k + only.engine.mtp_v, strict=True):
+            assert torch.equal(a[:n], b[:n]), f"prompt {i}: the MTP's K/V differ"
+    if params.greedy:
+        assert sum(accepted) / len(accepted) > 0.3, "drafts after plain steps are rarely accepted"

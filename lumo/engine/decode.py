@@ -130,6 +130,7 @@ class PlainDecoder:
 class SpecStats:
     events: int = 0
     accepted: list[int] = field(default_factory=list)  # accepted drafts per event
+    plain_steps: int = 0  # steps taken without speculation (adaptive speculation, GPU engine)
 
     @property
     def mean_accepted(self) -> float:

@@ -22,6 +22,8 @@ The runner's own decode state (tok, pos, sample_pos) is kept current after every
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..config import FULL, TreeConfig
@@ -33,6 +35,7 @@ from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
+from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
@@ -41,6 +44,7 @@ from .sampling import SamplingParams
 from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
 
 _NO_SLOT = -(1 << 30)  # slot offset of a padding row: len + offset < 0, so qk_norm_rope_kv skips it
+EVENT_PHASES = ("draft", "verify", "commit")  # an event's graphs, replayed in this order
 
 
 class _Rows:
@@ -167,6 +171,9 @@ class GPUSpecEngine:
         self.tk_ws = topk_workspace(1, Vd, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self._carry: torch.Tensor | None = None
+        self.root_only = torch.full((self.cap,), -1, dtype=i32, device=dev)  # `accepted` of a plain step
+        self.root_only[0] = 0
+        self._draft_stale = False  # plain steps left the draft head's logits to the next event
 
     @property
     def logits(self) -> torch.Tensor:
@@ -247,9 +254,12 @@ class GPUSpecEngine:
         r = self.runner
         if r.length + self.R > r.max_len:
             raise ValueError(f"the cache is full ({r.max_len} positions incl. {self.R} tree slots)")
+        if self._draft_stale:  # plain steps fed the MTP without its head (plain_step)
+            self._draft_logits()
+            self._draft_stale = False
         if use_graph and self.graphs is not None:
-            for g in self.graphs.values():
-                g.replay()
+            for name in EVENT_PHASES:
+                self.graphs[name].replay()
         else:
             self._draft()
             self._verify()
@@ -258,6 +268,22 @@ class GPUSpecEngine:
         n = res[0]
         r.length += n
         return res[2 : 2 + n]
+
+    @torch.inference_mode()
+    def plain_step(self, use_graph: bool = False) -> int:
+        """One plain decoding step (the runner's own launches: the same bits as plain decoding, so the
+        same token an event would emit there) that also feeds the MTP its pair, so that an event can
+        follow at any time. The draft head waits for that event. Returns the new pending token."""
+        r = self.runner
+        if r.length >= r.max_len:
+            raise ValueError(f"the cache is full ({r.max_len} positions)")
+        if use_graph and self.graphs is not None:
+            self.graphs["plain"].replay()
+        else:
+            self._plain()
+        self._draft_stale = True
+        r.length += 1
+        return r.token()
 
     def _read_result(self) -> list[int]:
         # The one device-to-host copy of the event.
@@ -290,12 +316,14 @@ class GPUSpecEngine:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture draft, verify and accept+commit as three CUDA graphs. Two warm-up events on a side
+        """Capture draft, verify and accept+commit as three CUDA graphs, and a plain step as a fourth
+        (`plain_step`, adaptive speculation). Two warm-up events (and plain steps) on a side
         stream compile and load every kernel; the state they advance is restored (what they wrote past
         len in the K/V caches and the MTP cache is rewritten before it is read)."""
         if not self.can_capture():
             raise ValueError("capture() needs room for two warm-up events in the cache")
         steps = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
+        steps["plain"] = self._plain
         saved = [t.clone() for t in self._state()]
         side = torch.cuda.Stream(self.dev)
         side.wait_stream(torch.cuda.current_stream(self.dev))
@@ -390,6 +418,10 @@ class GPUSpecEngine:
         self.draft_head(self.d1.out, out=self.draft_bf16)
 
     def _feed(self) -> None:
+        self._feed_rows()
+        self._draft_logits()
+
+    def _feed_rows(self) -> None:
         """MTP K/V for the accepted pairs (h of accepted node j, emitted token j) at positions
         feed_start + j, j < count, computed over all D + 1 rows (rows past count write K/V past the
         committed MTP length, rewritten before read); the last pair's output -> the first draft step."""
@@ -402,7 +434,20 @@ class GPUSpecEngine:
         self._mtp_rows(f, self.feed_tok, self.feed_hid, self.feed_start)
         torch.sub(self.result[:1], 1, out=self.last_idx)
         torch.index_select(f.out, 0, self.last_idx, out=self.d1.out)
-        self._draft_logits()
+
+    def _plain(self) -> None:
+        """The runner's decode step (tok at pos -> the next tok, pos += 1), then the feed of its one pair
+        (the step's final-norm row, the new token) at MTP position pos - 1, as a one-node event's commit
+        feeds it (accepted = root only, count 1). No allocation, no sync: captured as the "plain" graph."""
+        r = self.runner
+        self.feed_start.copy_(r.pos)
+        r._step()
+        self.tr.out[0:1].copy_(r.hidden)  # the feed gathers h from the verify's output rows
+        self.accepted.copy_(self.root_only)
+        self.result[0:1].fill_(1)
+        self.result[2:3].copy_(r.tok)
+        self._feed_rows()
+        self.tokens[0:1].copy_(r.tok)
 
     # ------------------------------------------------------------------------------------------
     # The three phases of an event (launches only: no allocation, no sync).
@@ -554,7 +599,8 @@ class GPUSpecDecoder:
 
     backend_or_runner: a GPUBackend (the runner is grown to max_len + tree slots; pass max_len), a
     GPURunner, or a GPUSpecEngine (reused: no new buffers or graphs). The MTP head must be packed
-    (pack_weights(..., mtp=True)). Eager by default; use_graph=True captures.
+    (pack_weights(..., mtp=True)). Eager by default; use_graph=True captures. adaptive: an AdaptiveSpec
+    that takes plain steps instead of events while events do not pay (the same tokens either way).
     """
 
     def __init__(
@@ -564,6 +610,7 @@ class GPUSpecDecoder:
         tree: TreeConfig | None = None,
         max_len: int | None = None,
         use_graph: bool = False,
+        adaptive: AdaptiveSpec | None = None,
     ):
         tree = tree or TreeConfig()
         src = backend_or_runner
@@ -575,7 +622,7 @@ class GPUSpecDecoder:
                     raise ValueError("GPUSpecDecoder over a GPUBackend needs max_len")
                 src = src.runner_for(max_len, tree.rows + tree.depth + 1)
             self.engine = GPUSpecEngine(src, tree)
-        self.params, self.use_graph = params, use_graph
+        self.params, self.use_graph, self.adaptive = params, use_graph, adaptive
         self.extra_positions = self.engine.R + self.engine.cap
         self.stats = SpecStats()
         self.pending: int | None = None
@@ -589,6 +636,8 @@ class GPUSpecDecoder:
         e = self.engine
         e.set_sampling(self.params)
         self.stats = SpecStats()
+        if self.adaptive is not None:
+            self.adaptive.new_request()
         self.pending = e.prefill(prompt_ids)
         if self.use_graph and e.graphs is None and e.can_capture():
             e.capture()  # after prefill: the warm-up runs on real state, then restores it
@@ -598,9 +647,19 @@ class GPUSpecDecoder:
         # Graphs once captured; a first request whose prompt leaves no room for capture()'s warm-up
         # events runs eagerly (bitwise the same, tests/test_gpu_spec_gpu.py), and a later one captures.
         graph = self.use_graph and self.engine.graphs is not None
-        out = self.engine.event(use_graph=graph)
-        self.stats.events += 1
-        self.stats.accepted.append(len(out) - 1)
+        a = self.adaptive
+        if a is not None and not a.speculate():
+            t0 = time.perf_counter()
+            out = [self.engine.plain_step(use_graph=graph)]
+            a.record_plain(time.perf_counter() - t0)
+            self.stats.plain_steps += 1
+        else:
+            t0 = time.perf_counter()
+            out = self.engine.event(use_graph=graph)
+            if a is not None:
+                a.record_event(len(out), time.perf_counter() - t0)
+            self.stats.events += 1
+            self.stats.accepted.append(len(out) - 1)
         self.pending = out[-1]
         return out
 
@@ -615,9 +674,11 @@ class SpecBackend:
         tree: TreeConfig | None = None,
         chain: bool = False,
         use_graph: bool = False,
+        adaptive: bool = False,
     ):
         tree = tree or TreeConfig()
         self.backend, self.use_graph = backend, use_graph
+        self.policy = AdaptiveSpec() if adaptive else None  # one for the backend's requests in turn
         self.tree = chain_config(tree.depth) if chain else tree
         self.engine: GPUSpecEngine | None = None
 
@@ -626,4 +687,4 @@ class SpecBackend:
         if self.engine is None or self.engine.runner is not runner:
             self.engine = None
             self.engine = GPUSpecEngine(runner, self.tree)
-        return GPUSpecDecoder(self.engine, params, use_graph=self.use_graph)
+        return GPUSpecDecoder(self.engine, params, use_graph=self.use_graph, adaptive=self.policy)

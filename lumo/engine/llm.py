@@ -116,6 +116,7 @@ class LLM:
         draft_vocab: int | str | os.PathLike | None = None,
         draft_quant: str = "auto",
         prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
+        adaptive_spec: bool = True,
     ):
         if spec not in ("auto", "off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
@@ -127,6 +128,9 @@ class LLM:
         # Prompt prefixes reused across requests (lumo.engine.prefix: exact; snapshots of the recurrent
         # state on the prefill grid, this many kept; 0 = every prompt prefilled from its first token).
         self.prefix_snapshots = int(prefix_snapshots)
+        # Tree speculation on the kernels falls back to plain steps while events do not pay (lumo.engine.
+        # adaptive: the same tokens either way); False: always speculate.
+        self.adaptive_spec = bool(adaptive_spec)
         self.spec, self.tree = spec, tree or TreeConfig()
         self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
         self.device = _pick_device(device)
@@ -219,7 +223,9 @@ class LLM:
         from .gpu_spec import SpecBackend
 
         # Events replay CUDA graphs: bitwise the eager events (tests/test_gpu_spec_gpu.py, H200).
-        return SpecBackend(backend, self.tree, chain=self.spec == "chain", use_graph=True)
+        return SpecBackend(
+            backend, self.tree, chain=self.spec == "chain", use_graph=True, adaptive=self.adaptive_spec
+        )
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
