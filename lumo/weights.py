@@ -64,18 +64,25 @@ class NVFP4Linear:
 
 @dataclass
 class FP8Linear:
-    """Per-tensor FP8: W = float(weight) * weight_scale."""
+    """FP8 (e4m3) weights with a per-tensor scale (ModelOpt: W = float(weight) * weight_scale) or one scale
+    per block of bn x bk weights (`block`; the "fp8" quant_method of Qwen's and DeepSeek's FP8 checkpoints,
+    which store the scales as `weight_scale_inv`: W[i, j] = float(weight[i, j]) * scale[i // bn, j // bk])."""
 
     weight: torch.Tensor  # [N, K] float8_e4m3fn
-    weight_scale: torch.Tensor  # [] f32
+    weight_scale: torch.Tensor  # [] f32, or [ceil(N / bn), ceil(K / bk)] f32 with `block`
     input_scale: torch.Tensor | None = None
+    block: tuple[int, int] | None = None  # (bn, bk)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.weight.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.weight.float() * self.weight_scale.float()).to(dtype)
+        scale = self.weight_scale.float()
+        if self.block is not None:
+            (n, k), (bn, bk) = self.weight.shape, self.block
+            scale = scale.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+        return (self.weight.float() * scale).to(dtype)
 
 
 Linear = DenseLinear | NVFP4Linear | FP8Linear
@@ -87,6 +94,10 @@ def linear_rows(lin: Linear, rows: torch.Tensor) -> Linear:
     per-tensor scale). A draft vocabulary's lm_head (lumo.engine.draft_vocab)."""
     if isinstance(lin, NVFP4Linear):
         return replace(lin, weight=lin.weight[rows], weight_scale=lin.weight_scale[rows])
+    if isinstance(lin, FP8Linear) and lin.block is not None:  # each row keeps its block's scales
+        bn, bk = lin.block
+        rows = rows.to(lin.weight_scale.device)
+        return replace(lin, weight=lin.weight[rows], weight_scale=lin.weight_scale[rows // bn], block=(1, bk))
     return replace(lin, weight=lin.weight[rows])
 
 
@@ -367,6 +378,21 @@ class QuantSpec:
 
 
 @dataclass(frozen=True)
+class BlockFP8Spec:
+    """quantization_config {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [bn, bk]} (Qwen's and
+    DeepSeek's FP8 checkpoints, transformers' FineGrainedFP8): FP8 weights with one f32 scale per block,
+    stored as `weight_scale_inv`, dynamic activations (lumo keeps them bf16: W8A16)."""
+
+    block: tuple[int, int] = (128, 128)
+    skip: tuple[str, ...] = ()  # modules_to_not_convert: module names or name prefixes left dense
+    source: str = "config.json quantization_config"
+
+    def declared(self, module: str) -> str | None:
+        skipped = any(module == m or module.startswith(m + ".") or m in module.split(".") for m in self.skip)
+        return None if skipped else "FP8"
+
+
+@dataclass(frozen=True)
 class CompressedTensorsSpec:
     """A compressed-tensors quantization_config (llm-compressor, vLLM) whose config groups are all NVFP4."""
 
@@ -384,7 +410,7 @@ class CompressedTensorsSpec:
         return (by_name + by_class + [None])[0]
 
 
-def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSpec:
+def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSpec | BlockFP8Spec:
     hf = root / "hf_quant_config.json"
     if hf.is_file():
         try:
@@ -396,11 +422,13 @@ def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSp
         method = q.get("quant_method")
         if method == "compressed-tensors":
             return _compressed_tensors_spec(q, "config.json quantization_config")
+        if method == "fp8":
+            return _block_fp8_spec(q, "config.json quantization_config")
         if method != "modelopt":
             raise WeightError(
                 f"unknown quantisation: quantization_config has quant_method {method!r}; lumo loads ModelOpt "
-                f"({', '.join(QUANT_ALGOS)}, MIXED_PRECISION), compressed-tensors NVFP4 and unquantised "
-                "checkpoints"
+                f"({', '.join(QUANT_ALGOS)}, MIXED_PRECISION), compressed-tensors NVFP4, block FP8 "
+                "(quant_method fp8) and unquantised checkpoints"
             )
         source, exclude = "config.json quantization_config", q.get("ignore", q.get("exclude_modules"))
     else:
@@ -419,6 +447,20 @@ def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSp
         m: str((v or {}).get("quant_algo", "")).upper() for m, v in (q.get("quantized_layers") or {}).items()
     }
     return QuantSpec(algo, tuple(exclude or ()), layers, source)
+
+
+def _block_fp8_spec(q: dict, source: str) -> BlockFP8Spec:
+    fmt = str(q.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise WeightError(f"unknown quantisation: FP8 format {fmt!r} in {source}; lumo loads e4m3")
+    block = q.get("weight_block_size") or [128, 128]
+    ok = isinstance(block, list | tuple) and len(block) == 2
+    if not (ok and all(isinstance(b, int) and b > 0 for b in block)):
+        raise WeightError(f"{source} has weight_block_size {block!r}; expected two positive integers")
+    skip = q.get("modules_to_not_convert") or q.get("ignored_layers") or ()
+    if not all(isinstance(m, str) for m in skip):
+        raise WeightError(f"{source} has modules_to_not_convert {skip!r}; expected module names")
+    return BlockFP8Spec((int(block[0]), int(block[1])), tuple(skip), source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,7 +565,10 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
 
 
 def _quantized_linear_builder(
-    ckpt: _Checkpoint, spec: QuantSpec | CompressedTensorsSpec, device: torch.device, dtype: torch.dtype
+    ckpt: _Checkpoint,
+    spec: QuantSpec | CompressedTensorsSpec | BlockFP8Spec,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> LinearBuilder:
     """Decide each linear's format from its stored dtypes and scales, cross-checked with the config."""
 
@@ -626,8 +671,28 @@ def _quantized_linear_builder(
         # llm-compressor leaves the MTP head unquantised without listing it in `ignore`.
         return dense(name, N, K)
 
+    def block_fp8(prefix: str, N: int, K: int) -> Linear:
+        name = f"{prefix}.weight"
+        info = ckpt.info(name)
+        if info is None:
+            raise WeightError(f"missing tensor {name}")
+        if info[0] in _DENSE:  # modules_to_not_convert, or a checkpoint that left it dense
+            return dense(name, N, K)
+        if info[0] != "F8_E4M3":
+            raise WeightError(f"unknown quantisation: tensor {name} is {info[0]} in a block FP8 checkpoint")
+        if spec.declared(prefix) is None:
+            raise WeightError(f"tensor {name} is stored as fp8 but {spec.source} leaves {prefix} unconverted")
+        bn, bk = spec.block
+        w = tensor(name, ("F8_E4M3",), [N, K], "FP8")
+        scale_name = f"{prefix}.weight_scale_inv"
+        what = f"FP8 scales of [{N}, {K}] in {bn} x {bk} blocks"
+        ws = tensor(scale_name, ("F32", "BF16", "F16"), [-(-N // bn), -(-K // bk)], what)
+        return FP8Linear(w.to(device), ws.float().to(device), block=(bn, bk))
+
     def build(prefix: str, shape: tuple[int, int]) -> Linear:
         N, K = shape
+        if isinstance(spec, BlockFP8Spec):
+            return block_fp8(prefix, N, K)
         return (compressed_tensors if isinstance(spec, CompressedTensorsSpec) else modelopt)(prefix, N, K)
 
     return build

@@ -25,6 +25,7 @@ from lumo.weights import (
     WeightError,
     build_weights,
     dense_linear_builder,
+    linear_rows,
     load_model,
     read_quant_spec,
     resolve_model_path,
@@ -579,3 +580,133 @@ def test_compressed_tensors_unsupported(tmp_path, change, words):
     with pytest.raises(WeightError, match=words) as e:
         load_model(d, progress=False)
     assert "\n" not in str(e.value)
+
+
+# ---- block FP8 (quant_method "fp8": Qwen's / DeepSeek's FP8 checkpoints) ----------------------------------
+
+
+def block_fp8(w: torch.Tensor, bn: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (fp8 weight, weight_scale_inv [ceil(N/bn), ceil(K/bk)] f32) with W ~ q * scale per block,
+    written independently of lumo (partial edge blocks included)."""
+    N, K = w.shape
+    nb, kb = -(-N // bn), -(-K // bk)
+    scale = torch.empty(nb, kb)
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    for i in range(nb):
+        for j in range(kb):
+            blk = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].float()
+            s = max(blk.abs().max().item() / 448.0, 1e-12)
+            scale[i, j] = s
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_block_fp8(d: Path, bn: int, bk: int, skip=("lm_head",), **extra_q) -> tuple[dict, dict]:
+    """The tiny checkpoint with every 2-D linear weight (embedding, lm_head and in_proj_b/a excepted) in
+    block FP8, and its quantization_config; returns (original tensors, {module: (q, scale)})."""
+    raw = load_file(d / "model.safetensors")
+    out, fp8 = {}, {}
+    for name, t in raw.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and t.ndim == 2 and "embed" not in name and "lm_head" not in name:
+            if not module.endswith(("in_proj_a", "in_proj_b")):
+                q, s = block_fp8(t, bn, bk)
+                out |= {name: q, f"{module}.weight_scale_inv": s}
+                fp8[module] = (q, s)
+                continue
+        out[name] = t
+    resave(d, out)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [bn, bk],
+        "modules_to_not_convert": list(skip),
+        **extra_q,
+    }
+    (d / "config.json").write_text(json.dumps(cfg))
+    return raw, fp8
+
+
+def test_block_fp8_checkpoint(tmp_path):
+    d = tiny(tmp_path)
+    raw, fp8 = write_block_fp8(d, 16, 48)  # partial blocks: the tiny dims are not multiples of 48
+    cfg, w = load_model(d, progress=False)
+    lins = named_linears(w)
+    assert fp8 and set(fp8) <= set(lins)
+    for module, lin in lins.items():
+        if module in fp8:
+            q, s = fp8[module]
+            assert isinstance(lin, FP8Linear) and lin.block == (16, 48), module
+            N, K = q.shape
+            want = q.float() * s.repeat_interleave(16, 0)[:N].repeat_interleave(48, 1)[:, :K]
+            assert torch.equal(lin.dequantize(), want), module
+            assert (lin.dequantize() - raw[f"{module}.weight"]).norm() < 0.07 * raw[f"{module}.weight"].norm()
+            # a draft vocabulary's rows keep their blocks' scales
+            rows = torch.tensor([0, N - 1, N // 2, 3])
+            assert torch.equal(linear_rows(lin, rows).dequantize(), want[rows])
+        else:
+            assert isinstance(lin, DenseLinear), module
+    # the reference model runs on it, near the original (e4m3 keeps 3 mantissa bits: ~3% per weight)
+    _, dense = load_model(tiny(tmp_path / "orig"), progress=False)
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    a = forward(cfg, w, ids)[0]
+    b = forward(cfg, dense, ids)[0]
+    assert (a - b).norm() / b.norm() < 0.1
+    from lumo.engine.llm import LLM
+
+    r = LLM(d, device="cpu").generate([5, 17, 99], max_tokens=4, temperature=0)
+    assert len(r.token_ids) == 4
+
+
+def test_block_fp8_packs_for_the_kernels_and_the_drafter(tmp_path):
+    """The kernels take FP8 as bf16 (one rounding of the dequantised weight); the drafter's NVFP4 copies
+    quantise the dequantised block-FP8 weights."""
+    from lumo.engine.gpu_weights import nvfp4_copy, pack_weights
+
+    d = tiny(tmp_path)
+    write_block_fp8(d, 32, 32)
+    cfg, w = load_model(d, progress=False)
+    gw = pack_weights(cfg, w, "cpu", mtp=True)
+    lin = w.layers[0].mlp.down_proj
+    part = gw.layers[0].down.parts[0]
+    assert isinstance(lin, FP8Linear) and part.packed is None
+    K = lin.shape[1]
+    assert torch.equal(part.weight[:, :K], lin.dequantize().to(torch.bfloat16))
+    copy = nvfp4_copy(lin, "cpu")
+    assert isinstance(copy, NVFP4Linear)
+    assert (copy.dequantize() - lin.dequantize()).norm() < 0.2 * lin.dequantize().norm()
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"fmt": "e5m2"}, "FP8 format 'e5m2'"),
+        ({"weight_block_size": [128]}, "weight_block_size"),
+        ({"weight_block_size": [0, 128]}, "weight_block_size"),
+        ({"modules_to_not_convert": [3]}, "modules_to_not_convert"),
+    ],
+)
+def test_block_fp8_bad_config(tmp_path, change, words):
+    d = tiny(tmp_path)
+    write_block_fp8(d, 32, 32, **change)
+    with pytest.raises(WeightError, match=words):
+        load_model(d, progress=False)
+
+
+def test_block_fp8_bad_tensors(tmp_path):
+    d = tiny(tmp_path)
+    write_block_fp8(d, 32, 32)
+    t = load_file(d / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    resave(d, {n: v for n, v in t.items() if n != name})
+    with pytest.raises(WeightError, match=f"missing tensor {re.escape(name)}"):
+        load_model(d, progress=False)
+    resave(d, {**t, name: t[name][:, :1].contiguous()})
+    with pytest.raises(WeightError, match="FP8 scales of"):
+        load_model(d, progress=False)
+    d2 = tiny(tmp_path / "skip")
+    write_block_fp8(d2, 32, 32, skip=("lm_head", "model.layers.0.mlp.up_proj"))
+    with pytest.raises(WeightError, match="stored as fp8 but .* leaves model.layers.0.mlp.up_proj"):
+        load_model(d2, progress=False)

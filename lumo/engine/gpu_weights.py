@@ -361,8 +361,11 @@ def nvfp4_copy(lin: Linear, device: torch.device | str) -> NVFP4Linear:
     device = torch.device(device)
 
     def block(r: int) -> torch.Tensor:  # rows [r, r + QUANT_ROWS) of W on the device (FP8: dequantised)
-        w = lin.weight[r : r + QUANT_ROWS].to(device)
-        return w if isinstance(lin, DenseLinear) else FP8Linear(w, lin.weight_scale.to(device)).dequantize()
+        if isinstance(lin, DenseLinear):
+            return lin.weight[r : r + QUANT_ROWS].to(device)
+        part = linear_rows(lin, torch.arange(r, min(r + QUANT_ROWS, lin.shape[0])))  # its block scales too
+        part = replace(part, weight=part.weight.to(device), weight_scale=part.weight_scale.to(device))
+        return part.dequantize()
 
     starts = range(0, lin.shape[0], QUANT_ROWS)
     scale_2 = nvfp4_global_scale(torch.stack([block(r).abs().amax().float() for r in starts]))
