@@ -244,6 +244,7 @@ class GPUSpecEngine:
         self.result[2:3].copy_(r.tok)
         self.feed_start.fill_(n - 1)
         self._feed()
+        self._draft_stale = False
         self.tokens[0:1].copy_(r.tok)
         self._carry = None
         return r.token()

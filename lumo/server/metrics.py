@@ -162,6 +162,9 @@ class ServerMetrics:
         self.itl = r.histogram("lumo_inter_token_latency_seconds", "time per generated token after the first")
         self.e2e = r.histogram("lumo_request_latency_seconds", "arrival to last token of generation requests")
         self.queue_wait = r.histogram("lumo_queue_wait_seconds", "arrival to start of generation")
+        self.spec_plain_steps = r.counter(
+            "lumo_spec_plain_steps_total", "tokens decoded plainly while speculation did not pay (adaptive)"
+        )
         self.spec_accepted = r.histogram(
             "lumo_spec_accepted_drafts", "accepted draft tokens per speculative event", buckets=range(33)
         )

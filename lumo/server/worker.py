@@ -154,6 +154,8 @@ class EngineWorker:
             stats = getattr(getattr(self.llm, "last_decoder", None), "stats", None)
             for accepted in stats.accepted if stats is not None else ():
                 m.spec_accepted.observe(accepted)
+            if stats is not None and getattr(stats, "plain_steps", 0):
+                m.spec_plain_steps.inc(stats.plain_steps)
             if job.cancelled.is_set():
                 m.cancelled.inc()
             else:
