@@ -17,7 +17,9 @@ Exactness: every kernel is batch invariant, so an accepted node's logits, the co
 and the K/V are bitwise those of plain decoding (GPUDecoder) at the same position, and so are the tokens
 (greedy and seeded sampling). decode.SpecDecoder is the plain-torch reference of the same event.
 The runner's own decode state (tok, pos, sample_pos) is kept current after every event, so plain
-`runner.decode_step()` may continue where speculation stopped.
+`runner.decode_step()` may continue where speculation stopped; `plain_step()` does so and also feeds the
+MTP its pair (a fourth graph), so that adaptive speculation (lumo.engine.adaptive) can switch between
+events and plain steps at any token with the same output.
 """
 
 from __future__ import annotations
