@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
-from bench_spec import held_out_prompts
+from bench_spec import decode_timed, held_out_prompts
 
 from lumo.config import TreeConfig
 from lumo.engine.adaptive import AdaptiveSpec
@@ -47,12 +46,8 @@ def decode(cfg, gw, mode: str, prompts: list[list[int]], new: int, params: Sampl
     if mode == "adaptive":
         dec.adaptive = AdaptiveSpec()  # one for all the prompts, as SpecBackend keeps it
     for p in prompts:
-        out = dec.prefill(p)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        while len(out) < new:
-            out += dec.step()
-        secs += time.perf_counter() - t0
+        out, t = decode_timed(dec, p, new)
+        secs += t
         n_tok += len(out) - 1
         tokens.append(out[:new])
         if mode != "plain":

@@ -77,6 +77,17 @@ def held_out_prompts(path: Path, n: int, length: int = 128) -> list[list[int]]:
     return out
 
 
+def decode_timed(dec, prompt: list[int], new: int) -> tuple[list[int], float]:
+    """Prefill, then steps until at least `new` tokens: (the tokens, seconds of the steps, host syncs
+    included; the prefill is not timed)."""
+    out = dec.prefill(prompt)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while len(out) < new:
+        out += dec.step()
+    return out, time.perf_counter() - t0
+
+
 def embedded(n_prompts: int, new: int, draft_vocab: int) -> dict:
     path = embedded_model_path()
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
@@ -101,12 +112,8 @@ def embedded(n_prompts: int, new: int, draft_vocab: int) -> dict:
         hist: Counter = Counter()
         n_tok, secs = 0, 0.0
         for p in prompts:
-            out = dec.prefill(p)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            while len(out) < new:
-                out += dec.step()
-            secs += time.perf_counter() - t0
+            out, t = decode_timed(dec, p, new)
+            secs += t
             n_tok += len(out) - 1
             if mode != "plain":
                 hist.update(dec.stats.accepted)

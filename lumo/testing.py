@@ -278,3 +278,34 @@ def make_tiny_checkpoint(dst: Path, seed: int = 0, **config_overrides: Any) -> P
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     _write_json(dst / "config.json", cfg)
     return dst
+
+
+def embedded_or_skip(variant: str = "lumo-tiny") -> Path:
+    """The embedded model `variant`'s directory in lumo/assets; skips the calling test where this install
+    does not ship it (a checkout before bench/train_tiny.py ran)."""
+    import pytest
+
+    path = Path(__file__).parent / "assets" / variant
+    if not (path / "config.json").exists():
+        pytest.skip(f"{variant} is not in lumo/assets")
+    return path
+
+
+class ScriptedAdaptive:
+    """An adaptive-speculation policy (lumo.engine.adaptive.AdaptiveSpec's interface) that follows a fixed
+    pattern of choices, True = event, whatever the times: for testing the engine's switches."""
+
+    def __init__(self, pattern: list[bool]):
+        self.pattern, self.i = pattern, 0
+
+    def new_request(self) -> None:
+        pass
+
+    def speculate(self) -> bool:
+        return self.pattern[self.i % len(self.pattern)]
+
+    def record_event(self, tokens: int, seconds: float) -> None:
+        self.i += 1
+
+    def record_plain(self, seconds: float) -> None:
+        self.i += 1

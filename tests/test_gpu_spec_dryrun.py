@@ -25,6 +25,7 @@ from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import accept, build_tree
+from lumo.testing import ScriptedAdaptive
 from lumo.weights import load_model
 
 # attention._kernels: chunk, chunk pipelined (plain decode), chunk (tree rows), merge (plain), merge (tree)
@@ -586,25 +587,6 @@ def test_emulated_prefix_cache_resume_equals_cold(monkeypatch, kind):
             gc.enable()
 
 
-class Scripted:
-    """An adaptive policy with a fixed pattern of choices (True = event), for exactness tests."""
-
-    def __init__(self, pattern: list[bool]):
-        self.pattern, self.i = pattern, 0
-
-    def new_request(self) -> None:
-        pass
-
-    def speculate(self) -> bool:
-        return self.pattern[self.i % len(self.pattern)]
-
-    def record_event(self, tokens: int, seconds: float) -> None:
-        self.i += 1
-
-    def record_plain(self, seconds: float) -> None:
-        self.i += 1
-
-
 @pytest.mark.parametrize(
     "params",
     [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=5)],
@@ -619,7 +601,7 @@ def test_emulated_events_and_plain_steps_mixed_equal_plain(monkeypatch, params):
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
     rp, rs = (GPURunner(cfg, gw, 96, prefill_chunk=10, device="cpu") for _ in range(2))
     pattern = [True, False, False, True, True, False, True, False, False, False]
-    spec = GPUSpecDecoder(rs, params, tree, adaptive=Scripted(pattern))
+    spec = GPUSpecDecoder(rs, params, tree, adaptive=ScriptedAdaptive(pattern))
     plain = GPUDecoder(rp, params, use_graph=False)
     prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
     got = spec.prefill(prompt)

@@ -21,6 +21,7 @@ from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import chain_config
+from lumo.testing import ScriptedAdaptive
 from lumo.tokenizer import Tokenizer
 from lumo.weights import load_model
 
@@ -317,25 +318,6 @@ def test_first_two_tokens_follow_the_target_distribution():
     assert stat < chi2_critical(df), f"chi-square {stat:.1f} over {df} dof (critical {chi2_critical(df):.1f})"
 
 
-class Scripted:
-    """An adaptive policy with a fixed pattern of choices (True = event)."""
-
-    def __init__(self, pattern: list[bool]):
-        self.pattern, self.i = pattern, 0
-
-    def new_request(self) -> None:
-        pass
-
-    def speculate(self) -> bool:
-        return self.pattern[self.i % len(self.pattern)]
-
-    def record_event(self, tokens: int, seconds: float) -> None:
-        self.i += 1
-
-    def record_plain(self, seconds: float) -> None:
-        self.i += 1
-
-
 @pytest.mark.parametrize(
     "params", [GREEDY, SamplingParams(temperature=0.8, top_k=50, seed=11)], ids=["greedy", "seeded"]
 )
@@ -347,7 +329,7 @@ def test_plain_steps_between_events_equal_plain(variant, params):
     cfg, gw, _ = packed(variant)
     eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
     pattern = [True, False, False, True, True, False, True, False, False, False]
-    mixed = GPUSpecDecoder(eng, params, use_graph=True, adaptive=Scripted(pattern))
+    mixed = GPUSpecDecoder(eng, params, use_graph=True, adaptive=ScriptedAdaptive(pattern))
     only = GPUSpecDecoder(engine(variant, TreeConfig()), params)
     accepted = []
     for i, p in enumerate(prompts(variant)[:12]):

@@ -14,8 +14,9 @@ from lumo.config import TreeConfig
 from lumo.engine.gpu_decode import GPUBackend, GPUDecoder
 from lumo.engine.gpu_spec import SpecBackend
 from lumo.engine.gpu_weights import pack_weights
-from lumo.engine.llm import LLM, embedded_model_path
+from lumo.engine.llm import LLM
 from lumo.engine.sampling import SamplingParams
+from lumo.testing import embedded_or_skip
 from lumo.weights import load_model
 
 pytestmark = pytest.mark.gpu
@@ -27,10 +28,7 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k
 
 @functools.cache
 def packed(variant: str):
-    path = embedded_model_path().parent / variant
-    if not (path / "config.json").exists():
-        pytest.skip(f"{variant} is not in lumo/assets")
-    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    cfg, w = load_model(embedded_or_skip(variant), device="cpu", dtype=torch.bfloat16, progress=False)
     return cfg, pack_weights(cfg, w, DEV, mtp=True)
 
 
@@ -90,9 +88,7 @@ def test_resumed_prompt_equals_cold_bitwise(variant, spec, params):
 def test_llm_turns_reuse_the_2048_token_grid(variant):
     """The LLM's defaults on the kernels (tree speculation, 2048-token prefill chunks, 4 snapshots): a
     conversation's third turn resumes from the snapshot at 2048 and emits a cold engine's tokens."""
-    path = embedded_model_path().parent / variant
-    if not (path / "config.json").exists():
-        pytest.skip(f"{variant} is not in lumo/assets")
+    path = embedded_or_skip(variant)
     on, off = LLM(path, device="cuda"), LLM(path, device="cuda", prefix_snapshots=0)
     vocab = on.config.vocab_size
     turn = rand_ids(1900, vocab, 5)
