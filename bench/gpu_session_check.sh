@@ -38,4 +38,6 @@ if [[ $what == bench || $what == all ]]; then
   grep "^|" "$out/bench_attention.log"
   group 120 bench_prefix python bench/bench_prefix.py
   tail -4 "$out/bench_prefix.log"
+  group 180 bench_adaptive python bench/bench_adaptive.py
+  tail -7 "$out/bench_adaptive.log"
 fi
