@@ -65,9 +65,12 @@ def _parsed(prompt: str, text: str) -> tuple[str, str]:
     return a.content + b.content, a.reasoning + b.reasoning
 
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, missing: float | None = None) -> float:
+    """A sample's value; `missing` (if given) when the series has no sample yet (a labelled counter)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    if m is None and missing is not None:
+        return missing
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
@@ -224,7 +227,7 @@ def test_twenty_concurrent_requests_match_alone(server):
 
 
 def test_metrics_exposition(server):
-    before = _metric(server.url, 'lumo_requests_total{endpoint="/v1/completions",status="200"}')
+    before = _metric(server.url, 'lumo_requests_total{endpoint="/v1/completions",status="200"}', missing=0)
     httpx.post(
         server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3, "temperature": 0}, timeout=30
     )
@@ -233,6 +236,8 @@ def test_metrics_exposition(server):
     assert after == before + 1
     for name in (
         "lumo_prompt_tokens_total",
+        "lumo_prompt_tokens_cached_total",
+        "lumo_spec_plain_steps_total",
         "lumo_generation_tokens_total",
         "lumo_time_to_first_token_seconds_count",
         "lumo_inter_token_latency_seconds_count",
