@@ -35,6 +35,9 @@ def test_generate_chat_stop_and_spec(tmp_path):
     assert plain.returncode == 0 and chain.returncode == 0, plain.stderr + chain.stderr
     assert chain.stdout == plain.stdout  # speculation never changes greedy output
     assert lumo(*base, "--prompt", "hi", "--chat").returncode == 0
+    flags = ["--prefix-snapshots", "0", "--no-adaptive-spec"]  # accepted (adaptive: the kernels only)
+    other = lumo(*base, "--prompt", "hello", "--spec", "chain", "--spec-depth", "3", *flags)
+    assert other.returncode == 0 and other.stdout == plain.stdout, other.stderr
 
 
 @pytest.mark.parametrize(
@@ -44,6 +47,7 @@ def test_generate_chat_stop_and_spec(tmp_path):
         (["generate", "--model", "{bad}", "--prompt", "x", "--device", "cpu"], "bad"),
         (["quantize", "/no/such/dir", "/tmp/lumo-out-never"], "/no/such/dir"),
         (["generate", "--prompt", "x", "--device", "cpu", "--draft-quant", "nvfp4"], "kernels backend"),
+        (["generate", "--prompt", "x", "--device", "cpu", "--prefix-snapshots", "-1"], "prefix_snapshots"),
     ],
 )
 def test_user_errors_are_one_line_exit_2(args, words):
