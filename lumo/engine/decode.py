@@ -21,7 +21,17 @@ from .sampling import SamplingParams, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
-MIN_CAPACITY = 4096  # smallest Slot cache: short requests share one allocation
+MIN_CAPACITY = 4096  # smallest slot (a Slot's cache, a GPURunner): short requests share one allocation
+
+
+def slot_capacity(need: int, limit: int) -> int:
+    """Positions to allocate for a slot that must hold `need`: a power of two >= MIN_CAPACITY, at most
+    `limit` (the model's context) unless `need` itself is larger (a tree's extra slots). Few distinct
+    sizes: few re-allocations (and, on the GPU, captures)."""
+    cap = MIN_CAPACITY
+    while cap < need:
+        cap *= 2
+    return max(min(cap, limit), need)
 
 
 class Slot:
@@ -33,17 +43,11 @@ class Slot:
         self.prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots) if prefix_snapshots else None
 
     def cache_for(self, cfg: ModelConfig, max_len: int, device, dtype) -> M.Cache:
-        """The cache (a slot serves one model on one device), replaced by a larger one, emptying the prefix
-        cache, when it holds fewer than max_len positions. A new one holds a power of two >= MIN_CAPACITY
-        positions, at most the model's context unless max_len (with a tree's extra slots) is larger."""
+        """The cache (a slot serves one model on one device), replaced by a larger one (slot_capacity),
+        emptying the prefix cache, when it holds fewer than max_len positions."""
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = None  # free the old one first
-            cap = MIN_CAPACITY
-            while cap < max_len:
-                cap *= 2
-            if cap > cfg.max_position_embeddings:
-                cap = max(cfg.max_position_embeddings, max_len)
-            self.cache = M.new_cache(cfg, cap, device, dtype)
+            self.cache = M.new_cache(cfg, slot_capacity(max_len, cfg.max_position_embeddings), device, dtype)
             if self.prefix is not None:
                 self.prefix.clear()
         return self.cache
@@ -73,26 +77,21 @@ class PlainDecoder:
         else:
             self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
+        if self.prefix is not None:  # a snapshot's final-norm row is restored here
+            self._restored_carry = torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype)
 
     def _resume(self, prompt_ids: list[int]) -> int:
         """Empty the cache, or restore the state after the longest cached prefix; returns its length."""
         c = self.cache
         for t in c.gdn_state + c.conv_state:
             t.zero_()
-        c.length = c.mtp_length = 0
         self._carry = None  # final-norm hidden row of the position before the next chunk
-        if self.prefix is None:
-            return 0
-        self.prefix.claim(self.feeds_mtp)  # a plain decoder's prefills leave the MTP's K/V behind
-        snap = self.prefix.match(prompt_ids)
-        start = 0 if snap is None else snap.length
-        if snap is not None:
-            n = len(c.gdn_state) + len(c.conv_state)
-            for dst, src in zip(c.gdn_state + c.conv_state, snap.tensors[:n], strict=True):
-                dst.copy_(src)
-            self._carry = snap.tensors[n]
-            c.length = c.mtp_length = start
-        self.prefix.begin(prompt_ids, start)
+        start = 0
+        if self.prefix is not None:  # owner: a plain decoder's prefills leave the MTP's K/V behind
+            state = [*c.gdn_state, *c.conv_state, self._restored_carry]
+            start = self.prefix.resume(prompt_ids, state, self.feeds_mtp)
+            self._carry = self._restored_carry if start else None
+        c.length = c.mtp_length = start
         return start
 
     def prefill(self, prompt_ids: list[int]) -> list[int]:

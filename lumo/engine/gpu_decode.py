@@ -12,11 +12,10 @@ import torch
 
 from ..config import ModelConfig
 from ..weights import ModelWeights
+from .decode import slot_capacity
 from .gpu_weights import GPUWeights, pack_weights
 from .runner import PREFILL_CHUNK, GPURunner
 from .sampling import SamplingParams
-
-MIN_CAPACITY = 4096  # smallest runner: short requests all share one capture
 
 
 class GPUDecoder:
@@ -69,25 +68,23 @@ class GPUBackend:
         self.runner: GPURunner | None = None
 
     def capacity_for(self, max_len: int) -> int:
-        """Runner size for a request of max_len positions: a power of two >= MIN_CAPACITY, at most the model
-        length (few distinct sizes, so few re-allocations and captures)."""
+        """Runner size for a request of max_len positions (decode.slot_capacity)."""
+        self._check(max_len)
+        return slot_capacity(max_len, self.max_model_len)
+
+    def _check(self, max_len: int) -> None:
         if max_len > self.max_model_len:
             raise ValueError(f"{max_len} positions exceed the context length {self.max_model_len}")
-        cap = MIN_CAPACITY
-        while cap < max_len:
-            cap *= 2
-        return max(min(cap, self.max_model_len), max_len)
 
     def runner_for(self, max_len: int, extra: int = 0) -> GPURunner:
         """The runner, replaced by a larger one (new caches: the prefix cache starts empty) when it holds
         fewer than max_len + extra positions (extra: a speculative tree's slots)."""
-        if max_len > self.max_model_len:
-            raise ValueError(f"{max_len} positions exceed the context length {self.max_model_len}")
+        self._check(max_len)
         need = max_len + extra
         if self.runner is None or self.runner.max_len < need:
             self.runner = None  # free the old caches before allocating the new ones
             torch.cuda.empty_cache()
-            cap = max(self.capacity_for(min(need, self.max_model_len)), need)
+            cap = slot_capacity(need, self.max_model_len)
             self.runner = GPURunner(self.cfg, self.weights, cap, self.prefill_chunk, self.device)
             self.runner.enable_prefix_cache(self.prefix_snapshots)
         return self.runner

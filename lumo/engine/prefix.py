@@ -37,9 +37,9 @@ class Snapshot:
 class PrefixCache:
     """Which tokens a slot's K/V positions hold, and state snapshots on the prefill grid.
 
-    The slot calls `resume(ids)` before a prefill (restoring the returned snapshot's tensors itself),
-    `add(length, tensors)` after every chunk that ends on the grid, and `clear()` whenever its caches
-    are overwritten by anything else (a new allocation, a warm-up that writes K/V)."""
+    The slot calls `resume(ids, state, owner)` before a prefill (its state restored, the position to
+    prefill from returned), `add(length, state)` after every chunk that ends on the grid (`wants`), and
+    `truncate(n)` before anything else writes its positions n.. (a warm-up, a seek)."""
 
     def __init__(self, chunk: int, capacity: int):
         if chunk < 1 or capacity < 0:
@@ -80,6 +80,20 @@ class PrefixCache:
                 best = s
         return best
 
+    def resume(self, ids: Sequence[int], state: Sequence[torch.Tensor], owner: object | None = None) -> int:
+        """Before a prefill of `ids` by `owner` (`claim`): copy into `state` (the slot's state tensors, in
+        the order its snapshots hold them) the snapshot after the longest cached prefix of ids, record ids
+        as the slot's tokens (`begin`), and return the position the prefill starts at (0: nothing cached,
+        `state` untouched)."""
+        self.claim(owner)
+        snap = self.match(ids)
+        start = 0 if snap is None else snap.length
+        if snap is not None:
+            for dst, src in zip(state, snap.tensors, strict=True):
+                dst.copy_(src)
+        self.begin(ids, start)
+        return start
+
     def truncate(self, n: int) -> None:
         """Positions n.. are about to be overwritten: forget their tokens and the snapshots past n."""
         del self.tokens[n:]
@@ -108,9 +122,7 @@ class PrefixCache:
         old = self.snapshots.pop(length, None)
         if old is None and len(self.snapshots) >= self.capacity:
             old = self.snapshots.pop(min(self.snapshots.values(), key=lambda s: s.used).length)
-        if old is not None and all(
-            a.shape == b.shape and a.dtype == b.dtype for a, b in zip(old.tensors, tensors, strict=True)
-        ):
+        if old is not None:  # one slot's state: the same shapes every time
             for dst, src in zip(old.tensors, tensors, strict=True):
                 dst.copy_(src)
             copies = old.tensors

@@ -184,17 +184,10 @@ class GPURunner:
         self.reset()
         if self.prefix is None:
             return 0
-        self.prefix.claim(owner)
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        snap = self.prefix.match(ids)
-        start = 0 if snap is None else snap.length
-        if snap is not None:
-            for dst, src in zip(self.prefix_state(), snap.tensors, strict=True):
-                dst.copy_(src)
-            self.length = start
-        self.prefix.begin(ids, start)
+        self.length = self.prefix.resume(ids, self.prefix_state(), owner)
         self._resumed = True
-        return start
+        return self.length
 
     def _forget_from(self, length: int) -> None:
         """K/V positions length.. are about to be written by something other than a resumed prefill."""
