@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders as _decoders
 
 REPLACEMENT_CHAR = "\ufffd"  # what a byte-level decoder emits for an incomplete UTF-8 sequence
 
@@ -71,6 +73,17 @@ def _as_ids(v: Any) -> tuple[int, ...]:
     if v is None:
         return ()
     return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),)
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """Byte -> character of byte-level BPE vocabularies (GPT-2's table, used by Qwen): printable Latin-1
+    bytes stand for themselves, the other 68 for U+0100 onwards in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(0x100 + i) for i, b in enumerate(rest)}}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece-style byte tokens
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -183,6 +196,34 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    @functools.cached_property
+    def _byte_of_char(self) -> dict[str, int] | None:
+        if not isinstance(self._tok.decoder, _decoders.ByteLevel):
+            return None
+        return {c: b for b, c in _byte_level_alphabet().items()}
+
+    @functools.cached_property
+    def _added_content(self) -> dict[int, str]:
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (a byte-level token may hold part of a UTF-8 character)."""
+        if (added := self._added_content.get(i)) is not None:
+            return added.encode()
+        s = self._tok.id_to_token(i)
+        if s is None:
+            return b""
+        table = self._byte_of_char
+        if table is not None and all(c in table for c in s):
+            return bytes(table[c] for c in s)
+        if m := _BYTE_FALLBACK.fullmatch(s):
+            return bytes([int(m.group(1), 16)])
+        return s.replace("\u2581", " ").encode()  # sentencepiece's word marker
+
+    def token_text(self, i: int) -> str:
+        """Token i alone as text (U+FFFD where it holds part of a UTF-8 character)."""
+        return self.token_bytes(i).decode("utf-8", errors="replace")
 
     # ---- chat ----
     @property

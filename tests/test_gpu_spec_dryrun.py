@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
+from lumo import model as M
 from lumo.config import TreeConfig
 from lumo.engine.decode import SpecDecoder
 from lumo.engine.gpu_decode import GPUDecoder
@@ -642,3 +643,58 @@ def test_emulated_events_and_plain_steps_mixed_equal_plain(monkeypatch, params):
     L = rs.length
     for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
         assert torch.equal(a[:L], b[:L])
+
+
+def test_emulated_logprobs_of_events_and_plain_steps_equal_plain(monkeypatch):
+    """Logprobs (lumo.engine.logprobs) from the GPU engine's code paths: the prefill's row, an event's
+    verify rows of the accepted path (engine.accepted), a plain step's row: plain decoding's, exactly."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 96, prefill_chunk=10, device="cpu") for _ in range(2))
+    params = SamplingParams(temperature=0.0)
+    spec = GPUSpecDecoder(rs, params, tree, adaptive=ScriptedAdaptive([True, False, True, True, False]))
+    plain = GPUDecoder(rp, params, use_graph=False)
+    spec.logprobs = plain.logprobs = 4
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    got, got_lp = spec.prefill(prompt), list(spec.last_logprobs)
+    while len(got) < 40:
+        got += spec.step()
+        got_lp += spec.last_logprobs
+    assert [t.token for t in got_lp] == got and max(spec.stats.accepted) > 0 and spec.stats.plain_steps
+    want, want_lp = plain.prefill(prompt), list(plain.last_logprobs)
+    while len(want) < len(got):
+        want += plain.step()
+        want_lp += plain.last_logprobs
+    assert got == want and got_lp == want_lp
+
+
+def test_emulated_prompt_logprobs(monkeypatch):
+    """Prompt logprobs from the runner's prefill (its final-norm rows through the lm_head, chunk by chunk):
+    plain and speculative decoders agree, the fp32 reference within bf16 error, and a prompt whose prefix
+    is cached is still scored from its first token."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 96, prefill_chunk=10, device="cpu") for _ in range(2))
+    for r in (rp, rs):
+        r.enable_prefix_cache(2)
+    params = SamplingParams(temperature=0.0)
+    text = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n        print(name)\n"
+    prompt = tokenizer().encode(text)
+    assert len(prompt) > 20  # three chunks
+    out = []
+    for dec in (GPUDecoder(rp, params, use_graph=False), GPUSpecDecoder(rs, params, tree)):
+        dec.prefill(prompt[:21])  # a cached prefix of 20 tokens
+        dec.prompt_logprobs = 3
+        first = dec.prefill(prompt)
+        assert dec.cached_tokens == 0 and len(dec.last_prompt_logprobs) == len(prompt) - 1
+        assert [t.token for t in dec.last_prompt_logprobs] == prompt[1:]
+        dec.prompt_logprobs = None
+        assert dec.prefill(prompt) == first and dec.cached_tokens == 20  # and the cache was rebuilt
+        out.append(dec.last_prompt_logprobs)
+    assert out[0] == out[1]
+    logits, _ = M.forward(cfg, w32(), torch.tensor([prompt]))
+    ref = torch.log_softmax(logits[0].double(), dim=-1)
+    diff = [abs(t.logprob - float(ref[i, t.token])) for i, t in enumerate(out[0])]
+    assert max(diff) < 0.1, max(diff)

@@ -288,3 +288,83 @@ def test_prefix_cache_reuse_is_reported_and_changes_nothing(server, llm):
     assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 512}
     cold = LLM(llm.path, device="cpu", prefix_snapshots=0).generate(second, max_tokens=6, temperature=0)
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == cold.text
+
+
+def test_chat_logprobs_streamed_and_not(client, llm):
+    """OpenAI's chat logprobs: an entry per generated token (text, logprob, bytes, top_logprobs), the
+    engine's numbers, the same entries whether streamed or not."""
+    messages = [{"role": "user", "content": "Say something."}]
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    ref = llm.generate(prompt, max_tokens=10, temperature=0, logprobs=3)
+    kw = dict(model=llm.model_name, messages=messages, max_tokens=10, temperature=0, logprobs=True)
+    r = client.chat.completions.create(**kw, top_logprobs=3)
+    entries = r.choices[0].logprobs.content
+    tok = llm.tokenizer
+    assert [e.token for e in entries] == [tok.token_text(t) for t in ref.token_ids]
+    assert [bytes(e.bytes) for e in entries] == [tok.token_bytes(t) for t in ref.token_ids]
+    assert [e.logprob for e in entries] == [t.logprob for t in ref.logprobs]
+    for e, t in zip(entries, ref.logprobs, strict=True):
+        assert [(x.token, x.logprob) for x in e.top_logprobs] == [(tok.token_text(i), v) for i, v in t.top]
+    events = list(client.chat.completions.create(**kw, top_logprobs=3, stream=True))
+    chunks = [ev.choices[0].logprobs for ev in events if ev.choices and ev.choices[0].logprobs]
+    streamed = [e for lp in chunks for e in lp.content]
+    assert [(e.token, e.logprob, e.top_logprobs) for e in streamed] == [
+        (e.token, e.logprob, e.top_logprobs) for e in entries
+    ]
+    plain = client.chat.completions.create(**kw)  # top_logprobs unset: the chosen tokens only
+    assert [e.logprob for e in plain.choices[0].logprobs.content] == [e.logprob for e in entries]
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(**{**kw, "logprobs": False}).choices[0].logprobs is None
+
+
+def test_completion_logprobs_streamed_and_not(client, llm):
+    """The completions API's lists: tokens, token_logprobs, top_logprobs (the k best and the chosen token)
+    and text_offset, streamed chunk by chunk with offsets that continue."""
+    prompt = "The quick brown fox"
+    ref = llm.generate(prompt, max_tokens=8, temperature=0.7, seed=4, logprobs=2)
+    kw = dict(model=llm.model_name, prompt=prompt, max_tokens=8, temperature=0.7, seed=4, logprobs=2)
+    lp = client.completions.create(**kw).choices[0].logprobs
+    tok = llm.tokenizer
+    texts = [tok.token_text(t) for t in ref.token_ids]
+    assert lp.tokens == texts
+    assert lp.token_logprobs == [t.logprob for t in ref.logprobs]
+    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    for top, t, s in zip(lp.top_logprobs, ref.logprobs, texts, strict=True):
+        want = {tok.token_text(i): v for i, v in t.top}
+        want.setdefault(s, t.logprob)
+        assert top == want
+    events = [e for e in client.completions.create(**kw, stream=True) if e.choices and e.choices[0].logprobs]
+    assert [x for e in events for x in e.choices[0].logprobs.tokens] == lp.tokens
+    assert [x for e in events for x in e.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    assert [x for e in events for x in e.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_echo_scores_the_prompt(client, llm):
+    """echo with logprobs (lm-eval-harness's loglikelihood request): the prompt's text and tokens first,
+    its first token with null logprobs, the others as the engine scores them; max_tokens 0 generates
+    nothing; streamed, the first chunk carries the prompt."""
+    prompt = "The quick brown fox jumps over"
+    ref = llm.generate(prompt, max_tokens=4, temperature=0, logprobs=1, prompt_logprobs=1)
+    tok = llm.tokenizer
+    ids = ref.prompt_token_ids + ref.token_ids
+    kw = dict(model=llm.model_name, prompt=prompt, temperature=0, echo=True, logprobs=1)
+    r = client.completions.create(**kw, max_tokens=4)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt + ref.text
+    assert lp.tokens == [tok.token_text(i) for i in ids]
+    assert lp.token_logprobs == [None] + [t.logprob for t in ref.prompt_logprobs[1:] + ref.logprobs]
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(ids)
+    assert lp.text_offset[len(ref.prompt_token_ids)] == sum(map(len, lp.tokens[: len(ref.prompt_token_ids)]))
+    scored = client.completions.create(**kw, max_tokens=0)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].finish_reason == "length"
+    n = len(ref.prompt_token_ids)
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    events = [e for e in client.completions.create(**kw, max_tokens=4, stream=True) if e.choices]
+    assert events[0].choices[0].text.startswith(prompt)
+    assert "".join(e.choices[0].text for e in events) == prompt + ref.text
+    assert [x for e in events if e.choices[0].logprobs for x in e.choices[0].logprobs.token_logprobs] == (
+        lp.token_logprobs
+    )
+    plain = client.completions.create(**{**kw, "logprobs": None}, max_tokens=4)  # echo alone: text only
+    assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None

@@ -16,6 +16,7 @@ import torch
 from .. import model as M
 from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
+from .logprobs import PromptLogprobs, TokenLogprob, token_logprobs
 from .prefix import PrefixCache
 from .sampling import SamplingParams, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
@@ -54,7 +55,11 @@ class Slot:
 
 
 class PlainDecoder:
-    """One target forward per token; the native reference for exactness."""
+    """One target forward per token; the native reference for exactness.
+
+    With `logprobs` set to k (lumo.engine.logprobs; None: off), prefill / step also leave the emitted
+    tokens' logprobs with their k most likely alternatives in `last_logprobs`.
+    """
 
     extra_positions = 0  # cache slots needed beyond prompt + output
     feeds_mtp = False  # its prefill writes the MTP head's K/V (speculative decoders)
@@ -77,6 +82,10 @@ class PlainDecoder:
         else:
             self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
+        self.logprobs: int | None = None
+        self.last_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: int | None = None  # k: prefill scores the prompt's tokens 1.. (no prefix reuse)
+        self.last_prompt_logprobs: list[TokenLogprob] = []
         if self.prefix is not None:  # a snapshot's final-norm row is restored here
             self._restored_carry = torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype)
 
@@ -89,7 +98,7 @@ class PlainDecoder:
         start = 0
         if self.prefix is not None:  # owner: a plain decoder's prefills leave the MTP's K/V behind
             state = [*c.gdn_state, *c.conv_state, self._restored_carry]
-            start = self.prefix.resume(prompt_ids, state, self.feeds_mtp)
+            start = self.prefix.resume(prompt_ids, state, self.feeds_mtp, self.prompt_logprobs is None)
             self._carry = self._restored_carry if start else None
         c.length = c.mtp_length = start
         return start
@@ -100,15 +109,25 @@ class PlainDecoder:
         self.cached_tokens = start = self._resume(prompt_ids)
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         c = self.cache
+        scored = None if self.prompt_logprobs is None else PromptLogprobs(prompt_ids, self.prompt_logprobs)
         for s in range(start, len(prompt_ids), PREFILL_CHUNK):
             lg, h = M.forward(self.cfg, self.w, ids[None, s : s + PREFILL_CHUNK], c)
+            if scored is not None:
+                scored.logits(lg[0], s)
             self._after_chunk(ids, h[0], s)
             self._carry = h[0, -1:]
             if self.prefix is not None and self.prefix.wants(c.length):
                 self.prefix.add(c.length, [*c.gdn_state, *c.conv_state, self._carry])
         self.pending = sample(lg[0, -1], self.params, position=c.length)
         self._after_prefill()
+        self._note_logprobs(lg[0, -1:], [self.pending])
+        if scored is not None:
+            self.last_prompt_logprobs = scored.out
         return [self.pending]
+
+    def _note_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        if self.logprobs is not None:
+            self.last_logprobs = token_logprobs(rows, tokens, self.logprobs)
 
     def _after_chunk(self, ids: torch.Tensor, hidden: torch.Tensor, start: int) -> None:
         """hidden [T, H]: the final-norm rows of prompt positions start.. (the MTP head's input)."""
@@ -119,6 +138,7 @@ class PlainDecoder:
     def step(self) -> list[int]:
         logits, _ = M.forward(self.cfg, self.w, self._ids([self.pending]), self.cache)
         self.pending = sample(logits[0, -1], self.params, position=self.cache.length)
+        self._note_logprobs(logits[0, -1:], [self.pending])
         return [self.pending]
 
     def _ids(self, toks: list[int]) -> torch.Tensor:
@@ -233,6 +253,7 @@ class SpecDecoder(PlainDecoder):
         self._feed_mtp(torch.cat([hidden[i] for i in path]), emitted, L)
         self.stats.events += 1
         self.stats.accepted.append(len(path) - 1)
+        self._note_logprobs(torch.stack([logits[i] for i in path]), emitted)  # node path[j] chose emitted[j]
         return emitted
 
 

@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..weights import ModelWeights
 from .decode import slot_capacity
 from .gpu_weights import GPUWeights, pack_weights
+from .logprobs import PromptLogprobs, TokenLogprob, token_logprobs
 from .runner import PREFILL_CHUNK, GPURunner
 from .sampling import SamplingParams
 
@@ -34,17 +35,31 @@ class GPUDecoder:
         if use_graph and runner.graph is None:
             runner.capture()  # at length 0: the warm-up touches nothing committed
         self.pending: int | None = None
+        self.logprobs: int | None = None  # as decode.PlainDecoder: k alternatives per token in last_logprobs
+        self.last_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: int | None = None  # k: prefill scores the prompt's tokens 1.. (no prefix reuse)
+        self.last_prompt_logprobs: list[TokenLogprob] = []
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
 
     def prefill(self, prompt_ids: list[int]) -> list[int]:
-        self.cached_tokens = start = self.runner.resume(prompt_ids)
-        self.runner.prefill(prompt_ids[start:])
-        self.pending = self.runner.token()
-        return [self.pending]
+        r = self.runner
+        scored = None
+        if self.prompt_logprobs is not None:
+            scored = PromptLogprobs(prompt_ids, self.prompt_logprobs, head=r.w.lm_head)
+        self.cached_tokens = start = r.resume(prompt_ids, reuse=scored is None)
+        r.prefill(prompt_ids[start:], hidden_hook=None if scored is None else scored.hidden)
+        if scored is not None:
+            self.last_prompt_logprobs = scored.out
+        return self._emit()
 
     def step(self) -> list[int]:
         self.runner.decode_step(use_graph=self.use_graph)
+        return self._emit()
+
+    def _emit(self) -> list[int]:
         self.pending = self.runner.token()
+        if self.logprobs is not None:
+            self.last_logprobs = token_logprobs(self.runner.logits_bf16, [self.pending], self.logprobs)
         return [self.pending]
 
 

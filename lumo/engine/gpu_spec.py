@@ -41,6 +41,7 @@ from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
+from .logprobs import PromptLogprobs, TokenLogprob, token_logprobs
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
 from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
@@ -224,19 +225,26 @@ class GPUSpecEngine:
         return total
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int] | torch.Tensor) -> int:
+    def prefill(self, prompt_ids: list[int] | torch.Tensor, scored: PromptLogprobs | None = None) -> int:
         """Target prefill (the runner's, bitwise plain decoding's) with the MTP fed every prompt pair
         chunk by chunk, then the pair (h_{n-1}, pending) through the feed path (the first draft logits).
-        Returns the first token (one host sync)."""
+        Returns the first token (one host sync). scored: the prompt's logprobs are wanted (from position 0,
+        no prefix reuse), collected there."""
         r = self.runner
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.dev)
         if ids.numel() + self.R + 2 * self.cap > r.max_len:
             raise ValueError(f"prompt of {ids.numel()} tokens leaves no room for a tree in {r.max_len}")
         # From a prefix snapshot (lumo.engine.prefix) the MTP's pairs resume with the hidden row of the
         # snapshot's last position, as the next chunk of an uncached prefill would.
-        self.cached_tokens = start = r.resume(prompt_ids, owner=self._prefix_owner)
+        self.cached_tokens = start = r.resume(prompt_ids, owner=self._prefix_owner, reuse=scored is None)
         self._carry = r.hidden.clone() if start else None
-        r.prefill(ids[start:], hidden_hook=lambda hidden, start: self._mtp_prefill(ids, hidden, start))
+
+        def hook(hidden: torch.Tensor, start: int) -> None:
+            if scored is not None:
+                scored.hidden(hidden, start)
+            self._mtp_prefill(ids, hidden, start)
+
+        r.prefill(ids[start:], hidden_hook=hook)
         n = r.length
         self.tr.out[0:1].copy_(self._carry)  # the feed gathers from the verify's hidden rows
         self.accepted.fill_(-1)
@@ -629,6 +637,10 @@ class GPUSpecDecoder:
         self.extra_positions = self.engine.R + self.engine.cap
         self.stats = SpecStats()
         self.pending: int | None = None
+        self.logprobs: int | None = None  # as decode.PlainDecoder: k alternatives per token in last_logprobs
+        self.last_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: int | None = None  # k: prefill scores the prompt's tokens 1.. (no prefix reuse)
+        self.last_prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def cached_tokens(self) -> int:
@@ -641,10 +653,20 @@ class GPUSpecDecoder:
         self.stats = SpecStats()
         if self.adaptive is not None:
             self.adaptive.new_request()
-        self.pending = e.prefill(prompt_ids)
+        scored = None
+        if self.prompt_logprobs is not None:
+            scored = PromptLogprobs(list(prompt_ids), self.prompt_logprobs, head=e.w.lm_head)
+        self.pending = e.prefill(prompt_ids, scored)
+        if scored is not None:
+            self.last_prompt_logprobs = scored.out
+        self._note_logprobs(e.runner.logits_bf16, [self.pending])  # before capture()'s warm-up events
         if self.use_graph and e.graphs is None and e.can_capture():
             e.capture()  # after prefill: the warm-up runs on real state, then restores it
         return [self.pending]
+
+    def _note_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        if self.logprobs is not None:
+            self.last_logprobs = token_logprobs(rows, tokens, self.logprobs)
 
     def step(self) -> list[int]:
         # Graphs once captured; a first request whose prompt leaves no room for capture()'s warm-up
@@ -656,6 +678,7 @@ class GPUSpecDecoder:
             out = [self.engine.plain_step(use_graph=graph)]
             a.record_plain(time.perf_counter() - t0)
             self.stats.plain_steps += 1
+            self._note_logprobs(self.engine.runner.logits_bf16, out)
         else:
             t0 = time.perf_counter()
             out = self.engine.event(use_graph=graph)
@@ -663,6 +686,9 @@ class GPUSpecDecoder:
                 a.record_event(len(out), time.perf_counter() - t0)
             self.stats.events += 1
             self.stats.accepted.append(len(out) - 1)
+            if self.logprobs is not None:  # accepted node j's verify row chose emitted token j
+                path = self.engine.accepted[: len(out)].long()
+                self._note_logprobs(self.engine.logits_bf16.index_select(0, path), out)
         self.pending = out[-1]
         return out
 

@@ -18,6 +18,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
+from .logprobs import TokenLogprob, check_logprobs
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
 
@@ -60,6 +61,9 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled again)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    # one per prompt token when asked for; None for the first (nothing before it scores it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -67,6 +71,8 @@ class StreamChunk:
     text: str  # new text since the previous chunk
     token_ids: list[int]  # tokens produced since the previous chunk
     finish_reason: str | None = None  # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
 
 
 def _pick_device(device: str) -> torch.device:
@@ -229,8 +235,12 @@ class LLM:
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
-        ids, text, reason = [], [], None
+        """Keyword arguments: temperature, top_k, top_p, seed, stop (see sampling_params), logprobs (None:
+        off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
+        prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
+        ids, text, reason, prompt_lps = [], [], None, None
         prompt_ids = self._encode(prompt)
+        logprobs = [] if kw.get("logprobs") is not None else None
         t0 = time.perf_counter()
         t_first = None
         for chunk in self._stream(prompt_ids, max_tokens, **kw):
@@ -238,11 +248,22 @@ class LLM:
             ids += chunk.token_ids
             text.append(chunk.text)
             reason = chunk.finish_reason or reason
+            if logprobs is not None:
+                logprobs += chunk.logprobs
+            prompt_lps = prompt_lps or chunk.prompt_logprobs
         t1 = time.perf_counter()
         t_first = t_first or t1
         cached = getattr(self.last_decoder, "cached_tokens", 0)
         return GenerationResult(
-            ids, "".join(text), reason or "length", prompt_ids, t_first - t0, t1 - t_first, cached
+            ids,
+            "".join(text),
+            reason or "length",
+            prompt_ids,
+            t_first - t0,
+            t1 - t_first,
+            cached,
+            logprobs,
+            prompt_lps,
         )
 
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
@@ -293,6 +314,8 @@ class LLM:
         top_p: float | None = None,
         seed: int | None = None,
         stop: list[str] | str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
         if _integer(max_tokens, "max_tokens") < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -311,12 +334,19 @@ class LLM:
         max_tokens = min(max_tokens, self.max_model_len - n)
         params = self.sampling_params(temperature, top_k, top_p, seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         self.last_decoder = None  # until this request's decoder exists (no stale stats)
-        return self._run(prompt_ids, max_tokens, params, stops)
+        return self._run(prompt_ids, max_tokens, params, stops, logprobs, prompt_logprobs)
 
     @torch.inference_mode()
     def _run(
-        self, prompt_ids: list[int], max_tokens: int, params: SamplingParams, stops: list[str]
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        stops: list[str],
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
         n = len(prompt_ids) + max_tokens
         if self._gpu is not None:
@@ -325,26 +355,36 @@ class LLM:
             args = (self.config, self.weights, params, n, self.device, self.dtype, self.spec, self.tree)
             decoder = make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
         self.last_decoder = decoder
+        decoder.logprobs, decoder.prompt_logprobs = logprobs, prompt_logprobs
         detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
         eos = set(self.tokenizer.eos_token_ids)
         n = 0
         tokens = decoder.prefill(prompt_ids)
+        first = None if prompt_logprobs is None else [None, *decoder.last_prompt_logprobs]
         while True:
             out, text = [], []
+            # The decoder's logprobs of `tokens`, cut where they are: a chunk's logprobs match its token_ids.
+            lps = decoder.last_logprobs if logprobs is not None else None
+            reason = None
             for tok in tokens:
                 if tok in eos:
-                    yield StreamChunk("".join(text) + detok.finish(), out, "stop")
-                    return
+                    text.append(detok.finish())
+                    reason = "stop"
+                    break
                 out.append(tok)
                 n += 1
                 text.append(detok.add(tok))
                 if detok.stopped:
-                    yield StreamChunk("".join(text), out, "stop")
-                    return
+                    reason = "stop"
+                    break
                 if n == max_tokens:
-                    yield StreamChunk("".join(text) + detok.finish(), out, "length")
-                    return
-            yield StreamChunk("".join(text), out)
+                    text.append(detok.finish())
+                    reason = "length"
+                    break
+            yield StreamChunk("".join(text), out, reason, None if lps is None else lps[: len(out)], first)
+            if reason is not None:
+                return
+            first = None
             tokens = decoder.step()
 
 

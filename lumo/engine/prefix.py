@@ -80,13 +80,20 @@ class PrefixCache:
                 best = s
         return best
 
-    def resume(self, ids: Sequence[int], state: Sequence[torch.Tensor], owner: object | None = None) -> int:
+    def resume(
+        self,
+        ids: Sequence[int],
+        state: Sequence[torch.Tensor],
+        owner: object | None = None,
+        reuse: bool = True,
+    ) -> int:
         """Before a prefill of `ids` by `owner` (`claim`): copy into `state` (the slot's state tensors, in
         the order its snapshots hold them) the snapshot after the longest cached prefix of ids, record ids
         as the slot's tokens (`begin`), and return the position the prefill starts at (0: nothing cached,
-        `state` untouched)."""
+        `state` untouched). reuse=False: prefill from 0 (every prompt position's output is wanted); the
+        cache is rebuilt by that prefill."""
         self.claim(owner)
-        snap = self.match(ids)
+        snap = self.match(ids) if reuse else None
         start = 0 if snap is None else snap.length
         if snap is not None:
             for dst, src in zip(state, snap.tensors, strict=True):

@@ -175,17 +175,19 @@ class GPURunner:
         return [*self.gdn_state, *self.conv_state, self.hidden]
 
     @torch.inference_mode()
-    def resume(self, ids: Sequence[int] | torch.Tensor, owner: object | None = None) -> int:
+    def resume(
+        self, ids: Sequence[int] | torch.Tensor, owner: object | None = None, reuse: bool = True
+    ) -> int:
         """Prepare a prefill of the prompt `ids`: empty the slot, or, with a prefix cache, restore the
         state after the longest cached prefix of ids. Returns the position to prefill from: the caller
         prefills ids[start:] next (that prefill records the prompt's grid snapshots). owner: a token of
         whatever keeps caches beside the slot's (a GPUSpecEngine: its MTP K/V); prefixes cached by another
-        owner's prefills are dropped."""
+        owner's prefills are dropped. reuse=False: from position 0 (PrefixCache.resume)."""
         self.reset()
         if self.prefix is None:
             return 0
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        self.length = self.prefix.resume(ids, self.prefix_state(), owner)
+        self.length = self.prefix.resume(ids, self.prefix_state(), owner, reuse)
         self._resumed = True
         return self.length
 

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from ..tokenizer import TokenizerError
 from .chat import delta_json, finish_reason, message_json, opens_reasoning, render_prompt
 from .errors import APIError, install_error_handlers
+from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .toolparse import ChatOutputParser
@@ -81,6 +82,35 @@ class _CountRequests:
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.metrics.requests.inc(endpoint=endpoint, status=str(status))
+
+
+class _CompletionOutput:
+    """A completion job's chunks as the completions API's text and logprobs pieces: with echo, the prompt
+    (and its tokens' logprobs) first; with max_tokens 0, nothing generated (the prompt only scored)."""
+
+    def __init__(self, tok: Any, job: Job, prompt_ids: list[int], echo: str | None, score_only: bool):
+        self.tok, self.job, self.prompt_ids, self.echo = tok, job, prompt_ids, echo
+        self.score_only = score_only
+        self.n_prompt, self.n_gen, self.offset, self.first = len(prompt_ids), 0, 0, True
+
+    def take(self, chunk: Any) -> tuple[str, dict[str, Any] | None]:
+        text, ids, lps = chunk.text, chunk.token_ids, chunk.logprobs
+        if self.score_only:
+            text, ids, lps = "", [], []
+        self.n_gen += len(ids)
+        if self.first:
+            self.first = False
+            if self.echo is not None:
+                text = self.echo + text
+                ids, lps = self.prompt_ids + ids, (chunk.prompt_logprobs or []) + (lps or [])
+        if not self.job.wants_logprobs:
+            return text, None
+        logprobs = completion_logprobs(self.tok, ids, lps, self.offset)
+        self.offset += sum(map(len, logprobs["tokens"]))
+        return text, logprobs
+
+    def reason(self, engine_reason: str | None) -> str:
+        return "length" if self.score_only else engine_reason or "length"
 
 
 class _Server:
@@ -147,8 +177,8 @@ class _Server:
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
         return self.worker.submit(job)
 
-    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None]:
-        """Run a non-streamed job to its end; a client that hangs up cancels it."""
+    async def _collected(self, job: Job, request: Request) -> AsyncIterator[Any]:
+        """A non-streamed job's chunks; a client that hangs up cancels it, an engine error is an APIError."""
 
         async def watch() -> None:
             while not job.cancelled.is_set():
@@ -157,18 +187,26 @@ class _Server:
                     job.cancel()
 
         watcher = asyncio.create_task(watch())
-        parts, n_gen, reason = [], 0, None
         try:
             async for chunk in job.events():
-                parts.append(chunk.text)
-                n_gen += len(chunk.token_ids)
-                reason = chunk.finish_reason or reason
+                yield chunk
         except Exception as exc:
             raise _engine_error(exc) from None
         finally:
             watcher.cancel()
             job.cancel()
-        return "".join(parts), n_gen, reason
+
+    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None, list]:
+        """Run a non-streamed job to its end. Returns the text, the number of tokens, the finish reason and
+        the tokens' logprobs (empty unless the job asked)."""
+        parts, n_gen, reason, lps = [], 0, None, []
+        async for chunk in self._collected(job, request):
+            parts.append(chunk.text)
+            n_gen += len(chunk.token_ids)
+            reason = chunk.finish_reason or reason
+            if job.wants_logprobs:
+                lps += chunk.logprobs
+        return "".join(parts), n_gen, reason, lps
 
     # ---- /v1/completions ----
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -182,39 +220,50 @@ class _Server:
             if any(t < 0 or t >= tok.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", "prompt")
             prompt_ids = list(prompt)
-        max_tokens = self._budget(len(prompt_ids), body.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        # max_tokens 0 (with echo): one token is generated (the prefill samples it anyway) and dropped
+        score_only = body.max_tokens == 0
+        want = 1 if score_only else body.max_tokens
+        max_tokens = self._budget(len(prompt_ids), want, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
         job = self._submit(prompt_ids, max_tokens, body.sampling())
+        echo = None
+        if body.echo:
+            echo = prompt if isinstance(prompt, str) else tok.decode(prompt_ids)
+        out = _CompletionOutput(tok, job, prompt_ids, echo, score_only)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._streaming(self._stream_completion(job, head, len(prompt_ids), usage))
-        text, n_gen, reason = await self._collect(job, request)
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason or "length"}
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job)}
+            return self._streaming(self._stream_completion(job, head, out, usage))
+        text, logprobs, reason = "", None, None
+        async for chunk in self._collected(job, request):
+            piece, lp = out.take(chunk)
+            text, logprobs = text + piece, extend(logprobs, lp)
+            reason = chunk.finish_reason or reason
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.reason(reason)}
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), out.n_gen, job)}
 
     async def _stream_completion(
-        self, job: Job, head: dict[str, Any], n_prompt: int, include_usage: bool
+        self, job: Job, head: dict[str, Any], out: _CompletionOutput, include_usage: bool
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
-        n_gen, reason = 0, None
+        reason = None
         try:
             async for chunk in job.events():
-                n_gen += len(chunk.token_ids)
                 reason = chunk.finish_reason or reason
-                if chunk.text or chunk.finish_reason:
+                text, logprobs = out.take(chunk)
+                if text or chunk.finish_reason or logprobs:
                     choice = {
                         "index": 0,
-                        "text": chunk.text,
-                        "logprobs": None,
-                        "finish_reason": chunk.finish_reason,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": chunk.finish_reason and out.reason(chunk.finish_reason),
                     }
                     yield _sse({**head, "choices": [choice], **extra})
             if reason is None:
                 choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
                 yield _sse({**head, "choices": [choice], **extra})
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, job)})
+                yield _sse({**head, "choices": [], "usage": _usage(out.n_prompt, out.n_gen, job)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())
@@ -241,13 +290,13 @@ class _Server:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
             return self._streaming(self._stream_chat(job, head, parser, len(prompt_ids), usage))
-        text, n_gen, reason = await self._collect(job, request)
+        text, n_gen, reason, lps = await self._collect(job, request)
         parsed = parser.feed(text)
         parsed.extend(parser.finish())
         choice = {
             "index": 0,
             "message": message_json(parsed),
-            "logprobs": None,
+            "logprobs": {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None,
             "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
         }
         return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job)}
@@ -256,9 +305,15 @@ class _Server:
         self, job: Job, head: dict[str, Any], parser: ChatOutputParser, n_prompt: int, include_usage: bool
     ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
+        tok = self.llm.tokenizer
+        held = []  # logprobs of tokens whose text the parser still holds: they go out with the next delta
 
         def chunk_of(delta: dict[str, Any], reason: str | None = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            logprobs = None
+            if job.wants_logprobs:
+                logprobs = {"content": chat_entries(tok, held), "refusal": None}
+                held.clear()
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return _sse({**head, "choices": [choice], **extra})
 
         n_gen, reason, n_calls = 0, None, 0
@@ -267,6 +322,8 @@ class _Server:
             async for chunk in job.events():
                 n_gen += len(chunk.token_ids)
                 reason = chunk.finish_reason or reason
+                if job.wants_logprobs:
+                    held.extend(chunk.logprobs)
                 d = parser.feed(chunk.text)
                 if chunk.finish_reason is not None:
                     d.extend(parser.finish())

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.logprobs import MAX_LOGPROBS
 from .errors import APIError
 
 
@@ -92,7 +93,12 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return [s for s in stops if s] or None
 
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token for lumo.engine.logprobs (None: no logprobs)."""
+        return None
+
     def sampling(self) -> dict[str, Any]:
+        """LLM.generate_stream's keyword arguments."""
         # top_k 0 / -1 both mean "off" to OpenAI-style clients; lumo's engine spells it 0
         top_k = None if self.top_k is None else max(self.top_k, 0)
         return {
@@ -101,26 +107,34 @@ class _Common(BaseModel):
             "top_k": top_k,
             "seed": self.seed,
             "stop": self.stop_list(),
+            "logprobs": self.logprobs_k(),
         }
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo=true is not supported", "echo")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            msg = "max_tokens=0 needs echo=true (the prompt scored, nothing generated)"
+            raise APIError(400, msg, "max_tokens")
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def sampling(self) -> dict[str, Any]:
+        # echo with logprobs: the prompt's tokens are scored too (lumo.engine.logprobs.PromptLogprobs)
+        return {**super().sampling(), "prompt_logprobs": self.logprobs if self.echo else None}
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of the request: a string or a list of token ids (batches of one are unwrapped)."""
@@ -141,14 +155,14 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
             kind = self.response_format.get("type")
             raise APIError(400, f"response_format {kind!r} is not supported (only 'text')", "response_format")
@@ -163,6 +177,9 @@ class ChatCompletionRequest(_Common):
                 raise APIError(
                     400, f"tool_choice names unknown tool {choice.function.get('name')!r}", "tool_choice"
                 )
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -28,12 +28,17 @@ _DONE = object()  # end-of-job marker on a job's output queue
 class Job:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict[str, Any]  # temperature, top_k, top_p, seed, stop: passed to LLM.generate_stream
+    sampling: dict[str, Any]  # temperature, top_k, top_p, seed, stop, logprobs: LLM.generate_stream's
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_arrival: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (set before the first chunk)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The chunks carry their tokens' logprobs (sampling["logprobs"] is not None)."""
+        return self.sampling.get("logprobs") is not None
 
     def cancel(self) -> None:
         self.cancelled.set()

@@ -1,0 +1,85 @@
+"""Log-probabilities of the emitted tokens (OpenAI's `logprobs` / `top_logprobs`).
+
+A token's logprob is log_softmax of the raw logits row that chose it: the model's own distribution, before
+temperature, top-k or top-p (vLLM's default "raw" mode; the OpenAI API does not change logprobs with the
+temperature either). Every decoder keeps the row of each token it emits (plain decoding: the step's
+logits; a speculative event: the verify rows of the accepted path, whose logits are bitwise plain
+decoding's), and `token_logprobs` turns rows into numbers one row at a time, so a row gets the same launches
+(the same bits) whether it came alone from a plain step or among others from an event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (id, logprob), best first
+
+
+def check_logprobs(k: object) -> int | None:
+    """None (off) or the number of alternatives per token, 0..MAX_LOGPROBS."""
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+    return k
+
+
+def token_logprobs(
+    rows: torch.Tensor, tokens: list[int], k: int, row_by_row: bool = True
+) -> list[TokenLogprob]:
+    """rows [n, V] (any float dtype): row i holds the logits that chose tokens[i]. One host copy in all.
+
+    row_by_row: each row through its own launches, so its numbers never depend on the rows beside it (what
+    the exactness of speculative decoding's logprobs needs); False: the rows together (a prompt's).
+    """
+    n = rows.shape[0]
+    if n != len(tokens):
+        raise ValueError(f"{n} logits rows for {len(tokens)} tokens")
+    if not n:
+        return []
+    ids = torch.as_tensor(tokens, dtype=torch.long, device=rows.device)
+    k = min(k, rows.shape[1])
+    if row_by_row:  # one launch per row, the same whatever n; what follows is exact (no arithmetic)
+        lps = [torch.log_softmax(rows[i : i + 1], dim=-1, dtype=torch.float32) for i in range(n)]
+        lp = lps[0] if n == 1 else torch.cat(lps)
+    else:
+        lp = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+    parts = [lp.gather(1, ids[:, None])]
+    if k:
+        top_v, top_i = torch.topk(lp, k, dim=-1)
+        parts += [top_v, top_i]
+    host = torch.cat([p.double() for p in parts], dim=1).cpu().tolist()  # token ids < 2^53: exact
+    return [
+        TokenLogprob(t, r[0], [(int(i), v) for v, i in zip(r[1 : 1 + k], r[1 + k :], strict=True)])
+        for t, r in zip(tokens, host, strict=True)
+    ]
+
+
+class PromptLogprobs:
+    """The logprobs of a prompt's tokens 1.. (`out`), from a prefill's rows chunk by chunk: `logits(rows,
+    start)` takes the logits of positions start.., `hidden(rows, start)` (a GPU runner's hidden_hook) the
+    final-norm rows, put through `head` (the lm_head) `block` rows at a time to bound the logits' memory.
+    Position p's row scores token p + 1; the prompt's last row is the first generated token's."""
+
+    def __init__(self, ids: list[int], k: int, head=None, block: int = 256):
+        self.ids, self.k, self.head, self.block = ids, k, head, block
+        self.out: list[TokenLogprob] = []
+
+    def logits(self, rows: torch.Tensor, start: int) -> None:
+        nxt = self.ids[start + 1 : start + 1 + rows.shape[0]]
+        if start != len(self.out):
+            raise ValueError(f"prompt rows from {start}, but {len(self.out)} were scored")
+        self.out += token_logprobs(rows[: len(nxt)], nxt, self.k, row_by_row=False)
+
+    def hidden(self, rows: torch.Tensor, start: int) -> None:
+        for lo in range(0, min(rows.shape[0], len(self.ids) - 1 - start), self.block):
+            self.logits(self.head(rows[lo : lo + self.block]), start + lo)
