@@ -195,15 +195,13 @@ def _emulated_ops():
         out = torch.empty(x.shape[0], cache[key].shape[0], dtype=bf) if out is None else out
         return out.copy_(x.double() @ cache[key].t())
 
-    def nvfp4_linear(x, packed, out=None, conv=None, norm=None, **k):
+    def nvfp4_linear(x, packed, out=None, conv=None, **k):
         if packed.glu_n:  # fused SwiGLU: [gate | up] rows, then the activation
             y = silu_mul_ref(rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), None))
             return y if out is None else out.copy_(y)
         y = rows_linear(x, packed.qw.data_ptr(), lambda: unpack_nvfp4(packed), out)
         if conv is not None:  # the GEMV-fused decode conv: conv_decode's bits
             conv_decode(y[:, : conv[0].shape[0]], conv[0], conv[1], out=conv[2])
-        if norm is not None:  # the GEMV-fused residual norm: rmsnorm1p's bits
-            norm.run(y)
         return y
 
     def bf16_linear(x, w, out=None, workspace=None):
@@ -361,7 +359,6 @@ def _emulated_ops():
 def _install_emulation(monkeypatch) -> None:
     """Every launcher the engine imports replaced by its row-by-row emulation."""
     ops = _emulated_ops()
-    monkeypatch.setattr("lumo.kernels.linear.rmsnorm1p", ops["rmsnorm1p"])  # ResidualNorm.run's
     for mod in ("lumo.engine.runner", "lumo.engine.gpu_spec", "lumo.engine.gpu_weights"):
         m = importlib.import_module(mod)
         for name, fn in ops.items():

@@ -399,66 +399,6 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
         )
 
 
-@pytest.mark.parametrize(
-    "n,k,splits", [(5120, 16 * 384, 8), (136, 16 * 45, 4), (1032, 16 * 33, 2), (264, 16 * 129, 16)]
-)
-def test_residual_norm_fused_into_the_gemv_equals_gemv_then_rmsnorm1p(monkeypatch, n, k, splits):
-    """nvfp4_linear(norm=ResidualNorm(h, w, y, eps, counter)) at M = 1 (a residual branch's last GEMV, then
-    the norm after it): through every kernel and launch variant (the register-direct kernel runs the norm in
-    its grid's last CTA, the others are followed by rmsnorm1p) the GEMV output, the updated residual h and
-    y are bitwise the GEMV followed by rmsnorm1p, launch after launch (the counter is left zeroed), in a
-    CUDA graph too; y also against the fp32 reference. H from the 27B's 5120 (a virtual CTA of 640 threads
-    played by 4-, 8- and 16-warp CTAs) down to 136 (one virtual warp)."""
-    from lumo.kernels import linear
-    from lumo.kernels.linear import ResidualNorm
-    from lumo.kernels.norms import rmsnorm1p, rmsnorm1p_ref
-
-    gen = torch.Generator(DEV).manual_seed(n + k)
-    packed = pack_nvfp4(*rand_nvfp4(n, k, gen), splits=splits)
-    nw = (torch.randn(n, generator=gen, device=DEV) * 0.2).to(torch.bfloat16)
-    h0 = torch.randn(1, n, generator=gen, device=DEV).to(torch.bfloat16)
-    xs = [torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]
-    want, h = [], h0.clone()
-    for x in xs:  # the unfused chain: GEMV, then the standalone norm
-        out = nvfp4_linear(x, packed)
-        ref, _ = rmsnorm1p_ref(h, nw, 1e-6, out)
-        y = rmsnorm1p(h, nw, 1e-6, delta=out)
-        assert rel_err(y, ref.float()) < 1e-2
-        want.append((out, h.clone(), y))
-    knobs = [{}, dict(rd=(1, 2)), dict(rd=(2, 3)), dict(rd=(1, 4)), dict(rd=False, cluster=False)]
-    knobs += [dict(sx=(8, 2, 3)), dict(stage=True), dict(rd=(2, 3), stage=True)]
-    if torch.cuda.get_device_capability()[0] >= 9 and splits % 2 == 0:
-        knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True), dict(rd=(1, 2), rdcl=2, stage=True)]
-    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
-    for kw in knobs:
-        fused = kw.get("rd") is not False and "sx" not in kw  # the default at M = 1 is register-direct
-
-        def unfused(*a, **k):
-            raise AssertionError("the register-direct kernel fell back to rmsnorm1p")
-
-        monkeypatch.setattr(linear, "rmsnorm1p", unfused if fused else rmsnorm1p)
-        h = h0.clone()
-        for x, (w_out, w_h, w_y) in zip(xs, want, strict=True):
-            out, y = poisoned(1, n), poisoned(1, n)
-            nvfp4_linear(x, packed, out=out, norm=ResidualNorm(h, nw, y, 1e-6, counter), **kw)
-            assert torch.equal(out, w_out) and torch.equal(h, w_h) and torch.equal(y, w_y), kw
-            assert counter.item() == 0, kw
-    monkeypatch.setattr(linear, "rmsnorm1p", rmsnorm1p)
-    # captured: the graph replays the three launches of the chain
-    h, out, y, x = h0.clone(), poisoned(1, n), poisoned(1, n), xs[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        nvfp4_linear(x, packed, out=out, norm=ResidualNorm(h, nw, y, 1e-6, counter))
-    h.copy_(h0)
-    for xi, (w_out, w_h, w_y) in zip(xs, want, strict=True):
-        x.copy_(xi)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, w_out) and torch.equal(h, w_h) and torch.equal(y, w_y)
-    with pytest.raises(ValueError, match="one row"):
-        nvfp4_linear(torch.cat(xs[:2]), packed, norm=ResidualNorm(h, nw, y, 1e-6, counter))
-
-
 @pytest.mark.parametrize("m", [1, 32])
 def test_graph_replay_equals_eager(m):
     gen = torch.Generator(DEV).manual_seed(m)

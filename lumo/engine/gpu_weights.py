@@ -20,7 +20,6 @@ from ..config import FULL, ModelConfig, check_draft_quant
 from ..kernels.conv import conv_decode
 from ..kernels.linear import (
     PackedNVFP4,
-    ResidualNorm,
     _bf16_splits,
     bf16_linear,
     bf16_linear_partials,
@@ -66,16 +65,12 @@ class LinearPart:
         rows: torch.Tensor | None = None,
         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         stage: bool = False,
-        norm: ResidualNorm | None = None,
     ) -> torch.Tensor:
-        """conv, stage, norm (fused in NVFP4 parts only): nvfp4_linear's GDN decode conv, weights staged in
-        shared memory before the wait, the residual norm after the GEMV."""
+        """conv, stage (NVFP4 parts only): nvfp4_linear's fused GDN decode conv, weights staged in shared
+        memory before the wait."""
         if self.packed is not None:
-            return nvfp4_linear(x, self.packed, out=out, rows=rows, conv=conv, stage=stage, norm=norm)
-        y = bf16_linear(x, self.weight, out=out, workspace=self.workspace)
-        if norm is not None:
-            norm.run(y)
-        return y
+            return nvfp4_linear(x, self.packed, out=out, rows=rows, conv=conv, stage=stage)
+        return bf16_linear(x, self.weight, out=out, workspace=self.workspace)
 
     def nbytes(self) -> int:
         if self.packed is not None:
@@ -111,11 +106,8 @@ class GPULinear:
         rows: torch.Tensor | None = None,
         conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         stage: bool = False,
-        norm: ResidualNorm | None = None,
     ) -> torch.Tensor:
-        """norm: the residual norm after a one-row GEMV whose output is a residual branch's delta
-        (nvfp4_linear: in the GEMV's last CTA where it can, else rmsnorm1p after it; the same bits).
-        rows: a fused-SwiGLU weight's interleaved-rows workspace (nvfp4_linear). conv: (w [C, K], state
+        """rows: a fused-SwiGLU weight's interleaved-rows workspace (nvfp4_linear). conv: (w [C, K], state
         [C, K-1], y [1, C]) of the GDN decode conv over the output's first C columns, for one token: run by
         the GEMV's epilogue where an NVFP4 first part holds those columns (nvfp4_linear), else by
         conv_decode after it (the same bits). stage: NVFP4 parts copy their weights into shared memory
@@ -130,11 +122,7 @@ class GPULinear:
                 conv_decode(y[:, :c], conv[0], conv[1], out=conv[2])
                 return y
         if len(self.parts) == 1:
-            return self.parts[0].run(x, out, rows, conv, stage, norm)
-        if norm is not None:
-            y = self(x, out, rows, conv, stage)
-            norm.run(y)
-            return y
+            return self.parts[0].run(x, out, rows, conv, stage)
         if out is None:
             out = torch.empty(x.shape[0], self.n, dtype=torch.bfloat16, device=x.device)
         col = 0

@@ -33,21 +33,11 @@ from ..kernels.gdn import (
     gdn_decode_norm,
     gdn_prefill,
 )
-from ..kernels.linear import ResidualNorm
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import sample_tokens, sample_workspace
 from ..weights import ModelWeights
-from .gpu_weights import (
-    GPUGDN,
-    GPUAttn,
-    GPULayer,
-    GPULinear,
-    GPUWeights,
-    pack_weights,
-    swiglu,
-    swiglu_scratch,
-)
+from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
 from .prefix import PrefixCache
 from .sampling import SamplingParams
 
@@ -83,10 +73,6 @@ class GPURunner:
     # the H200 (docs/kernels.md, session 24): off unless stage_attn_out_proj.
     stage_gdn_out_proj = True
     stage_attn_out_proj = False
-    # The decode step's norms after a residual branch (the out-projections', the MLPs') in the last CTA of
-    # that branch's last GEMV (nvfp4_linear's `norm`: one launch and kernel boundary fewer each; the same
-    # bits as rmsnorm1p after it, which runs where this is False or the weight is not NVFP4).
-    fuse_residual_norm = True
 
     def __init__(
         self,
@@ -135,7 +121,6 @@ class GPURunner:
         self.x = torch.zeros(1, H, dtype=bf, device=dev)  # normed input of a block
         self.delta = torch.zeros(1, H, dtype=bf, device=dev)  # block output, added by the next norm
         self.hidden = torch.zeros(1, H, dtype=bf, device=dev)  # final-norm output
-        self.norm_count = torch.zeros(1, dtype=i32, device=dev)  # the fused residual norms' CTA counter
         self.gdn_proj = torch.zeros(1, C + nv * dv, dtype=bf, device=dev)  # [q | k | v | z]
         self.gdn_ba = torch.zeros(1, 2 * nv, dtype=bf, device=dev)  # [b | a]
         self.conv_out = torch.zeros(1, C, dtype=bf, device=dev)
@@ -324,17 +309,11 @@ class GPURunner:
         y = gated_rmsnorm(o, proj[:, C:].view(T, nv, dv), g.norm, cfg.rms_norm_eps)  # [T, nv*dv]
         return g.out_proj(y)
 
-    def _mlp(self, lw: GPULayer, x: torch.Tensor) -> torch.Tensor:
-        return lw.down(swiglu(lw.gate_up, x))  # prefill rows
-
-    def _branch_end(self, lin: GPULinear, x: torch.Tensor, norm: ResidualNorm, stage: bool = False) -> None:
-        """A decode row's residual branch's last GEMV into self.delta, then the norm after the branch: in the
-        GEMV's last CTA (fuse_residual_norm), else rmsnorm1p after it; the same bits."""
-        if self.fuse_residual_norm:
-            lin(x, out=self.delta, stage=stage, norm=norm)
-        else:
-            lin(x, out=self.delta, stage=stage)
-            norm.run(self.delta)
+    def _mlp(self, lw: GPULayer, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:  # prefill rows
+            return lw.down(swiglu(lw.gate_up, x))
+        swiglu(lw.gate_up, x, act=self.act, scratch=self.mlp_scratch)  # the decode row: static buffers
+        return lw.down(self.act, out=out)
 
     def _attn_views(self, proj: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         nh, nkv, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
@@ -368,28 +347,26 @@ class GPURunner:
     def _step(self) -> None:
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         torch.index_select(w.embed, 0, self.tok, out=self.h)
-        rmsnorm1p(self.h, w.layers[0].input_layernorm, eps, out=self.x)
+        delta = None
         i_full = i_gdn = 0
-        # Each residual branch (mixer, MLP) ends in the norm after it: h += delta, then x (the next block's
-        # input) or hidden (the final norm's) = rmsnorm1p(h).
-        nexts = [lw.input_layernorm for lw in w.layers[1:]]
-        for kind, lw, nxt in zip(cfg.layer_types, w.layers, [*nexts, None], strict=True):
-            post = ResidualNorm(self.h, lw.post_attention_layernorm, self.x, eps, self.norm_count)
+        for kind, lw in zip(cfg.layer_types, w.layers, strict=True):
+            rmsnorm1p(self.h, lw.input_layernorm, eps, delta=delta, out=self.x)
             if kind == FULL:
-                self._attn_decode(lw.mixer, i_full, post)
+                self._attn_decode(lw.mixer, i_full)
                 i_full += 1
             else:
-                self._gdn_decode(lw.mixer, i_gdn, post)
+                self._gdn_decode(lw.mixer, i_gdn)
                 i_gdn += 1
-            swiglu(lw.gate_up, self.x, act=self.act, scratch=self.mlp_scratch)
-            after = (nxt, self.x) if nxt is not None else (w.norm, self.hidden)
-            self._branch_end(lw.down, self.act, ResidualNorm(self.h, *after, eps, self.norm_count))
+            rmsnorm1p(self.h, lw.post_attention_layernorm, eps, delta=self.delta, out=self.x)
+            self._mlp(lw, self.x, out=self.delta)
+            delta = self.delta
+        rmsnorm1p(self.h, w.norm, eps, delta=delta, out=self.hidden)
         self._logits()
         self._sample()
         self.pos.add_(1)
         self.sample_pos.add_(1)
 
-    def _attn_decode(self, a: GPUAttn, i: int, norm: ResidualNorm) -> None:
+    def _attn_decode(self, a: GPUAttn, i: int) -> None:
         d = self.cfg.head_dim
         a.qkv(self.x, out=self.attn_proj)
         kc, vc = self.kv_k[i], self.kv_v[i]
@@ -417,9 +394,9 @@ class GPURunner:
             out=self.attn_out,
             workspace=self.attn_ws,
         )
-        self._branch_end(a.o_proj, self.attn_out.view(1, -1), norm, self.stage_attn_out_proj)
+        a.o_proj(self.attn_out.view(1, -1), out=self.delta, stage=self.stage_attn_out_proj)
 
-    def _gdn_decode(self, g: GPUGDN, i: int, norm: ResidualNorm) -> None:
+    def _gdn_decode(self, g: GPUGDN, i: int) -> None:
         cs, ss = self.conv_state[i], self.gdn_state[i]
         with beside(self.side):  # joined before gdn_decode
             # A split-K b/a projection leaves its slices' sum to gdn_decode (one launch fewer; same bits).
@@ -441,7 +418,7 @@ class GPURunner:
                 self.conv_out, self._a, self._b, g.A_log, g.dt_bias, ss, out=self.gdn_o, ba_splitk=ba_splitk
             )
             gated_rmsnorm(self.gdn_o, self._z, g.norm, eps, out=self.gdn_y)
-        self._branch_end(g.out_proj, self.gdn_y, norm, self.stage_gdn_out_proj)
+        g.out_proj(self.gdn_y, out=self.delta, stage=self.stage_gdn_out_proj)
 
     @torch.inference_mode()
     def decode_step(self, use_graph: bool = True) -> None:

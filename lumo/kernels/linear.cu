@@ -58,8 +58,6 @@
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 RDCL=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
-// lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 RNORM=5120 RNORM_NT=640 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
-// lumo:test-defines NT=1 MTW=1 KSW=4 PF=3 RDCL=2 STG=1 RNORM=136 RNORM_NT=32 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 
 #include <cuda_bf16.h>
 
@@ -432,61 +430,10 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 #ifndef CONV
 #define CONV 0  // nvfp4_gemv_rd: the GDN conv's kernel size KC to fuse conv_decode into the epilogue (below)
 #endif
-#ifndef RNORM
-#define RNORM 0  // nvfp4_gemv_rd: H of a residual rmsnorm1p fused into the grid's last CTA (below; 0: none)
-#endif
-#ifndef RNORM_NT
-#define RNORM_NT 640  // its virtual CTA size: norms.py rms_threads(H), which fixes the order of its sums
-#endif
 static_assert(!(CONV && GLU), "CONV and GLU are two different epilogues");
-static_assert(!(RNORM && (CONV || GLU)), "the residual norm follows a plain GEMV");
 #if CONV
 #include "conv.cuh"
 #endif
-#if RNORM
-#include "rms_row.cuh"
-#define RNORM_PARAMS , bf16 *__restrict__ rn_h, const bf16 *__restrict__ rn_w, bf16 *__restrict__ rn_y, \
-                       unsigned *__restrict__ rn_count, float rn_eps
-#else
-#define RNORM_PARAMS
-#endif
-
-// The residual norm fused after the GEMV (RNORM = H > 0; one activation row, M == 1, N == H: the output is
-// a residual branch's delta): the grid's last CTA to finish runs rmsnorm1p_residual's row (rms_row.cuh, a
-// virtual CTA of RNORM_NT threads played by this CTA's warps: the bits of norms.cu's kernel),
-//   h = bf16(h + out) (in place),  y = bf16(rmsnorm(h) * (1 + w)),
-// one launch and one kernel boundary fewer per norm. A CTA's output stores are fenced (a barrier, then
-// thread 0's fence) before it counts itself (one atomic per CTA); the last CTA reads the row through L2 (other SMs wrote it) and
-// zeroes the counter for the next launch. A PDL dependent's pdl_wait returns only when this grid has
-// completed, the tail included. The grid lets the next kernel launch only from here (the other CTAs by
-// exiting), not after its main loop as a plain build does: placed during the GEMV's epilogues, the next
-// GEMV's CTAs and their weight prefetch slowed the 27B decode step by 0.5 ms (H200, session 33), as a
-// norm kernel triggering before its wait had (pdl.cuh).
-__device__ __forceinline__ void residual_norm_tail(const bf16* out, bf16* h, const bf16* w, bf16* y,
-                                                   unsigned* count, float eps, int warp, int lane) {
-#if RNORM
-  using Row = RmsRow<RNORM, RNORM_NT, KSW>;
-  __shared__ unsigned last;
-  __shared__ float partial[Row::VW];
-  __syncthreads();  // the CTA's output stores happen before thread 0's release fence (cumulative)
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(count, 1u) == gridDim.x * gridDim.y - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  pdl_trigger();  // the next kernel's CTAs are placed while the norm runs, as after a norm kernel's wait
-  __threadfence();
-  const Row row(warp, lane);
-  uint4 v[Row::VPR][Row::CPT];
-  float wv[Row::VPR][Row::CPT][8];
-  row.load_w(w, wv);  // issued with the row's loads below: one round trip (CTA 0 asked L2 for w early)
-  row.squares<true>(h, out, v, partial);
-  __syncthreads();
-  row.store(y, v, wv, partial, eps);
-  if (threadIdx.x == 0) *count = 0u;
-#endif
-}
 
 // The decode conv fused into the epilogue (CONV = KC > 0; one activation row, M == 1, the launcher's rule):
 // the GDN q/k/v/z projection's first C output channels are the conv's pre-conv inputs. The lane that
@@ -740,7 +687,7 @@ __device__ __forceinline__ void prefetch_chunks(const uint4* qw, const unsigned 
 extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     nvfp4_gemv_rd(const uint4* __restrict__ qw, const unsigned short* __restrict__ qs,
                   const float* __restrict__ gs, const bf16* __restrict__ x, bf16* __restrict__ out, int M,
-                  int N, int K, int C, int cps, int npf CONV_PARAMS RNORM_PARAMS) {
+                  int N, int K, int C, int cps, int npf CONV_PARAMS) {
 #if RDCL > 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; linear.py never launches an RDCL build below
 #endif
@@ -812,9 +759,6 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   for (int i = 0; i < PF - 1; ++i)  // prologue weights before the wait for the previous kernel (PDL)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
   if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
-#if RNORM
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) prefetch_l2(rn_w, RNORM * 2);  // the tail's w
-#endif
 #endif
 #if CONV
   {
@@ -856,12 +800,9 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   for (int u = 0; u < PF - 1; ++u)
     if (i0 + u < nc) step(u, i0, false);
   TRACE_AT(2);
-  if (!RNORM) pdl_trigger();  // RNORM: the norm's CTA triggers (residual_norm_tail), the others by exiting
+  pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);
   TRACE_STORE(3, TRACE_KIND_GEMV, qw);
-#if RNORM
-  residual_norm_tail(out, rn_h, rn_w, rn_y, rn_count, rn_eps, warp, lane);
-#endif
 }
 #endif
 

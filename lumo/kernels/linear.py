@@ -16,7 +16,6 @@ import torch
 from ..quant import nvfp4_dequantize
 from .compile import Kernel, compile_kernel, sm_count
 from .conv import conv_decode, conv_decode_operands
-from .norms import rms_threads, rmsnorm1p
 from .trace import on_trace_change, trace_defines
 
 MT = 4  # m16 tiles per warp: the packed row group is 64 rows (must match linear.cu)
@@ -502,38 +501,6 @@ def _rd_shape(
     return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * (nt * 512 + stage_cps * 576)
 
 
-@dataclass(frozen=True)
-class ResidualNorm:
-    """The norm after a residual branch's last GEMV (one row: its output is the branch's delta):
-    h = bf16(h + out) in place, then y = rmsnorm1p(h, w, eps), norms.rmsnorm1p's bits. nvfp4_linear runs it
-    in the register-direct kernel's last CTA (linear.cu, RNORM), else as rmsnorm1p after the GEMV.
-    counter: a zeroed int32 [1] on the device that the fused kernel counts its CTAs on (left zeroed); one
-    may serve any number of launches in one stream."""
-
-    h: torch.Tensor  # [1, H] bf16, the residual stream
-    w: torch.Tensor  # [H] bf16 (1 + w)
-    y: torch.Tensor  # [1, H] bf16
-    eps: float
-    counter: torch.Tensor
-
-    def run(self, delta: torch.Tensor) -> None:
-        """The standalone form (rmsnorm1p after the GEMV)."""
-        rmsnorm1p(self.h, self.w, self.eps, delta=delta, out=self.y)
-
-    def check(self, out: torch.Tensor) -> None:
-        h = self.h
-        one_row = out.shape[0] == 1 and h.shape == out.shape == self.y.shape
-        if not one_row or self.w.shape != h.shape[1:]:
-            raise ValueError(
-                f"the residual norm takes one row [1, N] like the GEMV's output {list(out.shape)}: h "
-                f"{list(h.shape)}, w {list(self.w.shape)}, y {list(self.y.shape)}"
-            )
-        if h.dtype != torch.bfloat16 or self.w.dtype != torch.bfloat16 or self.y.dtype != torch.bfloat16:
-            raise ValueError("the residual norm's h, w and y must be bf16")
-        if self.counter.dtype != torch.int32 or self.counter.numel() != 1 or self.counter.device != h.device:
-            raise ValueError("the residual norm's counter must be one int32 on the GEMV's device")
-
-
 @functools.cache
 def _rd_kernel(
     nt: int,
@@ -545,12 +512,9 @@ def _rd_kernel(
     rdcl: int = 1,
     conv: int = 0,
     stage: bool = False,
-    rnorm: int = 0,
 ) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
     defines |= {"CONV": conv} if conv else {}  # the decode conv's taps, fused into the epilogue
-    # the residual norm's H and the CTA size that fixes its sums, fused into the grid's last CTA
-    defines |= {"RNORM": rnorm, "RNORM_NT": rms_threads(rnorm)} if rnorm else {}
     defines |= {"STG": 1} if stage else {}  # the slice's weights staged in shared memory before pdl_wait
     if rdcl > 1:
         cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
@@ -596,7 +560,6 @@ def nvfp4_linear(
     rdcl: int | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stage: bool = False,
-    norm: ResidualNorm | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -612,9 +575,6 @@ def nvfp4_linear(
     STG), so a GEMV that follows latency-bound row kernels streams its weight while they run; elsewhere
     (other kernels, too little shared memory, a `probe`) the usual launch. The same bits either way; for
     callers that know what runs before (the decode step's GDN out-projection).
-
-    `norm` (one row of a plain weight's output, a residual delta): the ResidualNorm after the GEMV, in the
-    register-direct kernel's last CTA (one launch fewer), else rmsnorm1p after it; the same bits.
 
     Benchmark knobs, none of which changes the result bits: `rd`: (MTW, PF) forces the register-direct
     in-CTA split-K kernel (the others are then ignored), False forbids it; setting `stages`, `rgw`, `tpw` or
@@ -642,11 +602,6 @@ def nvfp4_linear(
     # computes the interleaved rows into `rows`, then _glu_act gives the same bits.
     rows = _glu_rows(rows, m, packed, x.device) if packed.glu_n else None
     conv_c, conv_k = _conv_operands(conv, m, packed) if conv is not None else (0, 0)
-    if norm is not None:
-        norm.check(out)
-        if packed.glu_n or conv is not None:
-            raise ValueError("the residual norm follows a plain weight's GEMV (no SwiGLU, no conv)")
-    rnorm = 0 if norm is None or probe else packed.out_features
     if m > SMALL_M:
         y = _prefill(x, packed, rows() if rows else out)
         return _glu_act(y, out) if rows else y
@@ -680,22 +635,17 @@ def nvfp4_linear(
         stage = stage and not probe  # a probe build measures the usual kernel
         if stage:
             grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, stage_cps=cps)
-            build = functools.partial(
-                _rd_kernel, nt, mtw, pf, splits, 0, glu, rdcl, conv_k, stage=True, rnorm=rnorm
-            )
+            build = functools.partial(_rd_kernel, nt, mtw, pf, splits, 0, glu, rdcl, conv_k, stage=True)
             stage = _stage_fits(grid, block, shmem, rdcl, x.device, build)
             kern = build() if stage else None
         if not stage:
-            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k, rnorm=rnorm)
+            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
             grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         args += [*conv, conv_c] if conv is not None else []
-        args += [norm.h, norm.w, norm.y, norm.counter, float(norm.eps)] if rnorm else []
         if shmem > smem_limit(x.device):
             raise ValueError(f"rd={rd!r} with {splits} slices needs {shmem} bytes of shared memory per CTA")
         kern.launch(grid, block, args, shmem, pdl=True, cluster=(1, rdcl, 1) if rdcl > 1 else None)
-        if norm is not None and not rnorm:  # a probe build: the norm after it
-            norm.run(out)
         return out
     if rdcl is not None:
         raise ValueError("rdcl applies to the register-direct kernel only (rd)")
@@ -713,8 +663,6 @@ def nvfp4_linear(
         _launch_ring(x, packed, y, splits, cps, stages, rgw, tpw, cluster, probe)
     if conv is not None:
         conv_decode(y[:, :conv_c], conv[0], conv[1], out=conv[2])
-    if norm is not None:
-        norm.run(out)
     return _glu_act(y, out) if rows else y
 
 

@@ -44,7 +44,6 @@ static_assert(DV % 32 == 0, "DV must be a multiple of 32");
 #include "act.cuh"
 #include "gated_norm.cuh"
 #include "pdl.cuh"
-#include "rms_row.cuh"
 #include "trace.cuh"
 #include "vec.cuh"
 
@@ -67,26 +66,64 @@ __device__ __forceinline__ void ld_f32(const float* __restrict__ p, float (&v)[N
 
 // ------------------------------------------------------------------------------------------------
 // rmsnorm1p_residual. grid = T CTAs, block = NT. h [T, HID] bf16 (in/out when delta != null),
-// delta [T, HID] bf16 or null, w [HID] bf16, y [T, HID] bf16. All contiguous, 16-byte aligned. The row's
-// arithmetic is rms_row.cuh's (one virtual warp per warp), which nvfp4_gemv_rd's residual tail shares.
+// delta [T, HID] bf16 or null, w [HID] bf16, y [T, HID] bf16. All contiguous, 16-byte aligned.
+#define CHUNKS (HID / 8)
+#define CPT ((CHUNKS + NT - 1) / NT)  // 8-value chunks per thread (chunk i of thread tid: tid + i*NT)
+
 extern "C" __global__ void __launch_bounds__(NT)
     rmsnorm1p_residual(bf16* __restrict__ h, const bf16* __restrict__ delta, const bf16* __restrict__ w,
                        bf16* __restrict__ y, float eps) {
-  using Row = RmsRow<HID, NT, NT / 32>;
-  __shared__ float partial[Row::VW];
+  __shared__ float partial[NT / 32];
   TRACE_DECL(3);  // bench/trace_step.py only (trace.cuh): start, wait, rows loaded and squares summed
   TRACE_AT(0);
-  const Row row(threadIdx.x >> 5, threadIdx.x & 31);
-  const size_t off = (size_t)blockIdx.x * HID;
-  float wv[Row::VPR][Row::CPT][8];  // the norm weight and an L2 request for h, before the wait
-  row.load_w(w, wv, h + off);
+  const int tid = threadIdx.x;
+  const size_t row = (size_t)blockIdx.x * HID;
+  float wv[CPT][8];  // the norm weight (no kernel writes it) and an L2 request for h, before the wait
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    if (tid + i * NT < CHUNKS) {
+      ld_bf16<8>(w + 8 * (tid + i * NT), wv[i]);
+      pdl_prefetch_l2(h + row + 8 * (tid + i * NT));
+    }
+  }
   pdl_begin();
   TRACE_AT(1);
-  uint4 v[Row::VPR][Row::CPT];
-  row.squares<false>(h + off, delta == nullptr ? nullptr : delta + off, v, partial);
+  float v[CPT][8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    const int c = tid + i * NT;
+    if (c < CHUNKS) {
+      ld_bf16<8>(h + row + 8 * c, v[i]);
+      if (delta != nullptr) {
+        float dl[8];
+        ld_bf16<8>(delta + row + 8 * c, dl);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[i][j] = round_bf16(__fadd_rn(v[i][j], dl[j]));  // torch bf16 add
+        st_bf16<8>(h + row + 8 * c, v[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) ss = fmaf(v[i][j], v[i][j], ss);
+    }
+  }
+  ss = warp_sum(ss);
+  if ((tid & 31) == 0) partial[tid >> 5] = ss;
   TRACE_AT(2);
   __syncthreads();
-  row.store(y + off, v, wv, partial, eps);
+  float total = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NT / 32; ++k) total = __fadd_rn(total, partial[k]);  // warp order: fixed
+  const float r = rsqrtf(__fadd_rn(__fdiv_rn(total, (float)HID), eps));
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    const int c = tid + i * NT;
+    if (c < CHUNKS) {
+      float o[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(__fmul_rn(v[i][j], r), __fadd_rn(1.0f, wv[i][j]));
+      st_bf16<8>(y + row + 8 * c, o);
+    }
+  }
   TRACE_STORE(3, TRACE_KIND_NORM, w);
 }
 
