@@ -56,6 +56,15 @@ def test_linear_compiles_one_kernel_at_a_time(arch):
         assert held == [name], (name, held)
 
 
+def test_compiling_leaves_python_bytes_alone():
+    """NVRTC writes into the log and cubin buffers it is given: they must be bytearrays. An immutable
+    b" " * 1 is CPython's shared one-byte object, and an empty log's NUL written into it once turned every
+    b" " of the process into b"\\x00" (found by tests/test_logprobs.py's token bytes after a compile)."""
+    cubin = compile_to_cubin('extern "C" __global__ void k() {}', "sm_90")
+    assert cubin[:4] == b"\x7fELF" and isinstance(cubin, bytes)
+    assert bytes([32])[0] == 32 and bytes([0])[0] == 0
+
+
 def test_error_carries_log():
     with pytest.raises(KernelCompileError, match="undeclared_thing"):
         compile_to_cubin('extern "C" __global__ void k() { undeclared_thing = 1; }', "sm_90")

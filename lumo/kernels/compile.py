@@ -81,8 +81,11 @@ def compile_to_cubin(
     (prog,) = _check(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        # NVRTC writes into the buffers it is given: bytearrays, never bytes. (An immutable b" " * 1 is
+        # CPython's shared one-byte object: an empty log's terminating NUL written there turned every b" "
+        # of the process into b"\x00".)
         (log_size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        log_bytes = b" " * log_size
+        log_bytes = bytearray(log_size)
         _check(nvrtc.nvrtcGetProgramLog(prog, log_bytes), "nvrtcGetProgramLog")
         text = log_bytes.decode(errors="replace").rstrip("\x00")
         if int(err) != 0:
@@ -90,9 +93,9 @@ def compile_to_cubin(
         if log is not None:
             log.append(text)
         (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-        return cubin
+        return bytes(cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
