@@ -688,11 +688,13 @@ def test_emulated_prompt_logprobs(monkeypatch):
         dec.prefill(prompt[:21])  # a cached prefix of 20 tokens
         dec.prompt_logprobs = 3
         first = dec.prefill(prompt)
-        assert dec.cached_tokens == 0 and len(dec.last_prompt_logprobs) == len(prompt) - 1
-        assert [t.token for t in dec.last_prompt_logprobs] == prompt[1:]
+        scored = dec.last_prompt_logprobs
+        assert dec.cached_tokens == 0 and len(scored) == len(prompt) - 1
+        assert [t.token for t in scored] == prompt[1:]
         dec.prompt_logprobs = None
         assert dec.prefill(prompt) == first and dec.cached_tokens == 20  # and the cache was rebuilt
-        out.append(dec.last_prompt_logprobs)
+        assert dec.last_prompt_logprobs == []
+        out.append(scored)
     assert out[0] == out[1]
     logits, _ = M.forward(cfg, w32(), torch.tensor([prompt]))
     ref = torch.log_softmax(logits[0].double(), dim=-1)

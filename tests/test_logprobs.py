@@ -3,6 +3,7 @@ between plain and speculative decoding and across a prefix-cache hit, cut like t
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -140,3 +141,64 @@ def test_byte_level_alphabet_is_the_tokenizers_one():
 def test_token_logprob_is_a_value():
     a = TokenLogprob(3, -0.5, [(3, -0.5)])
     assert a == TokenLogprob(3, -0.5, [(3, -0.5)]) and a != TokenLogprob(3, -0.5)
+
+
+@pytest.mark.parametrize("spec", ["off", "tree"])
+def test_the_end_of_sequence_token_keeps_its_logprob(models, spec, monkeypatch):
+    """An output ended by an end-of-sequence token (here: made one, the greedy output's 6th token) leaves
+    it out of token_ids and the text but reports its logprob (`eos_logprob`, on the last chunk), the one
+    plain decoding computed; within an event too."""
+    llm = models[spec]
+    full = llm.generate(PROMPT, max_tokens=24, temperature=0, logprobs=2)
+    j = full.token_ids.index(full.token_ids[5])  # its first occurrence
+    monkeypatch.setattr(llm.tokenizer, "eos_token_ids", (full.token_ids[j],))
+    r = llm.generate(PROMPT, max_tokens=24, temperature=0, logprobs=2)
+    assert r.finish_reason == "stop" and r.token_ids == full.token_ids[:j]
+    assert r.logprobs == full.logprobs[:j] and r.eos_logprob == full.logprobs[j]
+    chunks = list(llm.generate_stream(PROMPT, max_tokens=24, temperature=0, logprobs=2))
+    assert [c.eos_logprob for c in chunks] == [None] * (len(chunks) - 1) + [full.logprobs[j]]
+    assert llm.generate(PROMPT, max_tokens=24, temperature=0).eos_logprob is None  # not asked
+
+
+def test_http_logprobs_end_of_sequence_offsets_and_ties(models, monkeypatch):
+    """Through the HTTP app (in process): the end-of-sequence entry closes the completions lists (its text
+    not in the response), echo's text_offset points at each token's text in the response text (non-ASCII
+    prompt), and a top_logprobs text shared by two tokens keeps the more likely one's value."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from lumo.server.app import create_app
+
+    llm = models["off"]
+    tok = llm.tokenizer
+    prompt = "naïve café: 東京 😀 def f(x):\n    return"
+    full = llm.generate(prompt, max_tokens=8, temperature=0, logprobs=1)
+    eos = full.token_ids[2]
+    monkeypatch.setattr(tok, "eos_token_ids", (eos,))
+    j = full.token_ids.index(eos)
+    with TestClient(create_app(llm)) as client:
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "echo": True, "logprobs": 3}
+        r = client.post("/v1/completions", json=body).json()
+        choice = r["choices"][0]
+        lp, text = choice["logprobs"], choice["text"]
+        n = len(tok.encode(prompt))
+        assert choice["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == j
+        assert lp["tokens"][-1] == tok.token_text(eos)
+        assert lp["token_logprobs"][-1] == full.logprobs[j].logprob
+        assert len(lp["tokens"]) == n + j + 1 and text == prompt + full.text[: len(text) - len(prompt)]
+        whole = [k for k, s in enumerate(lp["tokens"][:-1]) if "\ufffd" not in s]
+        assert len(whole) >= 10  # the tiny vocabulary splits most non-ASCII characters
+        for k in whole:
+            s, off = lp["tokens"][k], lp["text_offset"][k]
+            assert text[off : off + len(s)] == s, (k, s, off)
+        events = client.post("/v1/completions", json={**body, "stream": True}).iter_lines()
+        chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+        streamed = [x for c in chunks if c["choices"] for x in c["choices"][0]["logprobs"]["text_offset"]]
+        assert streamed == lp["text_offset"]
+    # ties: the top list's texts collide on U+FFFD (partial UTF-8 tokens); the better value is kept
+    from lumo.engine.logprobs import TokenLogprob
+    from lumo.server.logprobs import completion_logprobs
+
+    partial = [i for i in range(tok.vocab_size) if tok.token_text(i) == "\ufffd"][:2]
+    t = TokenLogprob(partial[0], -1.0, [(partial[0], -1.0), (partial[1], -2.0)])
+    assert completion_logprobs(tok, [partial[0]], [t], [0])["top_logprobs"] == [{"\ufffd": -1.0}]

@@ -323,14 +323,19 @@ def test_completion_logprobs_streamed_and_not(client, llm):
     prompt = "The quick brown fox"
     ref = llm.generate(prompt, max_tokens=8, temperature=0.7, seed=4, logprobs=2)
     kw = dict(model=llm.model_name, prompt=prompt, max_tokens=8, temperature=0.7, seed=4, logprobs=2)
-    lp = client.completions.create(**kw).choices[0].logprobs
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
     tok = llm.tokenizer
     texts = [tok.token_text(t) for t in ref.token_ids]
-    assert lp.tokens == texts
+    assert choice.text == ref.text and lp.tokens == texts
     assert lp.token_logprobs == [t.logprob for t in ref.logprobs]
-    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for s, off in zip(texts, lp.text_offset, strict=True):  # each whole token's text where it starts
+        assert "\ufffd" in s or choice.text[off : off + len(s)] == s
     for top, t, s in zip(lp.top_logprobs, ref.logprobs, texts, strict=True):
-        want = {tok.token_text(i): v for i, v in t.top}
+        want = {}
+        for i, v in t.top:
+            want.setdefault(tok.token_text(i), v)
         want.setdefault(s, t.logprob)
         assert top == want
     events = [e for e in client.completions.create(**kw, stream=True) if e.choices and e.choices[0].logprobs]

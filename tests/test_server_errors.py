@@ -86,9 +86,27 @@ BAD = [
     ("presence-penalty", COMP, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", ""),
     ("logit-bias", COMP, {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", ""),
     ("top-logprobs-alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
-    ("top-logprobs-21", CHAT, {"messages": USER, "logprobs": 1, "top_logprobs": 21}, 422, "top_logprobs", ""),
+    (
+        "top-logprobs-21",
+        CHAT,
+        {"messages": USER, "logprobs": True, "top_logprobs": 99},
+        422,
+        "top_logprobs",
+        "",
+    ),
     ("logprobs-negative", COMP, {"prompt": "a", "logprobs": -1}, 422, "logprobs", ""),
-    ("logprobs-bool-chat-style", COMP, {"prompt": "a", "logprobs": "many"}, 422, "logprobs", ""),
+    ("logprobs-string", COMP, {"prompt": "a", "logprobs": "3"}, 422, "logprobs", ""),
+    ("logprobs-true", COMP, {"prompt": "a", "logprobs": True}, 422, "logprobs", ""),
+    ("logprobs-float", COMP, {"prompt": "a", "logprobs": 2.0}, 422, "logprobs", ""),
+    ("chat-logprobs-string", CHAT, {"messages": USER, "logprobs": "yes"}, 422, "logprobs", ""),
+    (
+        "top-logprobs-str",
+        CHAT,
+        {"messages": USER, "logprobs": True, "top_logprobs": "3"},
+        422,
+        "top_logprobs",
+        "",
+    ),
     (
         "json-mode",
         CHAT,
@@ -200,6 +218,8 @@ def test_harmless_openai_fields_are_accepted(server):
     r = httpx.post(server.url + CHAT, json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 2
+    r = httpx.post(server.url + COMP, json={"prompt": "a", "max_tokens": 2, "logprobs": False}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None  # false: off, as in chat
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=USER)

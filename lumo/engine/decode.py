@@ -123,6 +123,8 @@ class PlainDecoder:
         self._note_logprobs(lg[0, -1:], [self.pending])
         if scored is not None:
             self.last_prompt_logprobs = scored.out
+        else:
+            self.last_prompt_logprobs = []
         return [self.pending]
 
     def _note_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:

@@ -48,8 +48,7 @@ class GPUDecoder:
             scored = PromptLogprobs(prompt_ids, self.prompt_logprobs, head=r.w.lm_head)
         self.cached_tokens = start = r.resume(prompt_ids, reuse=scored is None)
         r.prefill(prompt_ids[start:], hidden_hook=None if scored is None else scored.hidden)
-        if scored is not None:
-            self.last_prompt_logprobs = scored.out
+        self.last_prompt_logprobs = [] if scored is None else scored.out
         return self._emit()
 
     def step(self) -> list[int]:

@@ -657,8 +657,7 @@ class GPUSpecDecoder:
         if self.prompt_logprobs is not None:
             scored = PromptLogprobs(list(prompt_ids), self.prompt_logprobs, head=e.w.lm_head)
         self.pending = e.prefill(prompt_ids, scored)
-        if scored is not None:
-            self.last_prompt_logprobs = scored.out
+        self.last_prompt_logprobs = [] if scored is None else scored.out
         self._note_logprobs(e.runner.logits_bf16, [self.pending])  # before capture()'s warm-up events
         if self.use_graph and e.graphs is None and e.can_capture():
             e.capture()  # after prefill: the warm-up runs on real state, then restores it

@@ -64,6 +64,7 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
     # one per prompt token when asked for; None for the first (nothing before it scores it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    eos_logprob: TokenLogprob | None = None  # the end-of-sequence token's, when it ended the output
 
 
 @dataclass
@@ -73,6 +74,8 @@ class StreamChunk:
     finish_reason: str | None = None  # set on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
+    # with logprobs, on a last chunk that an end-of-sequence token ended (not in token_ids, like its text)
+    eos_logprob: TokenLogprob | None = None
 
 
 def _pick_device(device: str) -> torch.device:
@@ -238,7 +241,7 @@ class LLM:
         """Keyword arguments: temperature, top_k, top_p, seed, stop (see sampling_params), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
-        ids, text, reason, prompt_lps = [], [], None, None
+        ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
         prompt_ids = self._encode(prompt)
         logprobs = [] if kw.get("logprobs") is not None else None
         t0 = time.perf_counter()
@@ -251,6 +254,7 @@ class LLM:
             if logprobs is not None:
                 logprobs += chunk.logprobs
             prompt_lps = prompt_lps or chunk.prompt_logprobs
+            eos_lp = eos_lp or chunk.eos_logprob
         t1 = time.perf_counter()
         t_first = t_first or t1
         cached = getattr(self.last_decoder, "cached_tokens", 0)
@@ -264,6 +268,7 @@ class LLM:
             cached,
             logprobs,
             prompt_lps,
+            eos_lp,
         )
 
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
@@ -365,11 +370,11 @@ class LLM:
             out, text = [], []
             # The decoder's logprobs of `tokens`, cut where they are: a chunk's logprobs match its token_ids.
             lps = decoder.last_logprobs if logprobs is not None else None
-            reason = None
-            for tok in tokens:
+            reason = eos_lp = None
+            for i, tok in enumerate(tokens):
                 if tok in eos:
                     text.append(detok.finish())
-                    reason = "stop"
+                    reason, eos_lp = "stop", None if lps is None else lps[i]
                     break
                 out.append(tok)
                 n += 1
@@ -381,7 +386,8 @@ class LLM:
                     text.append(detok.finish())
                     reason = "length"
                     break
-            yield StreamChunk("".join(text), out, reason, None if lps is None else lps[: len(out)], first)
+            chunk_lps = None if lps is None else lps[: len(out)]
+            yield StreamChunk("".join(text), out, reason, chunk_lps, first, eos_lp)
             if reason is not None:
                 return
             first = None

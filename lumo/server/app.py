@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..tokenizer import TokenizerError
+from ..tokenizer import IncrementalDetokenizer, TokenizerError
 from .chat import delta_json, finish_reason, message_json, opens_reasoning, render_prompt
 from .errors import APIError, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
@@ -84,30 +84,60 @@ class _CountRequests:
             self.metrics.requests.inc(endpoint=endpoint, status=str(status))
 
 
+def chunk_logprobs(chunk: Any) -> list:
+    """A chunk's token logprobs, and the end-of-sequence token's when it ended the output (an engine
+    without logprobs: none)."""
+    eos = getattr(chunk, "eos_logprob", None)
+    return [*(getattr(chunk, "logprobs", None) or []), *([eos] if eos is not None else [])]
+
+
 class _CompletionOutput:
     """A completion job's chunks as the completions API's text and logprobs pieces: with echo, the prompt
-    (and its tokens' logprobs) first; with max_tokens 0, nothing generated (the prompt only scored)."""
+    (and its tokens' logprobs) first; with max_tokens 0, nothing generated (the prompt only scored). The
+    logprobs cover an end-of-sequence token that ended the output (not in the text), as vLLM's do: a
+    harness that drops the last entry of an echoed one-token completion keeps the prompt's whole."""
 
     def __init__(self, tok: Any, job: Job, prompt_ids: list[int], echo: str | None, score_only: bool):
         self.tok, self.job, self.prompt_ids, self.echo = tok, job, prompt_ids, echo
         self.score_only = score_only
-        self.n_prompt, self.n_gen, self.offset, self.first = len(prompt_ids), 0, 0, True
+        self.n_prompt, self.n_gen, self.first = len(prompt_ids), 0, True
+        # text_offset: where each token's text starts, by the engine's own incremental detokenisation
+        self.pos = 0
+        self.detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids[-8:])
+
+    def _offsets(self, ids: list[int], detok: IncrementalDetokenizer) -> list[int]:
+        """Where each token's text starts: a whole token's own text ends what its decode adds (text held
+        back before it, an earlier token's incomplete bytes, comes first); a token holding part of a
+        character is placed where that character starts."""
+        out = []
+        for i in ids:
+            piece, own = detok.add(i), self.tok.token_text(i)
+            whole = own and "\ufffd" not in own and piece.endswith(own)
+            out.append(self.pos + len(piece) - len(own) if whole else self.pos)
+            self.pos += len(piece)
+        return out
 
     def take(self, chunk: Any) -> tuple[str, dict[str, Any] | None]:
-        text, ids, lps = chunk.text, chunk.token_ids, chunk.logprobs
+        text, ids, lps = chunk.text, chunk.token_ids, chunk_logprobs(chunk)
+        if len(lps) > len(ids):  # the end-of-sequence token's entry
+            ids = [*ids, lps[-1].token]
         if self.score_only:
             text, ids, lps = "", [], []
-        self.n_gen += len(ids)
+        self.n_gen += len(chunk.token_ids) if not self.score_only else 0
+        offsets = []
         if self.first:
             self.first = False
             if self.echo is not None:
                 text = self.echo + text
-                ids, lps = self.prompt_ids + ids, (chunk.prompt_logprobs or []) + (lps or [])
+                if self.job.wants_logprobs:  # the echoed text is the prompt's decode, specials included
+                    echo = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
+                    offsets = self._offsets(self.prompt_ids, echo)
+                    self.pos = len(self.echo)  # the completion's text follows the echoed prompt
+                ids, lps = self.prompt_ids + ids, (getattr(chunk, "prompt_logprobs", None) or []) + lps
         if not self.job.wants_logprobs:
             return text, None
-        logprobs = completion_logprobs(self.tok, ids, lps, self.offset)
-        self.offset += sum(map(len, logprobs["tokens"]))
-        return text, logprobs
+        offsets += self._offsets(ids[len(offsets) :], self.detok)
+        return text, completion_logprobs(self.tok, ids, lps, offsets)
 
     def reason(self, engine_reason: str | None) -> str:
         return "length" if self.score_only else engine_reason or "length"
@@ -205,7 +235,7 @@ class _Server:
             n_gen += len(chunk.token_ids)
             reason = chunk.finish_reason or reason
             if job.wants_logprobs:
-                lps += chunk.logprobs
+                lps += chunk_logprobs(chunk)
         return "".join(parts), n_gen, reason, lps
 
     # ---- /v1/completions ----
@@ -323,7 +353,7 @@ class _Server:
                 n_gen += len(chunk.token_ids)
                 reason = chunk.finish_reason or reason
                 if job.wants_logprobs:
-                    held.extend(chunk.logprobs)
+                    held.extend(chunk_logprobs(chunk))
                 d = parser.feed(chunk.text)
                 if chunk.finish_reason is not None:
                     d.extend(parser.finish())

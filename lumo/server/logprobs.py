@@ -25,29 +25,28 @@ def chat_entries(tok: Tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]
 
 
 def completion_logprobs(
-    tok: Tokenizer, ids: list[int], lps: list[TokenLogprob | None], offset: int = 0
+    tok: Tokenizer, ids: list[int], lps: list[TokenLogprob | None], offsets: list[int]
 ) -> dict[str, Any]:
     """`choices[].logprobs` (completions) of tokens `ids`: tokens, token_logprobs, top_logprobs (the k most
-    likely and the chosen token, text -> logprob) and text_offset (characters from `offset`, each token's
-    text length). A None in lps (an echoed prompt's first token) gives null logprobs."""
+    likely and the chosen token, text -> logprob; where two tokens share a text, the more likely one's) and
+    text_offset (`offsets`: where each token's text starts in the response text). A None in lps (an echoed
+    prompt's first token) gives null logprobs."""
     tokens = [tok.token_text(i) for i in ids]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
     tops: list[dict[str, float] | None] = []
     for t, s in zip(lps, tokens, strict=True):
         if t is None:
             tops.append(None)
             continue
-        top = {tok.token_text(i): _lp(v) for i, v in t.top}
+        top: dict[str, float] = {}
+        for i, v in t.top:  # best first: the first of a text stays
+            top.setdefault(tok.token_text(i), _lp(v))
         top.setdefault(s, _lp(t.logprob))
         tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": [None if t is None else _lp(t.logprob) for t in lps],
         "top_logprobs": tops,
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from ..engine.logprobs import MAX_LOGPROBS
 from .errors import APIError
@@ -115,7 +115,7 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
     echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
     best_of: int | None = None
     suffix: str | None = None
 
@@ -128,6 +128,11 @@ class CompletionRequest(_Common):
             raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        return None if v is False else v  # chat's "off", sent here by some clients; true stays an error
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
@@ -154,8 +159,8 @@ class ChatCompletionRequest(_Common):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
 
