@@ -301,3 +301,16 @@ def test_http_tool_calls_streamed_and_not(scripted):
     assert r["choices"][0]["finish_reason"] == "stop"
     assert "<tool_call>" in r["choices"][0]["message"]["content"]
     assert "tool_calls" not in r["choices"][0]["message"]
+
+
+def test_logprobs_asked_of_an_engine_without_them(scripted):
+    """An engine whose chunks carry no logprobs (this scripted one) answers logprobs requests with null /
+    empty entries, never an error."""
+    _, url = scripted
+    body = {"prompt": "hi", "max_tokens": 5, "logprobs": 2, "echo": True}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert set(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == {None}
+    body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"] == []

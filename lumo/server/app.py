@@ -137,6 +137,7 @@ class _CompletionOutput:
         if not self.job.wants_logprobs:
             return text, None
         offsets += self._offsets(ids[len(offsets) :], self.detok)
+        lps += [None] * (len(ids) - len(lps))  # an engine that scores nothing: null entries, not an error
         return text, completion_logprobs(self.tok, ids, lps, offsets)
 
     def reason(self, engine_reason: str | None) -> str:
