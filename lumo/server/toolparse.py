@@ -9,6 +9,10 @@ Tool calls come in two shapes, both parsed when the closing tag arrives:
     <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>                        (JSON, Qwen3)
     <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>  (XML, Qwen3-coder)
 A tool call that does not parse is returned as plain content, tags included, so nothing is lost.
+
+A complete tool call inside the reasoning (Qwen3 models sometimes call a tool before `</think>`, or never
+close it) is a tool call too, taken out of the reasoning text; one that is not closed before `</think>` or
+the end, or does not parse, stays reasoning text.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class ChatOutputParser:
     ) -> None:
         self._mode = _REASONING if in_reasoning else _CONTENT
         self._tags = (THINK_OPEN, TOOL_OPEN) if parse_tools else (THINK_OPEN,)
+        self._reasoning_tags = (THINK_CLOSE, TOOL_OPEN) if parse_tools else (THINK_CLOSE,)
         self._schemas = _parameter_schemas(tools or [])
         self._buf = ""  # text not yet classified
         self._held_ws = ""  # trailing content whitespace, sent only if more content follows
@@ -107,8 +112,11 @@ class ChatOutputParser:
         buf = self._buf
         if self._mode == _REASONING:
             i = buf.find(THINK_CLOSE)
+            j = buf.find(TOOL_OPEN) if TOOL_OPEN in self._reasoning_tags else -1
+            if j >= 0 and (i < 0 or j < i):
+                return self._tool_call_in_reasoning(buf, j, i, out)
             if i < 0:
-                keep = _partial_tag_len(buf, (THINK_CLOSE,))
+                keep = _partial_tag_len(buf, self._reasoning_tags)
                 out.reasoning += buf[: len(buf) - keep]
                 self._buf = buf[len(buf) - keep :]
                 return False
@@ -133,6 +141,29 @@ class ChatOutputParser:
         self._content(buf[:i], out, boundary=True)
         self._buf = buf[i + len(tag) :]
         self._mode = _REASONING if tag == THINK_OPEN else _TOOL
+        return True
+
+    def _tool_call_in_reasoning(self, buf: str, j: int, i: int, out: ParsedDelta) -> bool:
+        """`<tool_call>` at j inside the reasoning (`</think>` at i, or -1): a call if it closes before
+        `</think>` and parses; held back while neither has come. True if the buffer was consumed."""
+        k = buf.find(TOOL_CLOSE, j)
+        if k < 0 or (0 <= i < k):
+            if i >= 0:  # </think> came first: reasoning text, up to and with the </think> handled next
+                out.reasoning += buf[:i]
+                self._buf = buf[i:]
+                return True
+            out.reasoning += buf[:j]
+            self._buf = buf[j:]
+            return False
+        end = k + len(TOOL_CLOSE)
+        call = parse_tool_call(buf[j + len(TOOL_OPEN) : k], self._schemas)
+        if call is None:
+            out.reasoning += buf[:end]
+        else:
+            out.reasoning += buf[:j]
+            self.n_tool_calls += 1
+            out.tool_calls.append(call)
+        self._buf = buf[end:]
         return True
 
     def _content(self, text: str, out: ParsedDelta, boundary: bool) -> None:
