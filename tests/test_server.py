@@ -373,3 +373,33 @@ def test_echo_scores_the_prompt(client, llm):
     )
     plain = client.completions.create(**{**kw, "logprobs": None}, max_tokens=4)  # echo alone: text only
     assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None
+
+
+def test_a_batch_of_prompts_is_each_prompt_alone(client, server, llm):
+    """A completions request with several prompts (strings or token-id lists, as evaluation harnesses send
+    them) answers choice i for prompt i, each what the prompt gets alone; streamed, each chunk carries its
+    prompt's index; usage adds up."""
+    prompts = ["The quick brown fox", "Hello", "def f(x):"]
+    ids = llm.tokenizer.encode(prompts[1])
+    alone = [llm.generate(p, max_tokens=5, temperature=0) for p in prompts]
+    r = client.completions.create(model=llm.model_name, prompt=prompts, max_tokens=5, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [a.text for a in alone]
+    assert r.usage.prompt_tokens == sum(len(a.prompt_token_ids) for a in alone)
+    assert r.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    body = {"prompt": [ids, ids], "max_tokens": 5, "temperature": 0, "logprobs": 1}
+    choices = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    assert [c["text"] for c in choices] == [alone[1].text] * 2
+    assert choices[0]["logprobs"] == choices[1]["logprobs"]
+    events = client.completions.create(
+        model=llm.model_name, prompt=prompts, max_tokens=5, temperature=0, stream=True
+    )
+    texts = ["", "", ""]
+    reasons = []
+    for e in events:
+        for c in e.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                reasons.append((c.index, c.finish_reason))
+    assert texts == [a.text for a in alone]
+    assert [i for i, _ in reasons] == [0, 1, 2]

@@ -115,7 +115,9 @@ BAD = [
         "response_format",
         "",
     ),
-    ("two-prompts", COMP, {"prompt": ["a", "b"]}, 400, "prompt", "2 prompts"),
+    ("too-many-prompts", COMP, {"prompt": ["a"] * 257}, 400, "prompt", "257 prompts"),
+    ("empty-prompt-in-batch", COMP, {"prompt": ["a", ""]}, 400, "prompt[1]", "empty"),
+    ("long-prompt-in-batch", COMP, {"prompt": ["a", "hello world " * 3000]}, 400, "prompt[1]", "4096"),
     ("empty-prompt", COMP, {"prompt": ""}, 400, "prompt", "empty"),
     ("token-out-of-range", COMP, {"prompt": [1, 10**7]}, 400, "prompt", ""),
     (

@@ -11,7 +11,7 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -41,12 +41,12 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(n_prompt: int, n_gen: int, job: Job) -> dict[str, Any]:
+def _usage(n_prompt: int, n_gen: int, cached: int) -> dict[str, Any]:
     return {
         "prompt_tokens": n_prompt,
         "completion_tokens": n_gen,
         "total_tokens": n_prompt + n_gen,
-        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -243,64 +243,96 @@ class _Server:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
         body.check_supported()
-        prompt = body.single_prompt()
         tok = self.llm.tokenizer
-        if isinstance(prompt, str):
-            prompt_ids = await self._encode(prompt, "prompt")
-        else:
-            if any(t < 0 or t >= tok.vocab_size for t in prompt):
-                raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", "prompt")
-            prompt_ids = list(prompt)
+        prompts = body.prompts()
         # max_tokens 0 (with echo): one token is generated (the prefill samples it anyway) and dropped
         score_only = body.max_tokens == 0
         want = 1 if score_only else body.max_tokens
-        max_tokens = self._budget(len(prompt_ids), want, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        job = self._submit(prompt_ids, max_tokens, body.sampling())
-        echo = None
-        if body.echo:
-            echo = prompt if isinstance(prompt, str) else tok.decode(prompt_ids)
-        out = _CompletionOutput(tok, job, prompt_ids, echo, score_only)
+        items = []  # every prompt checked before the first one runs
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                ids = await self._encode(prompt, param)
+            else:
+                if any(t < 0 or t >= tok.vocab_size for t in prompt):
+                    raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", param)
+                ids = list(prompt)
+            budget = self._budget(len(ids), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
+            echo = None
+            if body.echo:
+                echo = prompt if isinstance(prompt, str) else tok.decode(ids)
+            items.append((ids, budget, echo))
+        sampling = body.sampling()
+
+        def start(i: int) -> _CompletionOutput:
+            """Prompt i's job, queued when its turn comes: a batch holds one place in the queue at a time."""
+            ids, budget, echo = items[i]
+            return _CompletionOutput(tok, self._submit(ids, budget, sampling), ids, echo, score_only)
+
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._streaming(self._stream_completion(job, head, out, usage))
-        text, logprobs, reason = "", None, None
-        async for chunk in self._collected(job, request):
-            piece, lp = out.take(chunk)
-            text, logprobs = text + piece, extend(logprobs, lp)
-            reason = chunk.finish_reason or reason
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": out.reason(reason)}
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), out.n_gen, job)}
+            return self._streaming(self._stream_completion(start, len(items), head, usage))
+        choices, n_prompt, n_gen, cached = [], 0, 0, 0
+        for i in range(len(items)):
+            if i and await request.is_disconnected():
+                break  # the client went away: the rest of the batch would go unread
+            out = start(i)
+            text, logprobs, reason = "", None, None
+            async for chunk in self._collected(out.job, request):
+                piece, lp = out.take(chunk)
+                text, logprobs = text + piece, extend(logprobs, lp)
+                reason = chunk.finish_reason or reason
+            choices.append(
+                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.reason(reason)}
+            )
+            n_prompt, n_gen, cached = (
+                n_prompt + out.n_prompt,
+                n_gen + out.n_gen,
+                cached + out.job.cached_tokens,
+            )
+        return {**head, "choices": choices, "usage": _usage(n_prompt, n_gen, cached)}
 
     async def _stream_completion(
-        self, job: Job, head: dict[str, Any], out: _CompletionOutput, include_usage: bool
+        self, start: Callable[[int], _CompletionOutput], count: int, head: dict[str, Any], include_usage: bool
     ) -> AsyncIterator[str]:
+        """The prompts' chunks in turn, each choice under its prompt's index."""
         extra = {"usage": None} if include_usage else {}
-        reason = None
+        n_prompt = n_gen = cached = 0
+        job = None
         try:
-            async for chunk in job.events():
-                reason = chunk.finish_reason or reason
-                text, logprobs = out.take(chunk)
-                if text or chunk.finish_reason or logprobs:
-                    choice = {
-                        "index": 0,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": chunk.finish_reason and out.reason(chunk.finish_reason),
-                    }
+            for i in range(count):
+                out = start(i)
+                job, reason = out.job, None
+                async for chunk in job.events():
+                    reason = chunk.finish_reason or reason
+                    text, logprobs = out.take(chunk)
+                    if text or chunk.finish_reason or logprobs:
+                        choice = {
+                            "index": i,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": chunk.finish_reason and out.reason(chunk.finish_reason),
+                        }
+                        yield _sse({**head, "choices": [choice], **extra})
+                if reason is None:
+                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
                     yield _sse({**head, "choices": [choice], **extra})
-            if reason is None:
-                choice = {"index": 0, "text": "", "logprobs": None, "finish_reason": "length"}
-                yield _sse({**head, "choices": [choice], **extra})
+                n_prompt, n_gen, cached = (
+                    n_prompt + out.n_prompt,
+                    n_gen + out.n_gen,
+                    cached + job.cached_tokens,
+                )
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(out.n_prompt, out.n_gen, job)})
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, cached)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())
             yield "data: [DONE]\n\n"
         finally:
-            job.cancel()  # a no-op after a normal end; stops the engine when the client went away
+            if job is not None:
+                job.cancel()  # a no-op after a normal end; stops the engine when the client went away
 
     # ---- /v1/chat/completions ----
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -330,7 +362,7 @@ class _Server:
             "logprobs": {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None,
             "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
         }
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job)}
+        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job.cached_tokens)}
 
     async def _stream_chat(
         self, job: Job, head: dict[str, Any], parser: ChatOutputParser, n_prompt: int, include_usage: bool
@@ -368,7 +400,7 @@ class _Server:
                     n_calls += len(d.tool_calls)
             yield chunk_of({}, finish_reason(reason, n_calls))
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, job)})
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, job.cached_tokens)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())

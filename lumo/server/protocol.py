@@ -111,6 +111,9 @@ class _Common(BaseModel):
         }
 
 
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch runs one prompt at a time)
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
@@ -141,16 +144,17 @@ class CompletionRequest(_Common):
         # echo with logprobs: the prompt's tokens are scored too (lumo.engine.logprobs.PromptLogprobs)
         return {**super().sampling(), "prompt_logprobs": self.logprobs if self.echo else None}
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of the request: a string or a list of token ids (batches of one are unwrapped)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one string or list of token ids, or a batch of either (served one after
+        the other, choice i for prompt i)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise APIError(400, f"got {len(p)} prompts; lumo serves one prompt per request", "prompt")
-            p = p[0]
-        if len(p) == 0:
-            raise APIError(400, "the prompt is empty", "prompt")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"got {len(batch)} prompts; a request holds at most {MAX_PROMPTS}", "prompt")
+        for i, q in enumerate(batch):
+            if len(q) == 0:
+                raise APIError(400, "the prompt is empty", "prompt" if len(batch) == 1 else f"prompt[{i}]")
+        return batch
 
 
 class ChatCompletionRequest(_Common):
