@@ -16,7 +16,7 @@ import torch
 from .. import model as M
 from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
-from .logprobs import PromptLogprobs, TokenLogprob, token_logprobs
+from .logprobs import PromptLogprobs, ScoresTokens
 from .prefix import PrefixCache
 from .sampling import SamplingParams, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
@@ -54,7 +54,7 @@ class Slot:
         return self.cache
 
 
-class PlainDecoder:
+class PlainDecoder(ScoresTokens):
     """One target forward per token; the native reference for exactness.
 
     With `logprobs` set to k (lumo.engine.logprobs; None: off), prefill / step also leave the emitted
@@ -82,10 +82,7 @@ class PlainDecoder:
         else:
             self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
-        self.logprobs: int | None = None
-        self.last_logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: int | None = None  # k: prefill scores the prompt's tokens 1.. (no prefix reuse)
-        self.last_prompt_logprobs: list[TokenLogprob] = []
+        self._init_scores()
         if self.prefix is not None:  # a snapshot's final-norm row is restored here
             self._restored_carry = torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype)
 
@@ -121,15 +118,8 @@ class PlainDecoder:
         self.pending = sample(lg[0, -1], self.params, position=c.length)
         self._after_prefill()
         self._note_logprobs(lg[0, -1:], [self.pending])
-        if scored is not None:
-            self.last_prompt_logprobs = scored.out
-        else:
-            self.last_prompt_logprobs = []
+        self.last_prompt_logprobs = [] if scored is None else scored.out
         return [self.pending]
-
-    def _note_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
-        if self.logprobs is not None:
-            self.last_logprobs = token_logprobs(rows, tokens, self.logprobs)
 
     def _after_chunk(self, ids: torch.Tensor, hidden: torch.Tensor, start: int) -> None:
         """hidden [T, H]: the final-norm rows of prompt positions start.. (the MTP head's input)."""

@@ -14,12 +14,12 @@ from ..config import ModelConfig
 from ..weights import ModelWeights
 from .decode import slot_capacity
 from .gpu_weights import GPUWeights, pack_weights
-from .logprobs import PromptLogprobs, TokenLogprob, token_logprobs
+from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import PREFILL_CHUNK, GPURunner
 from .sampling import SamplingParams
 
 
-class GPUDecoder:
+class GPUDecoder(ScoresTokens):
     """One token per step from a GPURunner; one host sync per step (reading the sampled token).
 
     Sampling positions are decode.PlainDecoder's: the first token at position len(prompt), each later one
@@ -35,10 +35,7 @@ class GPUDecoder:
         if use_graph and runner.graph is None:
             runner.capture()  # at length 0: the warm-up touches nothing committed
         self.pending: int | None = None
-        self.logprobs: int | None = None  # as decode.PlainDecoder: k alternatives per token in last_logprobs
-        self.last_logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: int | None = None  # k: prefill scores the prompt's tokens 1.. (no prefix reuse)
-        self.last_prompt_logprobs: list[TokenLogprob] = []
+        self._init_scores()
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
 
     def prefill(self, prompt_ids: list[int]) -> list[int]:
@@ -57,8 +54,7 @@ class GPUDecoder:
 
     def _emit(self) -> list[int]:
         self.pending = self.runner.token()
-        if self.logprobs is not None:
-            self.last_logprobs = token_logprobs(self.runner.logits_bf16, [self.pending], self.logprobs)
+        self._note_logprobs(self.runner.logits_bf16, [self.pending])
         return [self.pending]
 
 

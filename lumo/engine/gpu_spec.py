@@ -41,7 +41,7 @@ from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
-from .logprobs import PromptLogprobs, TokenLogprob, token_logprobs
+from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
 from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
@@ -605,7 +605,7 @@ class GPUSpecEngine:
             delta = self.runner._mlp(lw, x)
 
 
-class GPUSpecDecoder:
+class GPUSpecDecoder(ScoresTokens):
     """decode.SpecDecoder's interface (prefill / step / stats) on the GPU engine.
 
     backend_or_runner: a GPUBackend (the runner is grown to max_len + tree slots; pass max_len), a
@@ -637,10 +637,7 @@ class GPUSpecDecoder:
         self.extra_positions = self.engine.R + self.engine.cap
         self.stats = SpecStats()
         self.pending: int | None = None
-        self.logprobs: int | None = None  # as decode.PlainDecoder: k alternatives per token in last_logprobs
-        self.last_logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: int | None = None  # k: prefill scores the prompt's tokens 1.. (no prefix reuse)
-        self.last_prompt_logprobs: list[TokenLogprob] = []
+        self._init_scores()
 
     @property
     def cached_tokens(self) -> int:
@@ -662,10 +659,6 @@ class GPUSpecDecoder:
         if self.use_graph and e.graphs is None and e.can_capture():
             e.capture()  # after prefill: the warm-up runs on real state, then restores it
         return [self.pending]
-
-    def _note_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
-        if self.logprobs is not None:
-            self.last_logprobs = token_logprobs(rows, tokens, self.logprobs)
 
     def step(self) -> list[int]:
         # Graphs once captured; a first request whose prompt leaves no room for capture()'s warm-up

@@ -64,6 +64,22 @@ def token_logprobs(
     ]
 
 
+class ScoresTokens:
+    """What every decoder keeps for logprobs: `logprobs` / `prompt_logprobs` (k alternatives, None: off), set
+    by the caller, and the latest prefill's / step's results in `last_prompt_logprobs` / `last_logprobs`."""
+
+    def _init_scores(self) -> None:
+        self.logprobs: int | None = None
+        self.last_logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: int | None = None  # the prefill then scores the prompt (no prefix reuse)
+        self.last_prompt_logprobs: list[TokenLogprob] = []
+
+    def _note_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        """rows [n, V]: the logits that chose `tokens` (the ones just emitted)."""
+        if self.logprobs is not None:
+            self.last_logprobs = token_logprobs(rows, tokens, self.logprobs)
+
+
 class PromptLogprobs:
     """The logprobs of a prompt's tokens 1.. (`out`), from a prefill's rows chunk by chunk: `logits(rows,
     start)` takes the logits of positions start.., `hidden(rows, start)` (a GPU runner's hidden_hook) the

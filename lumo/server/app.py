@@ -144,6 +144,13 @@ class _CompletionOutput:
         return "length" if self.score_only else engine_reason or "length"
 
 
+def _batch_usage(outs: list[_CompletionOutput]) -> dict[str, Any]:
+    """`usage` of a completions request: its prompts' counts added up."""
+    return _usage(
+        sum(o.n_prompt for o in outs), sum(o.n_gen for o in outs), sum(o.job.cached_tokens for o in outs)
+    )
+
+
 class _Server:
     def __init__(self, llm: Any, served_name: str, worker: EngineWorker, metrics: ServerMetrics) -> None:
         self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
@@ -274,11 +281,12 @@ class _Server:
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._streaming(self._stream_completion(start, len(items), head, usage))
-        choices, n_prompt, n_gen, cached = [], 0, 0, 0
+        choices, outs = [], []
         for i in range(len(items)):
             if i and await request.is_disconnected():
                 break  # the client went away: the rest of the batch would go unread
             out = start(i)
+            outs.append(out)
             text, logprobs, reason = "", None, None
             async for chunk in self._collected(out.job, request):
                 piece, lp = out.take(chunk)
@@ -287,23 +295,18 @@ class _Server:
             choices.append(
                 {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.reason(reason)}
             )
-            n_prompt, n_gen, cached = (
-                n_prompt + out.n_prompt,
-                n_gen + out.n_gen,
-                cached + out.job.cached_tokens,
-            )
-        return {**head, "choices": choices, "usage": _usage(n_prompt, n_gen, cached)}
+        return {**head, "choices": choices, "usage": _batch_usage(outs)}
 
     async def _stream_completion(
         self, start: Callable[[int], _CompletionOutput], count: int, head: dict[str, Any], include_usage: bool
     ) -> AsyncIterator[str]:
         """The prompts' chunks in turn, each choice under its prompt's index."""
         extra = {"usage": None} if include_usage else {}
-        n_prompt = n_gen = cached = 0
-        job = None
+        outs, job = [], None
         try:
             for i in range(count):
                 out = start(i)
+                outs.append(out)
                 job, reason = out.job, None
                 async for chunk in job.events():
                     reason = chunk.finish_reason or reason
@@ -319,13 +322,8 @@ class _Server:
                 if reason is None:
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
                     yield _sse({**head, "choices": [choice], **extra})
-                n_prompt, n_gen, cached = (
-                    n_prompt + out.n_prompt,
-                    n_gen + out.n_gen,
-                    cached + job.cached_tokens,
-                )
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, cached)})
+                yield _sse({**head, "choices": [], "usage": _batch_usage(outs)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())
