@@ -82,3 +82,77 @@ def test_prompt_logprobs_on_the_kernels():
     )
     print(f"prompt logprobs |GPU - CPU fp32|: median {diff.median():.4f}, max {diff.max():.4f}")
     assert diff.median() < 0.05 and diff.max() < 0.5
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels (lumo/kernels/logprobs.py) against plain fp32 torch.
+
+
+def _rows(t: int, v: int, dtype: torch.dtype, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "ties":  # few distinct values: many equal logits, the top-k order decided by the index
+        x = torch.randint(-4, 4, (t, v), generator=gen).float()
+    else:
+        x = torch.randn(t, v, generator=gen) * 4
+        if kind == "masked":  # -inf entries (banned tokens); the middle entry stays finite
+            x[torch.rand(t, v, generator=gen) < 0.3] = float("-inf")
+            x[:, v // 2] = 1.0
+    return x.to(dtype).cuda()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("v", [3, 1000, 8193, 50001, 248320])
+@pytest.mark.parametrize("kind", ["randn", "ties", "masked"])
+def test_row_logprobs_against_fp32_torch(dtype, v, kind):
+    from lumo.kernels.logprobs import row_logprobs, row_logprobs_ref
+
+    gen = torch.Generator().manual_seed(v * 7 + len(kind))
+    for t in (1, 5, 33):
+        rows = _rows(t, v, dtype, kind, gen)
+        tokens = torch.randint(0, v, (t,), generator=gen).cuda()
+        if kind == "masked":  # score finite tokens (a -inf token's logprob is -inf either way)
+            tokens = rows.float().argmax(dim=-1)
+        for k in sorted({0, 1, 3, min(5, v), min(20, v)}):
+            got, ref = row_logprobs(rows, tokens, k), row_logprobs_ref(rows, tokens, k)
+            assert got.shape == (t, 1 + 2 * k)
+            assert torch.equal(got[:, 1 + k :], ref[:, 1 + k :]), (t, k)  # the same ids in the same order
+            g, r = got[:, : 1 + k], ref[:, : 1 + k]
+            finite = r.isfinite()  # -inf for masked entries, on both sides
+            assert torch.equal(g.isfinite(), finite) and torch.equal(g[~finite], r[~finite]), (t, k)
+            err = (g[finite] - r[finite]).abs().max().item()
+            assert err / (r[finite].abs().max().item() + 1.0) < 1e-5, (t, k, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_logprobs_batch_invariant(dtype):
+    """A row's numbers alone equal its numbers among others, bitwise (speculative == plain logprobs)."""
+    from lumo.kernels.logprobs import LogprobsWorkspace, row_logprobs
+
+    gen = torch.Generator().manual_seed(3)
+    V = 248320
+    wide = _rows(29, V + 13, dtype, "randn", gen)
+    rows = wide[:, :V].contiguous()
+    tokens = torch.randint(0, V, (29,), generator=gen).cuda()
+    ws = LogprobsWorkspace.new(32, V, "cuda")  # one workspace through every call: its counters reset
+    for k in (0, 5, 20):
+        together = row_logprobs(rows, tokens, k)
+        assert torch.equal(row_logprobs(wide[:, :V], tokens, k, workspace=ws), together)  # strided rows
+        for i in (0, 7, 28):
+            alone = row_logprobs(rows[i : i + 1], tokens[i : i + 1], k, workspace=ws)
+            assert torch.equal(alone[0], together[i]), (k, i)
+        part = row_logprobs(rows[3:11], tokens[3:11], k, workspace=ws)
+        assert torch.equal(part, together[3:11])
+        assert torch.equal(row_logprobs(rows, tokens, k, workspace=ws), together)
+    assert not ws.counter.any()
+
+
+def test_row_logprobs_rejects_bad_arguments():
+    from lumo.kernels.logprobs import row_logprobs
+
+    rows = torch.zeros(2, 10, device="cuda")
+    tok = torch.zeros(2, dtype=torch.long, device="cuda")
+    with pytest.raises(ValueError, match="k must be"):
+        row_logprobs(rows, tok, 11)
+    with pytest.raises(ValueError, match="tokens must be"):
+        row_logprobs(rows, tok.int(), 1)
+    with pytest.raises(ValueError, match="unit stride"):
+        row_logprobs(rows.t(), tok[:1].repeat(10), 1)

@@ -4,8 +4,10 @@ A token's logprob is log_softmax of the raw logits row that chose it: the model'
 temperature, top-k or top-p (vLLM's default "raw" mode; the OpenAI API does not change logprobs with the
 temperature either). Every decoder keeps the row of each token it emits (plain decoding: the step's
 logits; a speculative event: the verify rows of the accepted path, whose logits are bitwise plain
-decoding's), and `token_logprobs` turns rows into numbers one row at a time, so a row gets the same launches
-(the same bits) whether it came alone from a plain step or among others from an event.
+decoding's), and `token_logprobs` turns rows into numbers so that a row's numbers never depend on the rows
+beside it: on a GPU lumo.kernels.logprobs (two launches for all rows, each row's arithmetic fixed by the
+vocabulary size alone), elsewhere torch one row at a time. A row then gets the same bits whether it came
+alone from a plain step or among others from an event.
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ def token_logprobs(
 ) -> list[TokenLogprob]:
     """rows [n, V] (any float dtype): row i holds the logits that chose tokens[i]. One host copy in all.
 
-    row_by_row: each row through its own launches, so its numbers never depend on the rows beside it (what
-    the exactness of speculative decoding's logprobs needs); False: the rows together (a prompt's).
+    row_by_row: each row's numbers independent of the rows beside it (what the exactness of speculative
+    decoding's logprobs needs): on CUDA lumo.kernels.logprobs (one launch for all rows), elsewhere one
+    torch launch per row. False: torch on all rows at once (a prompt's rows: faster there for a block of
+    hundreds of rows, bench/bench_logprobs.py).
     """
     n = rows.shape[0]
     if n != len(tokens):
@@ -48,20 +52,38 @@ def token_logprobs(
         return []
     ids = torch.as_tensor(tokens, dtype=torch.long, device=rows.device)
     k = min(k, rows.shape[1])
-    if row_by_row:  # one launch per row, the same whatever n; what follows is exact (no arithmetic)
-        lps = [torch.log_softmax(rows[i : i + 1], dim=-1, dtype=torch.float32) for i in range(n)]
-        lp = lps[0] if n == 1 else torch.cat(lps)
+    if row_by_row and rows.is_cuda and rows.dtype in (torch.float32, torch.bfloat16):
+        host = _row_logprobs(rows if rows.stride(1) == 1 else rows.contiguous(), ids, k).cpu().tolist()
     else:
-        lp = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
-    parts = [lp.gather(1, ids[:, None])]
-    if k:
-        top_v, top_i = torch.topk(lp, k, dim=-1)
-        parts += [top_v, top_i]
-    host = torch.cat([p.double() for p in parts], dim=1).cpu().tolist()  # token ids < 2^53: exact
+        if row_by_row:  # one launch per row, the same whatever n; what follows is exact (no arithmetic)
+            lps = [torch.log_softmax(rows[i : i + 1], dim=-1, dtype=torch.float32) for i in range(n)]
+            lp = lps[0] if n == 1 else torch.cat(lps)
+        else:
+            lp = torch.log_softmax(rows, dim=-1, dtype=torch.float32)
+        parts = [lp.gather(1, ids[:, None])]
+        if k:
+            top_v, top_i = torch.topk(lp, k, dim=-1)
+            parts += [top_v, top_i]
+        host = torch.cat([p.double() for p in parts], dim=1).cpu().tolist()  # token ids < 2^53: exact
     return [
         TokenLogprob(t, r[0], [(int(i), v) for v, i in zip(r[1 : 1 + k], r[1 + k :], strict=True)])
         for t, r in zip(tokens, host, strict=True)
     ]
+
+
+_workspaces: dict[tuple[torch.device, int], object] = {}  # (device, V) -> the kernel's LogprobsWorkspace
+
+
+def _row_logprobs(rows: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """lumo.kernels.logprobs.row_logprobs with a workspace kept per (device, vocabulary) (the engine's one
+    thread; the host copy after each call orders the reuse)."""
+    from ..kernels.logprobs import LogprobsWorkspace, row_logprobs
+
+    key = (rows.device, rows.shape[1])
+    ws = _workspaces.get(key)
+    if ws is None or ws.rows < rows.shape[0]:
+        ws = _workspaces[key] = LogprobsWorkspace.new(max(32, rows.shape[0]), rows.shape[1], rows.device)
+    return row_logprobs(rows, ids, k, workspace=ws)
 
 
 class ScoresTokens:
