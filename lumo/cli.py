@@ -1,4 +1,5 @@
-"""`lumo generate | serve | quantize`: the command line. User mistakes print one line and exit 2."""
+"""`lumo generate | serve | bench | check | quantize`: the command line. User mistakes print one line and
+exit 2."""
 
 from __future__ import annotations
 
@@ -118,6 +119,43 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503")
 
+    b = sub.add_parser(
+        "bench",
+        help="prefill and decode speed, plain and speculative, on real text (lumo/benchmark.py)",
+        description="Times requests as lumo serves them: prompts cut from Python source files, greedy "
+        "decoding of exactly --gen-tokens tokens, prefix caching off; medians of --repeats requests.",
+    )
+    _add_model_args(b, positional=True)
+    b.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024], metavar="N", help="prompt lengths")
+    b.add_argument("--gen-tokens", type=int, default=128, metavar="N", help="tokens generated per request")
+    b.add_argument("--repeats", type=int, default=3, metavar="N", help="requests per prompt length and mode")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument(
+        "--plain-only", action="store_true", help="time plain decoding only (default: also the --spec mode)"
+    )
+    b.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+
+    c = sub.add_parser(
+        "check",
+        help="check the install, the kernels' builds, a checkpoint and lumo's exactness (lumo/check.py)",
+        description="One line per check (ok / FAIL / skip); exit code 1 if any failed.",
+    )
+    _add_model_args(c, positional=True)
+    c.add_argument(
+        "--arch",
+        action="append",
+        default=None,
+        help="compile the kernels for this architecture (repeatable; default: the GPU's, or sm_121a)",
+    )
+    c.add_argument("--skip-kernels", action="store_true", help="do not compile the kernels")
+    c.add_argument("--tokens", type=int, default=32, help="tokens per request of the generation checks")
+    c.add_argument(
+        "--reference",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compare the engine's logprobs with the fp32 CPU model (default: for checkpoints under 2 GB)",
+    )
+
     q = sub.add_parser("quantize", help="write a ModelOpt-format NVFP4 checkpoint")
     q.add_argument("src")
     q.add_argument("dst")
@@ -176,6 +214,44 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmark import format_table, run_bench, write_json
+
+    args.prefix_snapshots = 0  # every request prefilled in full
+    llm = _llm(args, progress=True)
+    modes = ["plain"] if args.plain_only else None
+    rows = run_bench(llm, args.prompt_tokens, args.gen_tokens, args.repeats, args.temperature, modes)
+    dtype = str(llm.dtype).split(".")[-1]
+    head = f"lumo bench: {llm.model_name} on {torch_device_name(llm)} ({llm.backend}, {dtype}), "
+    head += f"medians of {args.repeats} requests, {args.gen_tokens} tokens each"
+    if llm.device.type == "cuda":
+        import torch
+
+        head += f", peak GPU memory {torch.cuda.max_memory_allocated(llm.device) / 2**30:.2f} GiB"
+    print(head)
+    print(format_table(rows))
+    if args.json:
+        write_json(args.json, llm, rows)
+    return 0
+
+
+def torch_device_name(llm) -> str:
+    import torch
+
+    return torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "CPU"
+
+
+def _check(args: argparse.Namespace) -> int:
+    from .check import run_check
+    from .weights import resolve_model_path
+
+    if args.model is not None:
+        resolve_model_path(args.model)  # a wrong path is a user error (exit 2), not a failed check
+    if args.tokens < 2:
+        raise ValueError("--tokens must be at least 2")
+    return run_check(args, lambda: _llm(args))
+
+
 def _quantize(args: argparse.Namespace) -> int:
     from .quant import format_error_report, quantize_checkpoint
 
@@ -195,7 +271,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"generate": _generate, "serve": _serve, "quantize": _quantize}[args.command]
+    run = {"generate": _generate, "serve": _serve, "bench": _bench, "check": _check, "quantize": _quantize}
+    run = run[args.command]
     try:
         return run(args)
     except KeyboardInterrupt:

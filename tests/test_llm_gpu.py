@@ -113,3 +113,23 @@ def test_block_fp8_checkpoint_on_the_kernels(tmp_path):
         assert tree.generate(p, max_tokens=48, temperature=0).token_ids == want
         same_start += want[:4] == bf16.generate(p, max_tokens=4, temperature=0).token_ids
     assert same_start >= 3  # FP8 (3 mantissa bits) may part from BF16 at a near-tie, not everywhere
+
+
+def test_check_and_bench_on_the_kernels():
+    """`lumo check` on the kernels (every kernel compiled for this GPU, tree == plain, the fp32 reference)
+    and `lumo bench`'s plain and tree rows, with the embedded model."""
+    from types import SimpleNamespace
+
+    from lumo import check
+    from lumo.benchmark import format_table, run_bench
+
+    llm = LLM(device="cuda")
+    assert llm.backend == "kernels" and llm.spec == "tree"
+    out = []
+    args = SimpleNamespace(skip_kernels=False, arch=None, tokens=48, reference=None)
+    code = check.run_check(args, lambda: llm, out.append)
+    print("\n" + "\n".join(out))
+    assert code == 0 and out[-1] == "lumo check: 6 ok, 0 failed, 0 skipped"
+    rows = run_bench(llm, [128, 1024], gen=128, repeats=3)
+    print(format_table(rows))
+    assert [r.mode for r in rows] == ["plain", "plain", "tree", "tree"] and rows[2].accepted > 1

@@ -274,6 +274,26 @@ class LLM:
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
         return self._stream(self._encode(prompt), max_tokens, **kw)
 
+    def decoder(self, params: SamplingParams, max_len: int, spec: str | None = None):
+        """A decoder (prefill(ids) -> tokens, step() -> tokens, no end-of-sequence handling) for a request of
+        up to max_len positions; spec "off" decodes plainly with the same weights whatever the LLM's mode
+        (lumo bench and lumo check compare the two), None: the LLM's own mode."""
+        spec = self.spec if spec is None else spec
+        if spec not in ("off", self.spec):
+            raise ValueError(f"this LLM decodes with spec={self.spec!r}; it has no {spec!r} decoder")
+        if self._gpu is not None:
+            plain = spec == "off" and self.spec != "off"  # the speculative backend's own plain backend
+            return (self._gpu.backend if plain else self._gpu).decoder(params, max_len)
+        args = (self.config, self.weights, params, max_len, self.device, self.dtype, spec, self.tree)
+        return make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
+
+    def reset_adaptive(self) -> None:
+        """Adaptive speculation forgets what earlier requests measured (its backoff carries over from one
+        request to the next otherwise; lumo bench starts every timed request afresh)."""
+        policy = getattr(self._gpu, "policy", None)
+        if policy is not None:
+            self._gpu.policy = type(policy)()
+
     # ---- internals ----
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -353,12 +373,7 @@ class LLM:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
-        n = len(prompt_ids) + max_tokens
-        if self._gpu is not None:
-            decoder = self._gpu.decoder(params, n)
-        else:
-            args = (self.config, self.weights, params, n, self.device, self.dtype, self.spec, self.tree)
-            decoder = make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
+        decoder = self.decoder(params, len(prompt_ids) + max_tokens)
         self.last_decoder = decoder
         decoder.logprobs, decoder.prompt_logprobs = logprobs, prompt_logprobs
         detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
