@@ -27,48 +27,13 @@ from pathlib import Path
 
 import torch
 
+from lumo.benchmark import copy_bandwidth, step_bytes  # noqa: F401 (bench_spec, trace_step import them here)
 from lumo.config import ModelConfig
 from lumo.engine.gpu_weights import GPUWeights, config_27b, pack_weights, random_model_weights
 from lumo.engine.runner import GPURunner, linear_weight_bytes, memory_plan
 from lumo.weights import GDNWeights, ModelWeights
 
 GB = 1e9
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s (read + written) of a 2 GiB device copy: the best of cudaMemcpy and an elementwise kernel."""
-    n = 2 << 30
-    src = torch.randn(n // 4, device="cuda")
-    dst = torch.empty_like(src)
-    best = 0.0
-    for fn in (lambda: dst.copy_(src), lambda: torch.mul(src, 1.0, out=dst)):
-        for _ in range(50):  # clocks up first
-            fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(20):
-            fn()
-        b.record()
-        b.synchronize()
-        best = max(best, 2 * n * 20 / (a.elapsed_time(b) * 1e-3))
-    return best  # the 4 GiB of buffers are freed on return (main empties the cache)
-
-
-def step_bytes(cfg: ModelConfig, gw: GPUWeights, context: int) -> int:
-    """Bytes one decode step must move at a context of `context` positions."""
-    H, V = cfg.hidden_size, cfg.vocab_size
-    nkv, d, nv, dk, dv = (
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        cfg.linear_num_value_heads,
-        cfg.linear_key_head_dim,
-        cfg.linear_value_head_dim,
-    )
-    n_full = len(cfg.full_attention_layers)
-    n_gdn = cfg.num_layers - n_full
-    state = 2 * n_gdn * (nv * dk * dv * 4 + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2)  # r + w
-    kv = n_full * (context + 1) * nkv * d * 2 * 2  # K and V of the context read, the new row written
-    return gw.nbytes() + 2 * H + state + kv + V * (2 + 2 + 4 + 4)
 
 
 def time_decode(runner: GPURunner, context: int, steps: int, trials: int = 5) -> tuple[float, float]:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .config import FULL
 from .engine.sampling import SamplingParams
 
 CHECK_PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "import os\nimport sys\n\n"]
@@ -107,9 +108,8 @@ def compile_kernels(arches: list[str]) -> str:
 
 def describe_model(llm) -> str:
     cfg = llm.config
-    kinds = [str(k) for k in cfg.layer_types]
-    full = sum("full" in k for k in kinds)
-    text = f"{llm.model_name}: {len(kinds)} layers ({len(kinds) - full} GDN, {full} attention), "
+    n, full = len(cfg.layer_types), sum(t == FULL for t in cfg.layer_types)
+    text = f"{llm.model_name}: {n} layers ({n - full} GDN, {full} attention), "
     text += f"vocabulary {cfg.vocab_size}, context {llm.max_model_len}, "
     text += f"backend {llm.backend} on {llm.device}, speculation {llm.spec}"
     if llm.device.type == "cuda":
@@ -135,8 +135,8 @@ def spec_equals_plain(llm, tokens: int) -> str:
         ids = llm.tokenizer.encode(prompt)
         for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.95, seed=i)):
             got = []
-            for spec in ("off", llm.spec):
-                dec = llm.decoder(params, len(ids) + tokens + 64, spec=spec)
+            for spec in ("off", llm.spec):  # events only: adaptive plain steps would test plain decoding
+                dec = llm.decoder(params, len(ids) + tokens + 64, spec=spec, adaptive=False)
                 out = dec.prefill(ids)
                 while len(out) < tokens:
                     out += dec.step()
@@ -148,6 +148,8 @@ def spec_equals_plain(llm, tokens: int) -> str:
                     f"(temperature {params.temperature})"
                 )
             stats = dec.stats
+            if stats.events == 0:
+                raise RuntimeError(f"no speculative event ran for prompt {prompt!r}")
             events, accepted = events + stats.events, accepted + sum(stats.accepted)
     n = len(CHECK_PROMPTS) * 2
     mean = accepted / events if events else 0.0
@@ -155,22 +157,28 @@ def spec_equals_plain(llm, tokens: int) -> str:
 
 
 def against_reference(llm) -> str:
-    """The engine's prompt logprobs against lumo.model in fp32 on the CPU, token by token."""
+    """The engine's logprobs (of a prompt's tokens, and of the tokens it generates after it) against
+    lumo.model in fp32 on the CPU, token by token."""
     from . import model as M
     from .weights import load_model
 
     ids = llm.tokenizer.encode("".join(CHECK_PROMPTS) * 4)[:64]
-    got = llm.generate(ids, max_tokens=1, temperature=0, prompt_logprobs=0).prompt_logprobs[1:]
+    r = llm.generate(ids, max_tokens=16, temperature=0, logprobs=0, prompt_logprobs=0)
+    got = [*r.prompt_logprobs[1:], *r.logprobs]
     cfg, w = load_model(llm.path, device="cpu", dtype=torch.float32, progress=False)
     with torch.inference_mode():
-        logits, _ = M.forward(cfg, w, torch.tensor([ids]))
-    ref = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+        logits, _ = M.forward(cfg, w, torch.tensor([ids + r.token_ids[:-1]]))
+    ref = torch.log_softmax(logits[0].double(), dim=-1)
     diff = torch.tensor([abs(t.logprob - float(ref[i, t.token])) for i, t in enumerate(got)])
     median, worst = diff.median().item(), diff.max().item()
-    tol = 1e-3 if llm.dtype == torch.float32 else 0.1  # fp32 engine: summation order; bf16: its rounding
-    if median > tol:
-        raise RuntimeError(f"logprobs differ from the fp32 reference by {median:.4f} (median) > {tol}")
-    return f"{len(got)} prompt logprobs within {median:.4f} (median), {worst:.4f} (max) of the fp32 CPU model"
+    tol = 1e-3 if llm.dtype == torch.float32 else 0.05  # fp32 engine: summation order; bf16: its rounding
+    if median > tol or worst > 10 * tol:
+        raise RuntimeError(
+            f"logprobs differ from the fp32 reference by {median:.4f} (median) / {worst:.4f} (max); "
+            f"allowed {tol} / {10 * tol}"
+        )
+    n = f"{len(got)} logprobs ({len(ids) - 1} prompt, {len(r.logprobs)} generated tokens)"
+    return f"{n} within {median:.4f} (median), {worst:.4f} (max) of the fp32 CPU model"
 
 
 def run_check(args, make_llm: Callable[[], object], out: Callable[[str], None] = print) -> int:

@@ -4,6 +4,7 @@ exit 2."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -215,17 +216,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmark import format_table, run_bench, write_json
+    from .benchmark import check_args, device_name, format_table, run_bench, write_json
 
+    check_args(args.prompt_tokens, args.gen_tokens, args.repeats)
     args.prefix_snapshots = 0  # every request prefilled in full
     llm = _llm(args, progress=True)
     modes = ["plain"] if args.plain_only else None
     rows = run_bench(llm, args.prompt_tokens, args.gen_tokens, args.repeats, args.temperature, modes)
     dtype = str(llm.dtype).split(".")[-1]
-    head = f"lumo bench: {llm.model_name} on {torch_device_name(llm)} ({llm.backend}, {dtype}), "
+    head = f"lumo bench: {llm.model_name} on {device_name(llm)} ({llm.backend}, {dtype}), "
     head += f"medians of {args.repeats} requests, {args.gen_tokens} tokens each"
     if llm.device.type == "cuda":
-        import torch
+        import torch  # only here: the CLI's start-up stays light
 
         head += f", peak GPU memory {torch.cuda.max_memory_allocated(llm.device) / 2**30:.2f} GiB"
     print(head)
@@ -233,12 +235,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, llm, rows)
     return 0
-
-
-def torch_device_name(llm) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else "CPU"
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -249,6 +245,9 @@ def _check(args: argparse.Namespace) -> int:
         resolve_model_path(args.model)  # a wrong path is a user error (exit 2), not a failed check
     if args.tokens < 2:
         raise ValueError("--tokens must be at least 2")
+    for arch in args.arch or []:
+        if not re.fullmatch(r"sm_\d{2,3}[af]?", arch):
+            raise ValueError(f"--arch {arch!r}: expected a CUDA architecture such as sm_90 or sm_121a")
     return run_check(args, lambda: _llm(args))
 
 

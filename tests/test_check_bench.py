@@ -75,7 +75,7 @@ def test_check_the_embedded_model_default_run():
 def test_bench_prompts_are_distinct_real_text():
     tok = Tokenizer.from_dir(embedded_model_path())
     warm, prompts = bench_prompts(tok, [50, 300], 3)
-    assert len(warm) == 50 and [len(p) for p in prompts[300]] == [300] * 3
+    assert len(warm) == 300 and [len(p) for p in prompts[300]] == [300] * 3  # the warm-up: the longest
     starts = [tuple(p[:20]) for n in (50, 300) for p in prompts[n]] + [tuple(warm[:20])]
     assert len(set(starts)) == len(starts)  # no two prompts share a prefix
     assert "def " in tok.decode(prompts[300][0]) or "import" in tok.decode(prompts[300][0])
@@ -111,6 +111,20 @@ def test_bench_command_writes_its_table_and_json(tmp_path):
     assert rows[0]["mode"] == "plain" and rows[0]["gen_tokens"] == 8
     bad = lumo("bench", "--device", "cpu", "--prompt-tokens", "100000")
     assert bad.returncode == 2 and "context" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["bench", "--gen-tokens", "1"], "--gen-tokens"),
+        (["bench", "--repeats", "0"], "--repeats"),
+        (["check", "--arch", "hopper"], "--arch"),
+        (["check", "--tokens", "1"], "--tokens"),
+    ],
+)
+def test_bad_settings_are_user_errors(args, words):
+    r = lumo(*args, "--device", "cpu")
+    assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.skipif(not (embedded_model_path() / "config.json").exists(), reason="no embedded model")

@@ -52,6 +52,11 @@ class AdaptiveSpec:
         self.plain_times = deque(maxlen=self.probe)
         self.next_backoff = self.backoff
 
+    def reset(self) -> None:
+        """Forget everything measured, backoffs included (as a new policy)."""
+        self.new_request()
+        self.plain_left, self.next_backoff, self.tries, self.fallbacks = 0, self.backoff, 0, 0
+
     def new_request(self) -> None:
         """A new request: its times are measured afresh (its context differs); a backoff in progress and
         the next one carry over."""

@@ -703,9 +703,11 @@ class SpecBackend:
         self.tree = chain_config(tree.depth) if chain else tree
         self.engine: GPUSpecEngine | None = None
 
-    def decoder(self, params: SamplingParams, max_len: int) -> GPUSpecDecoder:
+    def decoder(self, params: SamplingParams, max_len: int, adaptive: bool = True) -> GPUSpecDecoder:
+        """adaptive=False: events only, whatever the policy (its state untouched)."""
         runner = self.backend.runner_for(max_len, self.tree.rows + self.tree.depth + 1)
         if self.engine is None or self.engine.runner is not runner:
             self.engine = None
             self.engine = GPUSpecEngine(runner, self.tree)
-        return GPUSpecDecoder(self.engine, params, use_graph=self.use_graph, adaptive=self.policy)
+        policy = self.policy if adaptive else None
+        return GPUSpecDecoder(self.engine, params, use_graph=self.use_graph, adaptive=policy)

@@ -274,16 +274,20 @@ class LLM:
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
         return self._stream(self._encode(prompt), max_tokens, **kw)
 
-    def decoder(self, params: SamplingParams, max_len: int, spec: str | None = None):
+    def decoder(self, params: SamplingParams, max_len: int, spec: str | None = None, adaptive: bool = True):
         """A decoder (prefill(ids) -> tokens, step() -> tokens, no end-of-sequence handling) for a request of
         up to max_len positions; spec "off" decodes plainly with the same weights whatever the LLM's mode
-        (lumo bench and lumo check compare the two), None: the LLM's own mode."""
+        (lumo bench and lumo check compare the two), None: the LLM's own mode. adaptive=False: every step a
+        speculative event (no adaptive plain steps; lumo check's exactness test)."""
         spec = self.spec if spec is None else spec
         if spec not in ("off", self.spec):
             raise ValueError(f"this LLM decodes with spec={self.spec!r}; it has no {spec!r} decoder")
         if self._gpu is not None:
-            plain = spec == "off" and self.spec != "off"  # the speculative backend's own plain backend
-            return (self._gpu.backend if plain else self._gpu).decoder(params, max_len)
+            if spec == "off" and self.spec != "off":  # the speculative backend's own plain backend
+                return self._gpu.backend.decoder(params, max_len)
+            if spec != "off":
+                return self._gpu.decoder(params, max_len, adaptive=adaptive)
+            return self._gpu.decoder(params, max_len)
         args = (self.config, self.weights, params, max_len, self.device, self.dtype, spec, self.tree)
         return make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
 
@@ -292,7 +296,14 @@ class LLM:
         request to the next otherwise; lumo bench starts every timed request afresh)."""
         policy = getattr(self._gpu, "policy", None)
         if policy is not None:
-            self._gpu.policy = type(policy)()
+            policy.reset()
+
+    @property
+    def gpu_weights(self):
+        """The packed GPUWeights on the kernels backend (lumo bench's floor), else None."""
+        if self._gpu is None:
+            return None
+        return getattr(self._gpu, "backend", self._gpu).weights  # a SpecBackend wraps the GPUBackend
 
     # ---- internals ----
     def _encode(self, prompt: str | list[int]) -> list[int]:

@@ -5,7 +5,7 @@ temperature, top-k or top-p (vLLM's default "raw" mode; the OpenAI API does not 
 temperature either). Every decoder keeps the row of each token it emits (plain decoding: the step's
 logits; a speculative event: the verify rows of the accepted path, whose logits are bitwise plain
 decoding's), and `token_logprobs` turns rows into numbers so that a row's numbers never depend on the rows
-beside it: on a GPU lumo.kernels.logprobs (two launches for all rows, each row's arithmetic fixed by the
+beside it: on a GPU lumo.kernels.logprobs (one launch for all rows, each row's arithmetic fixed by the
 vocabulary size alone), elsewhere torch one row at a time. A row then gets the same bits whether it came
 alone from a plain step or among others from an event.
 """

@@ -73,6 +73,8 @@ def row_logprobs(
         raise ValueError(f"row_logprobs: {V} vocabulary entries: token ids would not be exact as f32")
     if tokens.shape != (T,) or tokens.dtype != torch.int64 or tokens.device != rows.device:
         raise ValueError(f"row_logprobs: tokens must be [{T}] int64 on {rows.device}")
+    if T > 65535:  # grid.y; the ids in [0, V) are the caller's to guarantee (checking them would sync)
+        raise ValueError(f"row_logprobs: at most 65535 rows per call, got {T}")
     if out is None:
         out = torch.empty(T, 1 + 2 * k, dtype=torch.float32, device=rows.device)
     elif out.shape != (T, 1 + 2 * k) or out.dtype != torch.float32 or not out.is_contiguous():
