@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from lumo.benchmark import copy_rates
 from lumo.kernels import bf16_linear, nvfp4_linear, pack_fused, pack_nvfp4
 from lumo.kernels.linear import MAX_SPLITS
 
@@ -65,19 +66,10 @@ def copy_bandwidth() -> dict[str, float]:
     """GB/s of a 2 GiB device copy, bytes read + written: cudaMemcpy (eager), an elementwise kernel, and a
     memcpy captured in a graph (which measured slower here). The fastest is the reference."""
     n = 2 << 30
+    # 100 warm-up launches: the first run measured an idle-clocked GPU
+    res = {name: bps / 1e9 for name, bps in copy_rates(n, warm=100).items()}
     src = torch.randn(n // 4, device="cuda")
     dst = torch.empty_like(src)
-    res = {}
-    for name, fn in (("memcpy", lambda: dst.copy_(src)), ("kernel", lambda: torch.mul(src, 1.0, out=dst))):
-        for _ in range(100):  # warm the clocks up first (the first run measured an idle-clocked GPU)
-            fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(20):
-            fn()
-        b.record()
-        b.synchronize()
-        res[name] = 2 * n * 20 / (a.elapsed_time(b) * 1e-3) / 1e9
     res["graph_memcpy"] = 2 * n / (time_graph([lambda: dst.copy_(src)], reps=10, trials=10) * 1e-6) / 1e9
     return res
 

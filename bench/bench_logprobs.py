@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from bench_spec import decode_timed, held_out_prompts
 
+from lumo.benchmark import copy_bandwidth
 from lumo.config import TreeConfig
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
@@ -35,19 +36,6 @@ from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.kernels.logprobs import LogprobsWorkspace, row_logprobs
 from lumo.weights import load_model
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    times = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        y.copy_(x)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return 2 * x.numel() / statistics.median(times)
 
 
 def torch_path(rows: torch.Tensor, tokens: list[int], k: int) -> list:
@@ -155,7 +143,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(1 << 28)
     cfg = load_model(embedded_model_path(), device="cpu", progress=False)[0]
     m = micro([cfg.vocab_size, 151936, 248320], 20, bw)
     e = embedded(args.tokens, args.repeats)
