@@ -403,3 +403,47 @@ def test_a_batch_of_prompts_is_each_prompt_alone(client, server, llm):
                 reasons.append((c.index, c.finish_reason))
     assert texts == [a.text for a in alone]
     assert [i for i, _ in reasons] == [0, 1, 2]
+
+
+def test_n_choices_are_the_seeded_requests_in_turn(client, server, llm):
+    """n > 1: choice j samples with seed + j (choice 0 is the request alone), completions prompt-major over a
+    batch, chat and completions, streamed and not; usage counts each prompt once and every choice's tokens;
+    greedy choices are identical."""
+    kw = {"max_tokens": 8, "temperature": 0.9, "top_p": 0.95}
+    prompts = ["The quick brown fox", "def f(x):"]
+    alone = [[llm.generate(p, seed=11 + j, **kw) for j in range(3)] for p in prompts]
+    assert len({a.text for a in alone[0]}) > 1, "the seeds should give different samples"
+    r = client.completions.create(model=llm.model_name, prompt=prompts, n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [a.text for row in alone for a in row]
+    assert r.usage.prompt_tokens == sum(len(row[0].prompt_token_ids) for row in alone)
+    assert r.usage.completion_tokens == sum(len(a.token_ids) for row in alone for a in row)
+    texts = [""] * 6
+    usage = {"include_usage": True}
+    events = list(
+        client.completions.create(
+            model=llm.model_name, prompt=prompts, n=3, seed=11, stream=True, stream_options=usage, **kw
+        )
+    )
+    for e in events:
+        for c in e.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices] and events[-1].usage == r.usage
+
+    messages = [{"role": "user", "content": "Hello, how are you?"}]
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    want = [_parsed(prompt, llm.generate(prompt, seed=5 + j, **kw).text)[0] for j in range(2)]
+    chat = client.chat.completions.create(model=llm.model_name, messages=messages, n=2, seed=5, **kw)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.message.content for c in chat.choices] == want
+    assert chat.usage.prompt_tokens == len(llm.tokenizer.encode(prompt))
+    streamed = ["", ""]
+    roles = []
+    chat_kw = {"model": llm.model_name, "messages": messages, "n": 2}
+    for e in client.chat.completions.create(**chat_kw, seed=5, stream=True, **kw):
+        for c in e.choices:
+            streamed[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role else []
+    assert streamed == want and roles == [0, 1]
+    greedy = client.chat.completions.create(**chat_kw, max_tokens=6, temperature=0)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content

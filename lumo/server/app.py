@@ -144,10 +144,12 @@ class _CompletionOutput:
         return "length" if self.score_only else engine_reason or "length"
 
 
-def _batch_usage(outs: list[_CompletionOutput]) -> dict[str, Any]:
-    """`usage` of a completions request: its prompts' counts added up."""
+def _batch_usage(outs: list[_CompletionOutput], n: int = 1) -> dict[str, Any]:
+    """`usage` of a completions request: every choice's tokens, each prompt's (and its cached tokens) once,
+    from its first choice (outs: prompt-major, n choices per prompt)."""
+    first = outs[::n]
     return _usage(
-        sum(o.n_prompt for o in outs), sum(o.n_gen for o in outs), sum(o.job.cached_tokens for o in outs)
+        sum(o.n_prompt for o in first), sum(o.n_gen for o in outs), sum(o.job.cached_tokens for o in first)
     )
 
 
@@ -269,20 +271,22 @@ class _Server:
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tok.decode(ids)
             items.append((ids, budget, echo))
-        sampling = body.sampling()
+        n = body.choices
 
-        def start(i: int) -> _CompletionOutput:
-            """Prompt i's job, queued when its turn comes: a batch holds one place in the queue at a time."""
-            ids, budget, echo = items[i]
-            return _CompletionOutput(tok, self._submit(ids, budget, sampling), ids, echo, score_only)
+        def start(c: int) -> _CompletionOutput:
+            """Choice c's job (prompt c // n, its choice c % n), queued when its turn comes: a request holds
+            one place in the queue at a time."""
+            ids, budget, echo = items[c // n]
+            job = self._submit(ids, budget, body.sampling(c % n))
+            return _CompletionOutput(tok, job, ids, echo, score_only)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._streaming(self._stream_completion(start, len(items), head, usage))
+            return self._streaming(self._stream_completion(start, len(items) * n, n, head, usage))
         choices, outs = [], []
-        for i in range(len(items)):
+        for i in range(len(items) * n):
             if i and await request.is_disconnected():
                 break  # the client went away: the rest of the batch would go unread
             out = start(i)
@@ -295,12 +299,17 @@ class _Server:
             choices.append(
                 {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.reason(reason)}
             )
-        return {**head, "choices": choices, "usage": _batch_usage(outs)}
+        return {**head, "choices": choices, "usage": _batch_usage(outs, n)}
 
     async def _stream_completion(
-        self, start: Callable[[int], _CompletionOutput], count: int, head: dict[str, Any], include_usage: bool
+        self,
+        start: Callable[[int], _CompletionOutput],
+        count: int,
+        n: int,
+        head: dict[str, Any],
+        include_usage: bool,
     ) -> AsyncIterator[str]:
-        """The prompts' chunks in turn, each choice under its prompt's index."""
+        """The choices' chunks in turn, each under its index (prompt-major, n choices per prompt)."""
         extra = {"usage": None} if include_usage else {}
         outs, job = [], None
         try:
@@ -323,7 +332,7 @@ class _Server:
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
                     yield _sse({**head, "choices": [choice], **extra})
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _batch_usage(outs)})
+                yield _sse({**head, "choices": [], "usage": _batch_usage(outs, n)})
             yield "data: [DONE]\n\n"
         except Exception as exc:
             yield _sse(_engine_error(exc).body())
@@ -340,32 +349,80 @@ class _Server:
         prompt = render_prompt(tok, body)
         prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
-        job = self._submit(prompt_ids, max_tokens, body.sampling())
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        parser = ChatOutputParser(
-            in_reasoning=opens_reasoning(prompt), parse_tools=body.parse_tools, tools=tools
-        )
+
+        def start(j: int) -> tuple[Job, ChatOutputParser]:
+            """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
+            job = self._submit(prompt_ids, max_tokens, body.sampling(j))
+            parser = ChatOutputParser(
+                in_reasoning=opens_reasoning(prompt), parse_tools=body.parse_tools, tools=tools
+            )
+            return job, parser
+
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
-            return self._streaming(self._stream_chat(job, head, parser, len(prompt_ids), usage))
-        text, n_gen, reason, lps = await self._collect(job, request)
-        parsed = parser.feed(text)
-        parsed.extend(parser.finish())
-        choice = {
-            "index": 0,
-            "message": message_json(parsed),
-            "logprobs": {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None,
-            "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
-        }
-        return {**head, "choices": [choice], "usage": _usage(len(prompt_ids), n_gen, job.cached_tokens)}
+            return self._streaming(self._stream_chat(start, body.choices, head, len(prompt_ids), usage))
+        choices, n_gen, cached = [], 0, 0
+        for j in range(body.choices):
+            if j and await request.is_disconnected():
+                break
+            job, parser = start(j)
+            text, n, reason, lps = await self._collect(job, request)
+            parsed = parser.feed(text)
+            parsed.extend(parser.finish())
+            logprobs = {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None
+            choices.append(
+                {
+                    "index": j,
+                    "message": message_json(parsed),
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
+                }
+            )
+            n_gen, cached = n_gen + n, cached if j else job.cached_tokens  # the prompt's, from choice 0
+        return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached)}
 
     async def _stream_chat(
-        self, job: Job, head: dict[str, Any], parser: ChatOutputParser, n_prompt: int, include_usage: bool
+        self,
+        start: Callable[[int], tuple[Job, ChatOutputParser]],
+        n: int,
+        head: dict[str, Any],
+        n_prompt: int,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
+        """The n choices' chunks in turn, each under its index."""
         extra = {"usage": None} if include_usage else {}
+        n_gen, cached, job = [0], 0, None
+        try:
+            for j in range(n):
+                job, parser = start(j)
+                async for event in self._chat_choice(j, job, parser, head, extra, n_gen):
+                    yield event
+                cached = cached if j else job.cached_tokens  # the prompt's, from choice 0
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen[0], cached)})
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield _sse(_engine_error(exc).body())
+            yield "data: [DONE]\n\n"
+        finally:
+            if job is not None:
+                job.cancel()
+
+    async def _chat_choice(
+        self,
+        index: int,
+        job: Job,
+        parser: ChatOutputParser,
+        head: dict[str, Any],
+        extra: dict[str, Any],
+        n_gen: list[int],
+    ) -> AsyncIterator[str]:
+        """One choice's streamed chunks: the role, the parser's deltas, the finish reason (n_gen[0] counts
+        its tokens)."""
         tok = self.llm.tokenizer
         held = []  # logprobs of tokens whose text the parser still holds: they go out with the next delta
 
@@ -374,37 +431,28 @@ class _Server:
             if job.wants_logprobs:
                 logprobs = {"content": chat_entries(tok, held), "refusal": None}
                 held.clear()
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return _sse({**head, "choices": [choice], **extra})
 
-        n_gen, reason, n_calls = 0, None, 0
-        try:
-            yield chunk_of({"role": "assistant", "content": ""})
-            async for chunk in job.events():
-                n_gen += len(chunk.token_ids)
-                reason = chunk.finish_reason or reason
-                if job.wants_logprobs:
-                    held.extend(chunk_logprobs(chunk))
-                d = parser.feed(chunk.text)
-                if chunk.finish_reason is not None:
-                    d.extend(parser.finish())
-                if d:
-                    yield chunk_of(delta_json(d, n_calls))
-                    n_calls += len(d.tool_calls)
-            if reason is None:  # the engine stopped without saying why: flush what the parser holds
-                d = parser.finish()
-                if d:
-                    yield chunk_of(delta_json(d, n_calls))
-                    n_calls += len(d.tool_calls)
-            yield chunk_of({}, finish_reason(reason, n_calls))
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen, job.cached_tokens)})
-            yield "data: [DONE]\n\n"
-        except Exception as exc:
-            yield _sse(_engine_error(exc).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            job.cancel()
+        reason, n_calls = None, 0
+        yield chunk_of({"role": "assistant", "content": ""})
+        async for chunk in job.events():
+            n_gen[0] += len(chunk.token_ids)
+            reason = chunk.finish_reason or reason
+            if job.wants_logprobs:
+                held.extend(chunk_logprobs(chunk))
+            d = parser.feed(chunk.text)
+            if chunk.finish_reason is not None:
+                d.extend(parser.finish())
+            if d:
+                yield chunk_of(delta_json(d, n_calls))
+                n_calls += len(d.tool_calls)
+        if reason is None:  # the engine stopped without saying why: flush what the parser holds
+            d = parser.finish()
+            if d:
+                yield chunk_of(delta_json(d, n_calls))
+                n_calls += len(d.tool_calls)
+        yield chunk_of({}, finish_reason(reason, n_calls))
 
     @staticmethod
     def _streaming(events: AsyncIterator[str]) -> StreamingResponse:

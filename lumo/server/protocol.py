@@ -57,6 +57,9 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
 
+MAX_CHOICES = 256  # choices in one request: n (x the prompts of a completions batch)
+
+
 class _Common(BaseModel):
     """Sampling and streaming fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -67,7 +70,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)  # lumo/vLLM extension; 0 or -1 = off
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(default=1, ge=1)
+    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, generated one after the other
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -78,7 +81,6 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         neutral = {
-            "n": (self.n, (None, 1)),
             "presence_penalty": (self.presence_penalty, (None, 0)),
             "frequency_penalty": (self.frequency_penalty, (None, 0)),
             "repetition_penalty": (self.repetition_penalty, (None, 1)),
@@ -97,15 +99,20 @@ class _Common(BaseModel):
         """Alternatives per token for lumo.engine.logprobs (None: no logprobs)."""
         return None
 
-    def sampling(self) -> dict[str, Any]:
-        """LLM.generate_stream's keyword arguments."""
+    @property
+    def choices(self) -> int:
+        return self.n or 1
+
+    def sampling(self, choice: int = 0) -> dict[str, Any]:
+        """LLM.generate_stream's keyword arguments for choice `choice` of n: with a seed, choice j samples
+        with seed + j (choice 0 is the request with n = 1); without one, each choice its own draw."""
         # top_k 0 / -1 both mean "off" to OpenAI-style clients; lumo's engine spells it 0
         top_k = None if self.top_k is None else max(self.top_k, 0)
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": top_k,
-            "seed": self.seed,
+            "seed": None if self.seed is None else self.seed + choice,
             "stop": self.stop_list(),
             "logprobs": self.logprobs_k(),
         }
@@ -140,17 +147,20 @@ class CompletionRequest(_Common):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
-    def sampling(self) -> dict[str, Any]:
+    def sampling(self, choice: int = 0) -> dict[str, Any]:
         # echo with logprobs: the prompt's tokens are scored too (lumo.engine.logprobs.PromptLogprobs)
-        return {**super().sampling(), "prompt_logprobs": self.logprobs if self.echo else None}
+        return {**super().sampling(choice), "prompt_logprobs": self.logprobs if self.echo else None}
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or list of token ids, or a batch of either (served one after
-        the other, choice i for prompt i)."""
+        the other, choices i * n .. i * n + n - 1 for prompt i)."""
         p = self.prompt
         batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
         if len(batch) > MAX_PROMPTS:
             raise APIError(400, f"got {len(batch)} prompts; a request holds at most {MAX_PROMPTS}", "prompt")
+        if len(batch) * self.choices > MAX_CHOICES:
+            msg = f"{len(batch)} prompts x n={self.choices} choices exceed {MAX_CHOICES} choices per request"
+            raise APIError(400, msg, "n")
         for i, q in enumerate(batch):
             if len(q) == 0:
                 raise APIError(400, "the prompt is empty", "prompt" if len(batch) == 1 else f"prompt[{i}]")
