@@ -153,6 +153,30 @@ def _batch_usage(outs: list[_CompletionOutput], n: int = 1) -> dict[str, Any]:
     )
 
 
+async def _sse_stream(
+    events: AsyncIterator[str],
+    head: dict[str, Any],
+    usage: Callable[[], dict[str, Any]] | None,
+    latest_job: Callable[[], Job | None],
+) -> AsyncIterator[str]:
+    """A streamed response: its choices' events, the usage chunk (when asked), then [DONE]; an engine error
+    as one error event and [DONE]. The latest job is cancelled at the end: a no-op after a normal end, it
+    stops the engine when the client went away."""
+    try:
+        async for event in events:
+            yield event
+        if usage is not None:
+            yield _sse({**head, "choices": [], "usage": usage()})
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        yield _sse(_engine_error(exc).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        job = latest_job()
+        if job is not None:
+            job.cancel()
+
+
 class _Server:
     def __init__(self, llm: Any, served_name: str, worker: EngineWorker, metrics: ServerMetrics) -> None:
         self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
@@ -311,13 +335,14 @@ class _Server:
     ) -> AsyncIterator[str]:
         """The choices' chunks in turn, each under its index (prompt-major, n choices per prompt)."""
         extra = {"usage": None} if include_usage else {}
-        outs, job = [], None
-        try:
+        outs = []
+
+        async def choices() -> AsyncIterator[str]:
             for i in range(count):
                 out = start(i)
                 outs.append(out)
-                job, reason = out.job, None
-                async for chunk in job.events():
+                reason = None
+                async for chunk in out.job.events():
                     reason = chunk.finish_reason or reason
                     text, logprobs = out.take(chunk)
                     if text or chunk.finish_reason or logprobs:
@@ -331,15 +356,10 @@ class _Server:
                 if reason is None:
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
                     yield _sse({**head, "choices": [choice], **extra})
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _batch_usage(outs, n)})
-            yield "data: [DONE]\n\n"
-        except Exception as exc:
-            yield _sse(_engine_error(exc).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            if job is not None:
-                job.cancel()  # a no-op after a normal end; stops the engine when the client went away
+
+        usage = (lambda: _batch_usage(outs, n)) if include_usage else None
+        async for event in _sse_stream(choices(), head, usage, lambda: outs[-1].job if outs else None):
+            yield event
 
     # ---- /v1/chat/completions ----
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -370,7 +390,7 @@ class _Server:
             if j and await request.is_disconnected():
                 break
             job, parser = start(j)
-            text, n, reason, lps = await self._collect(job, request)
+            text, n_tok, reason, lps = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
             logprobs = {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None
@@ -382,7 +402,7 @@ class _Server:
                     "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
                 }
             )
-            n_gen, cached = n_gen + n, cached if j else job.cached_tokens  # the prompt's, from choice 0
+            n_gen, cached = n_gen + n_tok, cached if j else job.cached_tokens  # the prompt's, from choice 0
         return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached)}
 
     async def _stream_chat(
@@ -395,22 +415,19 @@ class _Server:
     ) -> AsyncIterator[str]:
         """The n choices' chunks in turn, each under its index."""
         extra = {"usage": None} if include_usage else {}
-        n_gen, cached, job = [0], 0, None
-        try:
+        n_gen, jobs = [0], []
+
+        async def choices() -> AsyncIterator[str]:
             for j in range(n):
                 job, parser = start(j)
+                jobs.append(job)
                 async for event in self._chat_choice(j, job, parser, head, extra, n_gen):
                     yield event
-                cached = cached if j else job.cached_tokens  # the prompt's, from choice 0
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(n_prompt, n_gen[0], cached)})
-            yield "data: [DONE]\n\n"
-        except Exception as exc:
-            yield _sse(_engine_error(exc).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            if job is not None:
-                job.cancel()
+
+        # the prompt's cached tokens: choice 0's
+        usage = (lambda: _usage(n_prompt, n_gen[0], jobs[0].cached_tokens)) if include_usage else None
+        async for event in _sse_stream(choices(), head, usage, lambda: jobs[-1] if jobs else None):
+            yield event
 
     async def _chat_choice(
         self,
