@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import FULL, ModelConfig
+from .config import ModelConfig
 from .engine.sampling import SamplingParams
 
 ROOM = 64  # positions past the last token a request reserves (an event may run past it)
@@ -76,7 +76,7 @@ def step_bytes(cfg: ModelConfig, gw, context: int) -> int:
     H, V = cfg.hidden_size, cfg.vocab_size
     nkv, d, nv = cfg.num_key_value_heads, cfg.head_dim, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    n_full = sum(t == FULL for t in cfg.layer_types)
+    n_full = len(cfg.full_attention_layers)
     n_gdn = cfg.num_layers - n_full
     state = 2 * n_gdn * (nv * dk * dv * 4 + cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * 2)  # r + w
     kv = n_full * (context + 1) * nkv * d * 2 * 2  # K and V of the context read, the new row written

@@ -283,11 +283,9 @@ class LLM:
         if spec not in ("off", self.spec):
             raise ValueError(f"this LLM decodes with spec={self.spec!r}; it has no {spec!r} decoder")
         if self._gpu is not None:
-            if spec == "off" and self.spec != "off":  # the speculative backend's own plain backend
-                return self._gpu.backend.decoder(params, max_len)
-            if spec != "off":
-                return self._gpu.decoder(params, max_len, adaptive=adaptive)
-            return self._gpu.decoder(params, max_len)
+            if spec == "off":
+                return self._gpu_plain.decoder(params, max_len)
+            return self._gpu.decoder(params, max_len, adaptive=adaptive)
         args = (self.config, self.weights, params, max_len, self.device, self.dtype, spec, self.tree)
         return make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
 
@@ -299,11 +297,14 @@ class LLM:
             policy.reset()
 
     @property
+    def _gpu_plain(self):
+        """The kernels backend's plain GPUBackend (a SpecBackend wraps one)."""
+        return getattr(self._gpu, "backend", self._gpu)
+
+    @property
     def gpu_weights(self):
         """The packed GPUWeights on the kernels backend (lumo bench's floor), else None."""
-        if self._gpu is None:
-            return None
-        return getattr(self._gpu, "backend", self._gpu).weights  # a SpecBackend wraps the GPUBackend
+        return None if self._gpu is None else self._gpu_plain.weights
 
     # ---- internals ----
     def _encode(self, prompt: str | list[int]) -> list[int]:
