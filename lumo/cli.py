@@ -111,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None, help="0 = off (default: model's config)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1 = off (prompt and output)")
+    g.add_argument("--frequency-penalty", type=float, default=None, help="0 = off (output)")
+    g.add_argument("--presence-penalty", type=float, default=None, help="0 = off (output)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -181,6 +185,10 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
         stop=args.stop,
     ):
         t_first = t_first or time.perf_counter()

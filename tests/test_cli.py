@@ -124,6 +124,9 @@ def test_quantize_round_trip(tmp_path):
     "args, words",
     [
         (["--temperature", "nan"], "finite temperature"),
+        (["--min-p", "2"], "min_p must lie in [0, 1]"),
+        (["--presence-penalty", "3"], "presence_penalty must lie in [-2, 2]"),
+        (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
         (["--max-model-len", "0"], "max_model_len"),
         (["--spec", "tree"], "MTP head"),
     ],

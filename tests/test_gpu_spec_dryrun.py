@@ -61,11 +61,11 @@ class StubKernel:
             if isinstance(tokens, torch.Tensor):
                 for t, r in zip(*torch.nonzero(nodes >= 0, as_tuple=True), strict=True):
                     tokens[nodes[t, r]] = ids[t, r]
-        elif self.name == "sample_final":  # [*5 params, val, idx, ssum, keys, out, V, nb]
-            out = args[9]
+        elif self.name == "sample_final":  # [*5 params, min_p, val, idx, ssum, keys, out, count_out, V, nb]
+            out = args[10]
             out.copy_(torch.randint(0, 3, out.shape, generator=self.gen, dtype=torch.int32))
-        elif self.name == "tree_accept":  # [tokens, choice, parent, n_nodes, cap, accepted, result]
-            tokens, choice, parent, n, cap, acc, res = args
+        elif self.name == "tree_accept":  # [tokens, choice, parent, n_nodes, cap, accepted, result, counts]
+            tokens, choice, parent, n, cap, acc, res, _ = args
             self.log["accept_inputs"] += 1
             tree = self.tree
             path, pending = accept(tree, tokens.tolist(), choice.tolist())
@@ -320,8 +320,10 @@ def _emulated_ops():
         keep = gdn_tree_written(items, items_len, mixed.shape[0])[:, None, None]
         return out.copy_(torch.where(keep, o.to(bf), out))
 
-    def sample_tokens(logits, temperature, top_k, top_p, seed, position, out=None, workspace=None):
-        return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seed, position))
+    def sample_tokens(
+        logits, temperature, top_k, top_p, seed, position, out=None, workspace=None, **shaping
+    ):  # shaping: min_p, penalties, count_out
+        return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seed, position, **shaping))
 
     def topk_select(logits, k, out=None, tokens=None, nodes=None, workspace=None, id_map=None):
         ids = topk_select_ref(logits, k)
@@ -331,7 +333,7 @@ def _emulated_ops():
             tokens[nodes[t, r]] = ids[t, r]
         return out
 
-    def tree_accept(tokens, choice, parent, n_nodes, accepted, result, cap):
+    def tree_accept(tokens, choice, parent, n_nodes, accepted, result, cap, count_out=None):
         par = parent.tolist()
         path, u = [0], 0
         while True:
@@ -342,6 +344,9 @@ def _emulated_ops():
             u = nxt
         pending = int(choice[u])
         em = [int(tokens[i]) for i in path[1:]] + [pending]
+        if count_out is not None:
+            for t in em:
+                count_out[t] += 1
         accepted.copy_(torch.tensor(path + [-1] * (cap - len(path))))
         result.copy_(torch.tensor([len(path), pending] + em + [-1] * (cap - len(em))))
         return accepted, result
@@ -374,8 +379,17 @@ def _install_emulation(monkeypatch) -> None:
         (SamplingParams(temperature=0.7, top_k=20, seed=5), False),
         (SamplingParams(temperature=0.0), True),
         (SamplingParams(temperature=0.7, top_k=20, seed=5), True),
+        (SamplingParams(temperature=0.0, presence_penalty=1.5, repetition_penalty=1.2), False),
+        (SamplingParams(temperature=0.8, seed=9, min_p=0.05, frequency_penalty=0.6, top_p=0.9), False),
     ],
-    ids=["greedy", "seeded", "greedy-draft-vocab", "seeded-draft-vocab"],
+    ids=[
+        "greedy",
+        "seeded",
+        "greedy-draft-vocab",
+        "seeded-draft-vocab",
+        "greedy-penalized",
+        "seeded-penalized",
+    ],
 )
 def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     """Tree decoding == plain decoding, with the whole vocabulary and with a draft vocabulary (the draft
@@ -395,7 +409,9 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     # next draft step's logits within bf16 noise (a position off by one gives 3-20%), compared while the
     # two agree on the tokens (bf16 vs fp32 may part at a near-tie).
     ids = DRAFT_IDS if draft else None
-    ref = SpecDecoder(cfg, w32(name), params, 64, "cpu", torch.float32, tree, ids) if params.greedy else None
+    # (Penalised runs skip it: the drafter ignores penalties, and it is checked unpenalised.)
+    check_mtp = params.greedy and not params.penalized
+    ref = SpecDecoder(cfg, w32(name), params, 64, "cpu", torch.float32, tree, ids) if check_mtp else None
     got = spec.prefill(prompt)
     compared = 0
     if ref is not None and ref.prefill(prompt) != got:
@@ -414,7 +430,7 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
             compared += 1
         else:
             ref = None
-    assert not params.greedy or compared >= 2, "the fp32 reference parted at once: check the prompt"
+    assert not check_mtp or compared >= 2, "the fp32 reference parted at once: check the prompt"
     want = plain.prefill(prompt)
     while rp.length < rs.length:
         want += plain.step()
@@ -430,6 +446,8 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     L = rs.length
     for a, b in zip(rs.kv_k + rs.kv_v, rp.kv_k + rp.kv_v, strict=True):
         assert torch.equal(a[:L], b[:L])
+    # the penalties' history: every emitted token counted once, by the sampler or by tree_accept
+    assert torch.equal(rs.counts, rp.counts) and int(rs.counts.sum()) == L - len(prompt) + 1
 
 
 def _tree_then_plain(cfg, gw, params: SamplingParams, tokens: int):

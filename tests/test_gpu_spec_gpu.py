@@ -5,6 +5,7 @@ Also a chi-square test of the emitted tokens' distribution, chain mode, and grap
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -345,3 +346,35 @@ def test_plain_steps_between_events_equal_plain(variant, params):
             assert torch.equal(a[:n], b[:n]), f"prompt {i}: the MTP's K/V differ"
     if params.greedy:
         assert sum(accepted) / len(accepted) > 0.3, "drafts after plain steps are rarely accepted"
+
+
+PENALIZED = [
+    SamplingParams(temperature=0.0, presence_penalty=1.5, repetition_penalty=1.1),
+    SamplingParams(temperature=0.8, seed=21, min_p=0.05, frequency_penalty=0.5, presence_penalty=0.5),
+]
+
+
+@pytest.mark.parametrize("params", PENALIZED, ids=["greedy", "seeded"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_penalized_tree_equals_plain(variant, params):
+    """Penalties and min-p (Qwen's recommended presence_penalty 1.5): events (whose verify rows add their
+    path's drafted tokens to the committed histogram) and adaptive plain steps, from CUDA graphs, give plain
+    decoding's tokens; the histogram counts every emitted token once."""
+    cfg, gw, _ = packed(variant)
+    eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
+    pattern = [True, True, True, False, True, True, False, True, True, True]
+    dec = GPUSpecDecoder(eng, params, use_graph=True, adaptive=ScriptedAdaptive(pattern))
+    plain = dataclasses.replace(params, presence_penalty=0.0, repetition_penalty=1.0, frequency_penalty=0.0)
+    accepted, changed = [], 0
+    for i, p in enumerate(prompts(variant)[:12]):
+        want = plain_tokens(variant, p, 160, params)
+        changed += want != plain_tokens(variant, p, 160, plain)
+        got = spec_tokens(dec, p, 160)
+        assert eng.graphs is not None
+        assert got == want, f"prompt {i}: first difference at token {first_diff(got, want)}"
+        accepted += dec.stats.accepted
+        emitted = eng.runner.length - len(p) + 1
+        assert int(eng.runner.counts.sum()) == emitted
+    assert changed >= 6, "the penalties should change most outputs"
+    if params.greedy:
+        assert sum(accepted) / len(accepted) > 0.3, "penalised drafts are rarely accepted"

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
-from lumo.engine.sampling import SamplingParams, filter_logits, sample, uniform_noise
+from lumo.engine.sampling import SamplingParams, TokenHistory, filter_logits, penalize, sample, uniform_noise
 
 
 def test_noise_depends_only_on_seed_and_position():
@@ -47,3 +50,60 @@ def test_top_k_top_p_filter():
     assert kept.tolist() == [True, True, False, False, False]
     kept = torch.isfinite(filter_logits(logits, SamplingParams(top_p=1e-6)))
     assert kept.tolist() == [True, False, False, False, False]
+
+
+def _penalized_loop(logits, params, counts, prompt):
+    """vLLM's penalties element by element (float32 arithmetic through 0-dim tensors)."""
+    f = torch.float32
+    out = []
+    for x, c, p in zip(logits.tolist(), counts.tolist(), prompt.tolist(), strict=True):
+        x = torch.tensor(x, dtype=f)
+        if p or c > 0:
+            rep = torch.tensor(params.repetition_penalty, dtype=f)
+            x = x / rep if x > 0 else x * rep
+        x = x - torch.tensor(params.frequency_penalty, dtype=f) * torch.tensor(float(c), dtype=f)
+        x = x - torch.tensor(params.presence_penalty, dtype=f) * torch.tensor(float(c > 0), dtype=f)
+        out.append(float(x))
+    return torch.tensor(out, dtype=f)
+
+
+def test_penalties_follow_the_formula():
+    g = torch.Generator().manual_seed(3)
+    V = 211
+    logits = torch.randn(V, generator=g) * 4
+    history = TokenHistory(V, torch.randint(0, V, (30,), generator=g).tolist())
+    history.add(torch.randint(0, V, (60,), generator=g).tolist())  # some tokens many times
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.7)
+    got = penalize(logits, params, history)
+    assert torch.equal(got, _penalized_loop(logits, params, history.counts, history.prompt))
+    untouched = ~history.prompt & (history.counts == 0)
+    assert torch.equal(got[untouched], logits[untouched]) and not torch.equal(got, logits)
+    # a node's history: the committed one plus its path's tokens, the committed one unchanged
+    node = history.with_tokens([5, 5, 7])
+    assert int(node.counts[5]) == int(history.counts[5]) + 2
+    assert int(node.counts[7]) == int(history.counts[7]) + 1
+    assert torch.equal(node.counts.sum(), history.counts.sum() + 3)
+
+
+def test_penalties_steer_greedy_and_need_a_history():
+    logits = torch.tensor([3.0, 2.9, 1.0, -2.0])
+    history = TokenHistory(4, [])
+    history.add([0])
+    assert sample(logits, SamplingParams(temperature=0.0), 1) == 0
+    assert sample(logits, SamplingParams(temperature=0.0, presence_penalty=0.5), 1, history) == 1
+    assert sample(logits, SamplingParams(temperature=0.0, repetition_penalty=1.1), 1, history) == 1
+    assert sample(logits, SamplingParams(temperature=0.0, frequency_penalty=-0.5), 1, history) == 0
+    with pytest.raises(ValueError, match="history"):
+        sample(logits, SamplingParams(presence_penalty=0.5), 1)
+
+
+def test_min_p_keeps_tokens_near_the_best():
+    logits = torch.tensor([2.0, 1.5, 0.0, -1.0, 2.0 + math.log(0.3) + 1e-3])
+    params = SamplingParams(temperature=1.0, min_p=0.3)
+    kept = torch.isfinite(filter_logits(logits, params)).tolist()
+    probs = torch.softmax(logits, 0)
+    assert kept == (probs >= 0.3 * probs.max()).tolist() == [True, True, False, False, True]
+    assert SamplingParams().min_p_threshold == -math.inf and SamplingParams(min_p=1.0).min_p_threshold == 0.0
+    # seeded draws stay inside the kept set
+    draws = {sample(logits, SamplingParams(temperature=1.0, min_p=0.3, seed=2), p) for p in range(300)}
+    assert draws == {0, 1, 4}

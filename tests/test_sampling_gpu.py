@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lumo.engine.sampling import SamplingParams
 from lumo.kernels.sampling import (
     NCAND,
+    Penalties,
     gumbel_of_uniform,
     sample_noise,
     sample_tokens,
@@ -184,3 +186,81 @@ def test_graph_replay():
         out.fill_(-1)
         graph.replay()
         assert torch.equal(out, sample_tokens(*rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,V", [(1, 1000), (13, 9973), (32, 248320)], ids=lambda v: str(v))
+def test_penalties_and_min_p_match_cpu_sampler(T, V):
+    """Penalties (a committed histogram, the prompt, each row's path tokens) and min-p: the CPU sampler's
+    tokens; the sampled tokens added to count_out. Rows cycle through off / penalised / min-p / both, in the
+    greedy, plain and top-k modes (top-p only where nothing else is on: its safe thresholds are computed on
+    the raw logits)."""
+    logits, temps, ks, ps, seeds, positions = make_rows(T, V, 500 + T)
+    gen = torch.Generator().manual_seed(T)
+    R, E = 32, 11
+    best = logits.argmax(1)
+    node_tokens = torch.randint(0, V, (R,), generator=gen, dtype=torch.int32)
+    node_tokens[: min(R, T)] = best[: min(R, T)].int()  # path tokens that hit the rows' best tokens
+    path = torch.full((T, E), -1, dtype=torch.int32)
+    counts = torch.zeros(V, dtype=torch.int32)
+    hot = torch.randint(0, V, (V // 20,), generator=gen)
+    counts.index_add_(0, hot, torch.randint(1, 4, hot.shape, generator=gen, dtype=torch.int32))
+    counts[best[1::4]] += 2  # committed history on some rows' best tokens
+    prompt = (torch.rand(V, generator=gen) < 0.05).to(torch.uint8)
+    prompt[best[2::4]] = 1
+    pen = torch.tensor([[1.0, 0.0, 0.0]] * T)
+    if T > 1:
+        temps[1] = 0.0
+        second = logits[1].topk(2).values[1]
+        logits[1, best[1]] = second + 1.0
+    thr = torch.full((T,), -float("inf"))
+    for t in range(T):
+        kind = t % 4  # 0 off, 1 penalised, 2 min-p, 3 both
+        n = int(torch.randint(0, E + 1, (1,), generator=gen))
+        path[t, :n] = torch.randint(0, R, (n,), generator=gen, dtype=torch.int32)
+        if kind in (1, 3):
+            rep = 0.5 + torch.rand(1, generator=gen).item()
+            freq, pres = (torch.rand(2, generator=gen) * 4 - 2).tolist()
+            pen[t] = torch.tensor([rep, freq, pres])
+        if t == 1:
+            pen[t] = torch.tensor([1.0, 0.0, 2.0])
+        if kind in (2, 3):
+            thr[t] = SamplingParams(min_p=0.01 + 0.5 * torch.rand(1, generator=gen).item()).min_p_threshold
+        if kind:
+            ps[t] = 1.0
+    penalties = Penalties(pen, counts, prompt, path, node_tokens)
+    dev = Penalties(*(x.to(DEV) for x in (pen, counts, prompt, path, node_tokens)))
+    count_out = torch.zeros(V, dtype=torch.int32, device=DEV)
+    rows = (logits, temps, ks, ps, seeds, positions)
+    got = sample_tokens(*to_dev(rows), min_p=thr.to(DEV), penalties=dev, count_out=count_out)
+    want = sample_tokens_ref(*rows, min_p=thr, penalties=penalties)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(count_out.cpu(), torch.bincount(want.long(), minlength=V).int())
+    if T > 1:  # row 1: greedy, its best token generated before and 1 above the next: presence 2 moves it
+        assert float(temps[1]) == 0.0 and int(counts[best[1]]) > 0 and float(pen[1, 2]) == 2.0
+        assert int(want[1]) != int(best[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [9973, 248320, 300001], ids=lambda v: f"V{v}")  # 300001: 37 lists, sorts
+@pytest.mark.parametrize("k", [2, 20, 64, 65], ids=lambda k: f"k{k}")  # 65: the sorting path
+def test_small_top_k_with_ties_matches_cpu_sampler(V, k):
+    """Top-k rows with k <= 64 take their candidates by warp merges (sampling.cu, KFAST): on logits on a
+    coarse grid (many tokens share the k-th value, all kept by top-k), with and without top-p, greedy
+    k = 1 aside, the CPU sampler's tokens; bf16 logits too."""
+    gen = torch.Generator().manual_seed(V + k)
+    T = 8
+    logits = (torch.randn(T, V, generator=gen) * 2).round() / 2  # values on a grid of 0.5: ties
+    for bf16 in (False, True):
+        x = logits.to(torch.bfloat16).float() if bf16 else logits
+        temps = torch.full((T,), 0.7)
+        ks = torch.full((T,), k, dtype=torch.int32)
+        ps = torch.tensor([1.0 if t % 2 else _safe_top_p(x[t], 0.7, k, gen) for t in range(T)])
+        seeds = torch.randint(0, 2**40, (T,), generator=gen)
+        positions = torch.randint(0, 2**20, (T,), generator=gen)
+        ties = [int((x[t] / 0.7 == torch.topk(x[t] / 0.7, k).values[-1]).sum()) for t in range(T)]
+        assert max(ties) > 1 and max(ties) < NCAND  # ties at the k-th value, fewer than the cap
+        rows = (x, temps, ks, ps, seeds, positions)
+        logits_in = x.to(torch.bfloat16) if bf16 else x
+        got = sample_tokens(logits_in.to(DEV), *to_dev(rows[1:]))
+        assert torch.equal(got.cpu(), sample_tokens_ref(*rows)), f"bf16={bf16}"

@@ -405,6 +405,38 @@ def test_a_batch_of_prompts_is_each_prompt_alone(client, server, llm):
     assert [i for i, _ in reasons] == [0, 1, 2]
 
 
+def test_penalties_and_min_p_are_the_engines(client, llm):
+    """The penalties and min_p through both endpoints: the same tokens as LLM.generate with the same
+    settings, which differ from the unpenalised ones (a negative presence penalty: the random model's flat
+    logits barely notice a positive one)."""
+    kw = {"max_tokens": 12, "temperature": 0.8, "top_p": 0.95, "seed": 4}
+    shaped = {"presence_penalty": -1.5, "frequency_penalty": 0.5, "min_p": 0.05}
+    want = llm.generate("The quick brown fox", **kw, **shaped, repetition_penalty=1.2)
+    assert want.token_ids != llm.generate("The quick brown fox", **kw).token_ids
+    extra = {"min_p": 0.05, "repetition_penalty": 1.2}  # vLLM's extensions: openai's extra_body
+    r = client.completions.create(
+        model=llm.model_name,
+        prompt="The quick brown fox",
+        presence_penalty=-1.5,
+        frequency_penalty=0.5,
+        extra_body=extra,
+        **kw,
+    )
+    assert r.choices[0].text == want.text
+    messages = [{"role": "user", "content": "Hello, how are you?"}]
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    want = llm.generate(prompt, **kw, **shaped, repetition_penalty=1.2)
+    chat = client.chat.completions.create(
+        model=llm.model_name,
+        messages=messages,
+        presence_penalty=-1.5,
+        frequency_penalty=0.5,
+        extra_body=extra,
+        **kw,
+    )
+    assert chat.choices[0].message.content == _parsed(prompt, want.text)[0]
+
+
 def test_n_choices_are_the_seeded_requests_in_turn(client, server, llm):
     """n > 1: choice j samples with seed + j (choice 0 is the request alone), completions prompt-major over a
     batch, chat and completions, streamed and not; usage counts each prompt once and every choice's tokens;

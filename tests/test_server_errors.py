@@ -85,7 +85,10 @@ BAD = [
     ("n-0", CHAT, {"messages": USER, "n": 0}, 422, "n", ""),
     ("n-too-many", CHAT, {"messages": USER, "n": 257}, 422, "n", ""),
     ("n-times-prompts", COMP, {"prompt": ["a"] * 200, "n": 2}, 400, "n", "256 choices"),
-    ("presence-penalty", COMP, {"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", ""),
+    ("presence-penalty-3", COMP, {"prompt": "a", "presence_penalty": 3}, 422, "presence_penalty", ""),
+    ("freq-penalty-str", COMP, {"prompt": "a", "frequency_penalty": "x"}, 422, "frequency_penalty", ""),
+    ("repetition-penalty-0", COMP, {"prompt": "a", "repetition_penalty": 0}, 422, "repetition_penalty", ""),
+    ("min-p-2", CHAT, {"messages": USER, "min_p": 2}, 422, "min_p", ""),
     ("logit-bias", COMP, {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", ""),
     ("top-logprobs-alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     (

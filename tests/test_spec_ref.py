@@ -101,6 +101,28 @@ def test_every_acceptance_case_is_exact(tiny, right, sibling):
     assert_same_state(spec.cache, p2.cache)
 
 
+PENALIZED = [
+    SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+    SamplingParams(temperature=0.9, seed=7, min_p=0.02, presence_penalty=-1.0, repetition_penalty=0.8),
+]
+
+
+@pytest.mark.parametrize("params", PENALIZED, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("right, sibling", [(4, False), (1, True)])
+def test_penalties_are_exact_under_speculation(tiny, params, right, sibling):
+    """A verify node's penalties see the drafted tokens on its path: with drafts from the true (penalised)
+    continuation, accepted deep into the tree, tree decoding still equals plain decoding."""
+    cfg, w, plain = decoders(tiny, params)
+    truth = run(plain, 40)
+    unpenalized = run(decoders(tiny, SamplingParams(temperature=params.temperature, seed=params.seed))[2], 40)
+    assert truth != unpenalized  # the penalties change the output
+    oracle = dict(truth=truth, right=right, sibling=sibling)
+    spec = OracleSpec(cfg, w, params, 96, "cpu", torch.float32, TREE, **oracle)
+    assert run(spec, 24) == truth[:24]
+    assert spec.stats.accepted[0] == min(right + sibling, TREE.depth)
+    assert int(spec.history.counts.sum()) == spec.cache.length - len(PROMPT) + 1  # every emitted token
+
+
 EMBEDDED_PROMPTS = [
     "def fibonacci(n):",
     "import os\n\nclass Config:\n    def __init__(self",
@@ -124,6 +146,26 @@ def test_embedded_model_spec_equals_plain(spec):
         accepted += fast.last_decoder.stats.accepted
     # the trained MTP head drafts tokens the target accepts (random weights accept ~0)
     assert sum(accepted) / len(accepted) > 0.5
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=0, presence_penalty=1.5, repetition_penalty=1.1),
+        dict(temperature=0.8, seed=3, min_p=0.05, frequency_penalty=0.7),
+    ],
+    ids=["greedy", "sampled"],
+)
+def test_embedded_model_penalized_tree_equals_plain(kw):
+    from lumo.engine.llm import LLM, embedded_model_path
+
+    if not (embedded_model_path() / "config.json").exists():
+        pytest.skip("the embedded model is not in lumo/assets (run bench/train_tiny.py)")
+    plain, fast = LLM(device="cpu", spec="off"), LLM(device="cpu", spec="tree")
+    for prompt in EMBEDDED_PROMPTS[:2]:
+        want = plain.generate(prompt, max_tokens=40, **kw).token_ids
+        assert fast.generate(prompt, max_tokens=40, **kw).token_ids == want
+        assert sum(fast.last_decoder.stats.accepted) > 0
 
 
 def test_auto_spec_is_tree_only_on_the_kernels(tmp_path):

@@ -349,9 +349,14 @@ def test_tree_accept_matches_reference(cfg):
             tokens, choice = accept_case(tree, rng, rng.randrange(tree.n_nodes))
         accepted.fill_(-9)
         result.fill_(-9)
-        tree_accept(i32(tokens), i32(choice), parent, tree.n_nodes, accepted=accepted, result=result)
+        counts = torch.randint(0, 3, (8000,), dtype=torch.int32)  # the penalties' token histogram
+        out = dict(accepted=accepted, result=result, count_out=counts.to(DEV))
+        tree_accept(i32(tokens), i32(choice), parent, tree.n_nodes, **out)
         want_acc, want_res = tree_accept_ref(tree, tokens, choice)
         assert torch.equal(accepted.cpu(), want_acc) and torch.equal(result.cpu(), want_res), trial
+        emitted = want_res[2 : 2 + int(want_res[0])].long()
+        counts.index_add_(0, emitted, torch.ones_like(emitted, dtype=torch.int32))  # every emitted token once
+        assert torch.equal(out["count_out"].cpu(), counts), trial
 
 
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "seeded"])

@@ -18,7 +18,7 @@ from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
 from .logprobs import PromptLogprobs, ScoresTokens
 from .prefix import PrefixCache
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, TokenHistory, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
@@ -115,7 +115,9 @@ class PlainDecoder(ScoresTokens):
             self._carry = h[0, -1:]
             if self.prefix is not None and self.prefix.wants(c.length):
                 self.prefix.add(c.length, [*c.gdn_state, *c.conv_state, self._carry])
-        self.pending = sample(lg[0, -1], self.params, position=c.length)
+        # The penalties' history (lumo.engine.sampling): the prompt, then every emitted token.
+        self.history = TokenHistory(self.cfg.vocab_size, prompt_ids) if self.params.penalized else None
+        self.pending = self._sample(lg[0, -1], c.length)
         self._after_prefill()
         self._note_logprobs(lg[0, -1:], [self.pending])
         self.last_prompt_logprobs = [] if scored is None else scored.out
@@ -129,9 +131,16 @@ class PlainDecoder(ScoresTokens):
 
     def step(self) -> list[int]:
         logits, _ = M.forward(self.cfg, self.w, self._ids([self.pending]), self.cache)
-        self.pending = sample(logits[0, -1], self.params, position=self.cache.length)
+        self.pending = self._sample(logits[0, -1], self.cache.length)
         self._note_logprobs(logits[0, -1:], [self.pending])
         return [self.pending]
+
+    def _sample(self, logits: torch.Tensor, position: int) -> int:
+        """The next token, counted in the penalties' history."""
+        tok = sample(logits, self.params, position, self.history)
+        if self.history is not None:
+            self.history.add([tok])
+        return tok
 
     def _ids(self, toks: list[int]) -> torch.Tensor:
         return torch.tensor([toks], dtype=torch.long, device=self.device)
@@ -157,6 +166,7 @@ class SpecDecoder(PlainDecoder):
         if w.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head (mtp.* tensors)")
         self.tree: TreeBuffers = build_tree(tree)
+        self._path_nodes = self.tree.path_nodes()  # [rows, D]: each node's path below the root
         # A draft vocabulary (lumo.engine.draft_vocab): the drafter's top-k among these token ids only (the
         # full lm_head is still computed here; the kernels backend computes only these rows).
         self.draft_ids = None
@@ -210,8 +220,13 @@ class SpecDecoder(PlainDecoder):
                 logits, hidden, pos = lg[0, -1], out[0], pos + 1
         return tokens
 
-    def _choice(self, logits: torch.Tensor, position: int) -> int:
-        return sample(logits, self.params, position=position)
+    def _choice(self, logits: torch.Tensor, position: int, node: int, tokens: list[int]) -> int:
+        """The target's choice at tree node `node`: its sample sees the drafted tokens on its path as
+        generated (plain decoding has generated exactly those when it samples at that position)."""
+        history = self.history
+        if history is not None:
+            history = history.with_tokens(tokens[j] for j in self._path_nodes[node].tolist() if j >= 0)
+        return sample(logits, self.params, position, history)
 
     def step(self) -> list[int]:
         t, L = self.tree, self.cache.length
@@ -236,12 +251,14 @@ class SpecDecoder(PlainDecoder):
             state[i] = M.snapshot(c, lo, hi)
         choice = [0] * t.rows
         for i in range(t.n_nodes):
-            choice[i] = self._choice(logits[i], L + int(t.depth[i]) + 1)
+            choice[i] = self._choice(logits[i], L + int(t.depth[i]) + 1, i, tokens)
         path, pending = accept(t, tokens, choice)
         # Commit: the state after the last accepted node is exactly plain decoding's state.
         M.restore(c, state[path[-1]])
         self.pending = pending
         emitted = [tokens[i] for i in path[1:]] + [pending]
+        if self.history is not None:
+            self.history.add(emitted)
         self._feed_mtp(torch.cat([hidden[i] for i in path]), emitted, L)
         self.stats.events += 1
         self.stats.accepted.append(len(path) - 1)

@@ -35,7 +35,7 @@ from ..kernels.gdn import gdn_decode
 from ..kernels.gdn_tree import gdn_tree, gdn_tree_rows
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
-from ..kernels.sampling import sample_tokens, sample_workspace
+from ..kernels.sampling import Penalties, sample_tokens, sample_workspace
 from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
 from .adaptive import AdaptiveSpec
 from .decode import SpecStats
@@ -132,6 +132,11 @@ class GPUSpecEngine:
         self.top_k = torch.zeros(R, dtype=i32, device=dev)
         self.top_p = torch.ones(R, dtype=f32, device=dev)
         self.seed = torch.zeros(R, dtype=i64, device=dev)
+        self.min_p = torch.full((R,), -float("inf"), dtype=f32, device=dev)
+        self.penalty = torch.zeros(R, 3, dtype=f32, device=dev)
+        # A verify row's penalties see the committed history (the runner's) plus its path's drafted tokens.
+        self.path = tb.path_nodes().to(dev)  # [R, D] node ids below the root
+        self.penalties = Penalties(self.penalty, runner.counts, runner.prompt_mask, self.path, self.tokens)
 
         # ---- target verify activations (R rows) + the replay operands of every GDN layer ----
         self.tr = _Rows(runner, R)
@@ -207,6 +212,8 @@ class GPUSpecEngine:
         self.top_k.fill_(params.top_k)
         self.top_p.fill_(params.top_p)
         self.seed.fill_(params.seed)
+        self.min_p.copy_(self.runner.min_p.expand(self.R))
+        self.penalty.copy_(self.runner.penalty.expand(self.R, 3))
 
     def extra_bytes(self) -> int:
         """GPU memory tree decoding adds to plain decoding: MTP weights and cache, tree buffers."""
@@ -237,6 +244,7 @@ class GPUSpecEngine:
         # From a prefix snapshot (lumo.engine.prefix) the MTP's pairs resume with the hidden row of the
         # snapshot's last position, as the next chunk of an uncached prefill would.
         self.cached_tokens = start = r.resume(prompt_ids, owner=self._prefix_owner, reuse=scored is None)
+        r.begin_history(ids)
         self._carry = r.hidden.clone() if start else None
 
         def hook(hidden: torch.Tensor, start: int) -> None:
@@ -316,6 +324,7 @@ class GPUSpecEngine:
             r.tok,
             r.pos,
             r.sample_pos,
+            r.counts,
             self.tokens,
             self.draft_bf16,
             self.d1.out,  # the first draft step's hidden input
@@ -545,13 +554,22 @@ class GPUSpecEngine:
             self.sample_pos,
             out=self.choice,
             workspace=self.sample_ws,
+            min_p=self.min_p,
+            penalties=self.penalties,
         )
 
     def _accept_commit(self) -> None:
         cfg, r = self.cfg, self.runner
         C = cfg.conv_dim
         tree_accept(
-            self.tokens, self.choice, self.parent, self.tb.n_nodes, self.accepted, self.result, self.cap
+            self.tokens,
+            self.choice,
+            self.parent,
+            self.tb.n_nodes,
+            self.accepted,
+            self.result,
+            self.cap,
+            count_out=r.counts,  # the emitted tokens join the penalties' history
         )
         count = self.result[:1]
         i_gdn = 0

@@ -238,7 +238,8 @@ class LLM:
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
-        """Keyword arguments: temperature, top_k, top_p, seed, stop (see sampling_params), logprobs (None:
+        """Keyword arguments: temperature, top_k, top_p, seed, min_p, repetition_penalty, frequency_penalty,
+        presence_penalty, stop (see sampling_params), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
         ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
@@ -328,19 +329,52 @@ class LLM:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
     ) -> SamplingParams:
         """Checked sampling settings (None: the checkpoint's generation_config, else temperature 1, no
-        top-k / top-p). Temperatures below GREEDY_BELOW are greedy; the seed is taken modulo 2^64."""
+        top-k / top-p / min-p, no penalties). Temperatures below GREEDY_BELOW are greedy; the seed is taken
+        modulo 2^64. min_p in [0, 1]; repetition_penalty > 0 (1: off; over the prompt and the output),
+        frequency / presence penalties in [-2, 2] (0: off; over the output), as vLLM's."""
         d = self._defaults
-        t = _number(d.get("temperature", 1.0) if temperature is None else temperature, "temperature")
+
+        def number(value, key: str, default: float) -> float:
+            x = _number(d.get(key, default) if value is None else value, key)
+            if not math.isfinite(x):
+                raise ValueError(f"need a finite {key}, got {x}")
+            return x
+
+        t = number(temperature, "temperature", 1.0)
         k = _integer(d.get("top_k", 0) if top_k is None else top_k, "top_k")
-        p = _number(d.get("top_p", 1.0) if top_p is None else top_p, "top_p")
-        if not (math.isfinite(t) and t >= 0 and 0.0 < p <= 1.0 and k >= 0):
+        p = number(top_p, "top_p", 1.0)
+        if not (t >= 0 and 0.0 < p <= 1.0 and k >= 0):
             raise ValueError("need a finite temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        mp = number(min_p, "min_p", 0.0)
+        rep = number(repetition_penalty, "repetition_penalty", 1.0)
+        freq = number(frequency_penalty, "frequency_penalty", 0.0)
+        pres = number(presence_penalty, "presence_penalty", 0.0)
+        if not 0.0 <= mp <= 1.0:
+            raise ValueError(f"min_p must lie in [0, 1], got {mp}")
+        if not rep > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {rep}")
+        for name, x in (("frequency_penalty", freq), ("presence_penalty", pres)):
+            if not -2.0 <= x <= 2.0:
+                raise ValueError(f"{name} must lie in [-2, 2], got {x}")
         if t < GREEDY_BELOW:
             t = 0.0
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else _integer(seed, "seed")
-        return SamplingParams(temperature=t, top_k=k, top_p=p, seed=seed)
+        return SamplingParams(
+            temperature=t,
+            top_k=k,
+            top_p=p,
+            seed=seed,
+            min_p=mp,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+        )
 
     def _stream(
         self,
@@ -353,6 +387,7 @@ class LLM:
         stop: list[str] | str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        **shaping: float | None,  # min_p and the penalties (sampling_params)
     ) -> Iterator[StreamChunk]:
         if _integer(max_tokens, "max_tokens") < 1:
             raise ValueError("max_tokens must be at least 1")
@@ -369,7 +404,7 @@ class LLM:
                 "(prompt + at least 1 new token)"
             )
         max_tokens = min(max_tokens, self.max_model_len - n)
-        params = self.sampling_params(temperature, top_k, top_p, seed)
+        params = self.sampling_params(temperature, top_k, top_p, seed, **shaping)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         self.last_decoder = None  # until this request's decoder exists (no stale stats)
@@ -426,7 +461,8 @@ def _generation_defaults(path: Path) -> dict:
     if not f.exists():
         return {}
     d = json.loads(f.read_text())
-    out = {k: d[k] for k in ("temperature", "top_k", "top_p") if k in d and d[k] is not None}
+    keys = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    out = {k: d[k] for k in keys if k in d and d[k] is not None}
     if d.get("do_sample") is False:
         out["temperature"] = 0.0
     return out

@@ -35,7 +35,7 @@ from ..kernels.gdn import (
 )
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
-from ..kernels.sampling import sample_tokens, sample_workspace
+from ..kernels.sampling import Penalties, sample_tokens, sample_workspace
 from ..weights import ModelWeights
 from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
 from .prefix import PrefixCache
@@ -114,6 +114,13 @@ class GPURunner:
         self.top_k = torch.zeros(1, dtype=i32, device=dev)  # [1] 0: off
         self.top_p = torch.ones(1, dtype=f32, device=dev)  # [1] 1: off
         self.seed = torch.zeros(1, dtype=i64, device=dev)  # [1]
+        self.min_p = torch.full((1,), -float("inf"), dtype=f32, device=dev)  # [1] log(min_p), -inf: off
+        self.penalty = torch.tensor([[1.0, 0.0, 0.0]], dtype=f32, device=dev)  # [1, 3] rep, freq, pres
+        # The request's token history (the sampling penalties'; begin_history): every sample the step
+        # emits is added to counts by the sampler itself, an event's tokens by tree_accept.
+        self.counts = torch.zeros(V, dtype=i32, device=dev)  # [V] generated tokens
+        self.prompt_mask = torch.zeros(V, dtype=torch.uint8, device=dev)  # [V] 1: in the prompt
+        self.penalties = Penalties(self.penalty, self.counts, self.prompt_mask)
         self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
 
         # ---- static activations of one decode row ----
@@ -164,6 +171,18 @@ class GPURunner:
         self.top_k.fill_(params.top_k)
         self.top_p.fill_(params.top_p)
         self.seed.fill_(params.seed)
+        self.min_p.fill_(params.min_p_threshold)
+        pen = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        self.penalty.copy_(torch.tensor([pen], dtype=torch.float32))
+
+    @torch.inference_mode()
+    def begin_history(self, prompt_ids: Sequence[int]) -> None:
+        """A new request's token history: its whole prompt (a resumed prefill's cached part too), nothing
+        generated. Call before prefill (whose sample is the first generated token)."""
+        self.counts.zero_()
+        self.prompt_mask.zero_()
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.device)
+        self.prompt_mask.index_fill_(0, ids, 1)
 
     def enable_prefix_cache(self, snapshots: int) -> None:
         """Keep up to `snapshots` prefix snapshots on this runner's prefill grid (0: none)."""
@@ -339,6 +358,9 @@ class GPURunner:
             self.sample_pos,
             out=self.tok,
             workspace=self.sample_ws,
+            min_p=self.min_p,
+            penalties=self.penalties,
+            count_out=self.counts,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -432,7 +454,7 @@ class GPURunner:
         self.length += 1
 
     def _state(self) -> list[torch.Tensor]:
-        return [*self.gdn_state, *self.conv_state, self.tok, self.pos, self.sample_pos]
+        return [*self.gdn_state, *self.conv_state, self.tok, self.pos, self.sample_pos, self.counts]
 
     @torch.inference_mode()
     def capture(self) -> None:

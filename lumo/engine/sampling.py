@@ -5,10 +5,18 @@ vocabulary index, never on how many tokens were sampled before or in which launc
 speculative tree node at the same logical position therefore draw the same noise, so seeded sampling
 emits the same tokens with and without speculation (DESIGN.md, Exactness). The GPU sampler implements
 the same hash.
+
+Order of the operations on a row (vLLM's): the raw logits, the penalties (repetition over the prompt and
+the output, then frequency and presence over the output), greedy argmax or: / temperature, min-p, top-k,
+top-p, Gumbel-max. The penalties read the tokens generated so far (`TokenHistory`); a tree node's
+history is the committed one plus the drafted tokens on its path, which is what plain decoding has seen
+when it samples at that position, so penalised decoding stays exact under speculation too.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +30,61 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     seed: int = 0
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the best one's (after temperature); 0 = off
+    # Penalties (OpenAI's / vLLM's semantics): repetition divides a positive logit (multiplies a negative
+    # one) of every token in the prompt or the output; frequency subtracts penalty x count and presence
+    # the penalty once, for tokens of the output. 1 / 0 / 0 = off.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
+    def min_p_threshold(self) -> float:
+        """log(min_p) as f32 (-inf: off): a token is kept iff f32(x - max x) >= it, x the tempered logits.
+        Computed once on the host, so the CPU and the GPU sampler compare the same numbers."""
+        return float(torch.tensor(math.log(self.min_p) if self.min_p > 0 else -math.inf, dtype=torch.float32))
+
+
+class TokenHistory:
+    """What the penalties read: counts [V] int32 of each token generated so far, prompt [V] bool."""
+
+    def __init__(self, vocab_size: int, prompt_ids: Iterable[int] = ()):
+        self.counts = torch.zeros(vocab_size, dtype=torch.int32)
+        self.prompt = torch.zeros(vocab_size, dtype=torch.bool)
+        ids = list(prompt_ids)
+        if ids:
+            self.prompt[torch.tensor(ids)] = True
+
+    def add(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.counts[t] += 1
+
+    def with_tokens(self, tokens: Iterable[int]) -> TokenHistory:
+        """This history plus `tokens` generated (a tree node's: the drafted tokens on its path)."""
+        h = TokenHistory.__new__(TokenHistory)
+        h.counts, h.prompt = self.counts.clone(), self.prompt
+        h.add(tokens)
+        return h
+
+
+def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
+    """[V] f32 logits with the repetition, frequency and presence penalties applied (sampling.cu's
+    operations, one IEEE rounding each, so the GPU gets the same bits)."""
+    x = logits.float()
+    counts = history.counts.to(x.device)
+    seen = history.prompt.to(x.device) | (counts > 0)
+    rep = params.repetition_penalty
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - params.frequency_penalty * counts.float()
+    return x - params.presence_penalty * (counts > 0).float()
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -57,8 +116,10 @@ def gumbel_of_uniform(u: torch.Tensor) -> torch.Tensor:
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[V] f32 logits / temperature with tokens outside top-k / top-p set to -inf."""
+    """[V] f32 logits / temperature with tokens outside min-p / top-k / top-p set to -inf."""
     x = logits.float() / params.temperature
+    if params.min_p > 0:
+        x = x.masked_fill(x - x.max() < params.min_p_threshold, float("-inf"))
     if params.top_k > 0 and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -73,8 +134,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """One token from [V] logits for absolute position `position` (Gumbel-max; greedy = argmax)."""
+def sample(
+    logits: torch.Tensor, params: SamplingParams, position: int, history: TokenHistory | None = None
+) -> int:
+    """One token from [V] logits for absolute position `position` (Gumbel-max; greedy = argmax), after the
+    penalties when `params` has any (then `history` is required)."""
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties need the token history")
+        logits = penalize(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits))
     x = filter_logits(logits, params)

@@ -46,6 +46,16 @@ class TreeBuffers:
     def children(self, node: int) -> list[int]:
         return [i for i in range(self.n_nodes) if int(self.parent[i]) == node]
 
+    def path_nodes(self) -> torch.Tensor:
+        """[rows, D] int32: row i's path below the root (its ancestors but the root, then i), -1 padded; a
+        padding row has none. The tokens these nodes carry are the ones a verify row's sample has seen
+        generated beyond the committed ones (the root is the pending token: already counted)."""
+        out = torch.full((self.rows, self.depth_max), -1, dtype=torch.int32)
+        for i in range(self.n_nodes):
+            nodes = [j for j in range(1, self.rows) if int(self.anc[i]) >> j & 1]
+            out[i, : len(nodes)] = torch.tensor(nodes, dtype=torch.int32)
+        return out
+
 
 def sibling_depths(cfg: TreeConfig) -> list[tuple[int, int]]:
     """(depth, rank) of every sibling, shallowest first, as many as the budget allows."""

@@ -2,19 +2,28 @@
 // with noise keyed by (seed, absolute position, vocab index) exactly as lumo/engine/sampling.py.
 //
 // Row modes (per row, from device tensors; same rules as SamplingParams / filter_logits):
-//   greedy   (temperature <= 0 or top_k == 1): argmax of the raw logits, lowest index on ties.
-//   plain    (no top-k, no top-p): argmax over all V of x + g, x = logit / temperature (IEEE division).
-//   filtered (0 < top_k < V or top_p < 1): the C largest x (C = NCAND) are the candidates; top-k keeps
-//            x >= x[k-1] (k clamped to C), top-p keeps tokens whose exclusive cumulative softmax mass is
-//            < top_p (first always kept; the softmax denominator covers all V unless top-k is on), then
-//            argmax of x + g over the kept candidates.
+//   greedy   (temperature <= 0 or top_k == 1): argmax of the (penalised) logits, lowest index on ties.
+//   plain    (no top-k, top-p, min-p): argmax over all V of x + g, x = logit / temperature (IEEE division).
+//   filtered (0 < top_k < V, top_p < 1 or min-p on): the C largest x (C = NCAND) are the candidates;
+//            min-p keeps x with f32(x - max) >= log(min_p) (the threshold computed on the host), top-k
+//            keeps x >= x[k-1] (k clamped to C), top-p keeps tokens whose exclusive cumulative softmax
+//            mass is < top_p (first always kept; the softmax denominator covers all V unless top-k or
+//            min-p is on: then the kept candidates), then argmax of x + g over the kept candidates.
+// Penalties (lumo.engine.sampling.penalize; a row is penalised when repetition != 1, frequency != 0 or
+// presence != 0): each logit first becomes, with c = counts[i] + how often i is among the row's path
+// tokens and seen = prompt[i] or c > 0,
+//   x = seen ? (x > 0 ? x / rep : x * rep) : x;  x = x - freq * c;  x = x - pres * (c > 0)
+// one IEEE rounding per operation, as torch's. counts is the slot's generated-token histogram; a tree row's
+// path tokens are the drafted tokens of its path below the root (node ids path[t, 0..E), tokens from
+// node_tokens), so each row sees what plain decoding has generated at its position.
 // Noise: h = fmix32(fmix32(idx ^ key) ^ seed_hi), u = ((h >> 9) + 0.5) * 2^-23 (exact, in (0, 1)),
 //   g = rn32(-log(rn32(-log(u)))) with each log in double, so every step is the correctly rounded fp32
 //   value (the double results are >= 49 double ulps from any fp32 rounding boundary for all 2^23 inputs,
 //   checked in tests/test_sampling_gpu.py), bitwise equal to the CPU sampler's double-based formula.
 //
 // Two passes: sample_partial (grid (NB, T), CTA b owns [b*SPAN, (b+1)*SPAN)) writes per-CTA argmax /
-// (max, sum exp) / top-C candidates; sample_final (one CTA per row) combines them in CTA order. Every
+// (max, sum exp) / top-C candidates; sample_final (one CTA per row) combines them in CTA order and, given
+// count_out, adds each row's token to that histogram (the runner's step: the token it emits). Every
 // reduction has a fixed shape independent of T (batch invariant); argmax is order independent anyway.
 //
 // Logits are f32, or bf16 with LOGITS_BF16=1 (logits.cuh).
@@ -28,6 +37,9 @@
 #define SPAN 8192     // vocab entries per partial CTA
 #define THREADS 512
 #define SORTN 4096  // bitonic sort buffer (keys)
+#define PATH_MAX 64  // path tokens per row (a tree's depth)
+#define KFAST 64     // top-k rows with k <= KFAST take their candidates by warp merges, not sorts
+#define PER_THREAD (SPAN / THREADS)
 
 #include "logits.cuh"
 #include "pdl.cuh"
@@ -74,23 +86,46 @@ __device__ __forceinline__ float key_value(u64 k) {
 __device__ __forceinline__ u32 key_index(u64 k) { return ~(u32)k; }
 
 struct Mode {
-  bool greedy, use_k, use_p, filtered;
-  float temp;
+  bool greedy, use_k, use_p, use_min_p, filtered;
+  float temp, min_p;  // min_p: the log threshold (-inf: off)
   int k;
 };
 
-__device__ __forceinline__ Mode row_mode(const float* temperature, const int* top_k, const float* top_p, int t,
-                                         int V) {
+__device__ __forceinline__ Mode row_mode(const float* temperature, const int* top_k, const float* top_p,
+                                         const float* min_p, int t, int V) {
   Mode m;
   m.temp = temperature[t];
   const int k = top_k[t];
   const float p = top_p[t];
+  m.min_p = min_p == nullptr ? -INFINITY : min_p[t];
   m.greedy = !(m.temp > 0.0f) || k == 1;
   m.use_k = k > 0 && k < V;
   m.use_p = p < 1.0f;
-  m.filtered = !m.greedy && (m.use_k || m.use_p);
+  m.use_min_p = m.min_p > -INFINITY;
+  m.filtered = !m.greedy && (m.use_k || m.use_p || m.use_min_p);
   m.k = m.use_k ? min(k, NCAND) : NCAND;
   return m;
+}
+
+struct Penalty {
+  bool on;
+  float rep, freq, pres;
+};
+
+__device__ __forceinline__ Penalty row_penalty(const float* penalty, int t) {
+  Penalty p;
+  p.rep = penalty == nullptr ? 1.0f : penalty[3 * t];
+  p.freq = penalty == nullptr ? 0.0f : penalty[3 * t + 1];
+  p.pres = penalty == nullptr ? 0.0f : penalty[3 * t + 2];
+  p.on = p.rep != 1.0f || p.freq != 0.0f || p.pres != 0.0f;
+  return p;
+}
+
+// torch's operations in lumo.engine.sampling.penalize, each rounded once (no contraction into an FMA).
+__device__ __forceinline__ float penalized(float x, int c, bool in_prompt, const Penalty& p) {
+  if (in_prompt || c > 0) x = x > 0.0f ? __fdiv_rn(x, p.rep) : __fmul_rn(x, p.rep);
+  x = __fsub_rn(x, __fmul_rn(p.freq, (float)c));
+  return __fsub_rn(x, __fmul_rn(p.pres, c > 0 ? 1.0f : 0.0f));
 }
 
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
@@ -133,6 +168,35 @@ __device__ void bitonic_sort_desc(u64* a) {
   }
 }
 
+// The largest of the lanes' keys (u64: a total order; every lane gets it).
+__device__ __forceinline__ u64 warp_max_key(u64 v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const u64 w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = w > v ? w : v;
+  }
+  return v;
+}
+
+// A top-k row's candidate list (k <= KFAST): keys in descending order, the k largest and then every
+// further key with the k-th's value (top-k keeps ties: x >= x[k-1]), at most NCAND: the first entries of
+// the NCAND-key list the sorts would give, and nothing of it that top-k keeps is missing. One warp walks
+// its lists: every lane holds the head of its own list (next(): advance it, return the new head, 0 at
+// the end), and each round takes the warp's largest head. emit(n, key) stores entry n; returns the count.
+template <typename Next, typename Emit>
+__device__ int warp_merge_topk(u64 head, int k, Next next, Emit emit) {
+  u64 kth = 0ull;
+  int n = 0;
+  while (n < NCAND) {
+    const u64 w = warp_max_key(head);
+    if (w == 0ull || (n >= k && (w >> 32) != (kth >> 32))) break;  // (the high word is the value)
+    emit(n, w);
+    if (n == k - 1) kth = w;
+    ++n;
+    if (head == w) head = next();  // keys are unique: one lane
+  }
+  return n;
+}
+
 // Top NCAND keys of n keys produced by get(i), i in [0, n): sorted descending in buf[0, NCAND).
 // buf[0, NCAND) carries the running top; each round fills the rest with new keys and sorts.
 template <typename F>
@@ -153,19 +217,42 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                    const float* __restrict__ temperature, const int* __restrict__ top_k,
                    const float* __restrict__ top_p, const long long* __restrict__ seed,
                    const long long* __restrict__ position,  // [T] each
-                   float* __restrict__ part_val,            // [T, NB] argmax value or chunk max
-                   int* __restrict__ part_idx,              // [T, NB] argmax index
-                   float* __restrict__ part_sum,            // [T, NB] sum exp(x - chunk max)
-                   u64* __restrict__ part_keys,             // [T, NB, NCAND]
+                   const float* __restrict__ min_p,         // [T] log threshold, -inf: off; or null
+                   const float* __restrict__ penalty,       // [T, 3] repetition, frequency, presence; or null
+                   const int* __restrict__ counts,          // [V] generated-token histogram
+                   const unsigned char* __restrict__ prompt,  // [V] 1: in the prompt
+                   const int* __restrict__ path,            // [T, E] path node ids (-1: none), or null
+                   const int* __restrict__ node_tokens,     // [>= max node id + 1] token of each node
+                   int E,
+                   float* __restrict__ part_val,  // [T, NB] argmax value or chunk max
+                   int* __restrict__ part_idx,    // [T, NB] argmax index
+                   float* __restrict__ part_sum,  // [T, NB] sum exp(x - chunk max)
+                   u64* __restrict__ part_keys,   // [T, NB, NCAND]
                    int V, int NB) {
   pdl_begin();
   __shared__ u64 buf[SORTN];
   __shared__ float sv[THREADS / 32];
   __shared__ int si[THREADS / 32];
+  __shared__ int ptok[PATH_MAX];
   const int b = blockIdx.x, t = blockIdx.y;
-  const Mode md = row_mode(temperature, top_k, top_p, t, V);
+  const Mode md = row_mode(temperature, top_k, top_p, min_p, t, V);
+  const Penalty pen = row_penalty(penalty, t);
+  const int np = path == nullptr ? 0 : E;
+  if (pen.on) {
+    for (int e = threadIdx.x; e < np; e += THREADS) {
+      const int node = path[(size_t)t * E + e];
+      ptok[e] = node >= 0 ? node_tokens[node] : -1;
+    }
+    __syncthreads();
+  }
   const logit_t* lrow = logits + (size_t)t * V;
-  auto row = [&](int i) { return logit_f32(lrow[i]); };
+  auto row = [&](int i) {
+    const float x = logit_f32(lrow[i]);
+    if (!pen.on) return x;
+    int c = counts[i];
+    for (int e = 0; e < np; ++e) c += ptok[e] == i;
+    return penalized(x, c, prompt[i] != 0, pen);
+  };
   const int lo = b * SPAN, hi = min(V, lo + SPAN);
   const size_t pi = (size_t)t * NB + b;
 
@@ -203,6 +290,45 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
     __syncthreads();
   }
+  if (md.use_k && md.k <= KFAST) {
+    // Each warp merges its lanes' keys (PER_THREAD each, consumed largest first) into its list in buf,
+    // then warp 0 merges the 16 lists into part_keys; part_idx holds the count (sample_final).
+    __shared__ int wcount[THREADS / 32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u64 mine[PER_THREAD];
+    u64 best = 0ull;
+#pragma unroll
+    for (int j = 0; j < PER_THREAD; ++j) {
+      const int i = lo + threadIdx.x + j * THREADS;
+      mine[j] = i < hi ? make_key(row(i) / md.temp, (u32)i) : 0ull;
+      best = mine[j] > best ? mine[j] : best;
+    }
+    auto next_mine = [&]() {  // drop the lane's largest key (the one just taken), return the next
+      u64 b = 0ull;
+#pragma unroll
+      for (int j = 0; j < PER_THREAD; ++j) {
+        mine[j] = mine[j] == best ? 0ull : mine[j];
+        b = mine[j] > b ? mine[j] : b;
+      }
+      return best = b;
+    };
+    u64* list = buf + warp * NCAND;
+    const int n = warp_merge_topk(best, md.k, next_mine, [&](int j, u64 key) {
+      if (lane == 0) list[j] = key;
+    });
+    if (lane == 0) wcount[warp] = n;
+    __syncthreads();
+    if (warp == 0) {
+      const int cnt = lane < THREADS / 32 ? wcount[lane] : 0;
+      int h = 0;
+      auto next_list = [&]() { return ++h < cnt ? buf[lane * NCAND + h] : 0ull; };
+      const int m = warp_merge_topk(cnt > 0 ? buf[lane * NCAND] : 0ull, md.k, next_list, [&](int j, u64 key) {
+        if (lane == 0) part_keys[pi * NCAND + j] = key;
+      });
+      if (lane == 0) part_idx[pi] = m;
+    }
+    return;
+  }
   top_candidates(buf, hi - lo, [&](int i) { return make_key(row(lo + i) / md.temp, (u32)(lo + i)); });
   for (int i = threadIdx.x; i < NCAND; i += THREADS) part_keys[pi * NCAND + i] = buf[i];
 }
@@ -210,10 +336,11 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 extern "C" __global__ void __launch_bounds__(THREADS)
     sample_final(const float* __restrict__ temperature, const int* __restrict__ top_k,
                  const float* __restrict__ top_p, const long long* __restrict__ seed,
-                 const long long* __restrict__ position, const float* __restrict__ part_val,
-                 const int* __restrict__ part_idx, const float* __restrict__ part_sum,
-                 const u64* __restrict__ part_keys,
-                 int* __restrict__ tokens,  // [T] int32
+                 const long long* __restrict__ position, const float* __restrict__ min_p,
+                 const float* __restrict__ part_val, const int* __restrict__ part_idx,
+                 const float* __restrict__ part_sum, const u64* __restrict__ part_keys,
+                 int* __restrict__ tokens,     // [T] int32
+                 int* __restrict__ count_out,  // [V] histogram the tokens are added to, or null
                  int V, int NB) {
   pdl_begin();
   __shared__ u64 buf[SORTN];
@@ -221,31 +348,71 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   __shared__ float sv[THREADS / 32];
   __shared__ int si[THREADS / 32];
   const int t = blockIdx.x;
-  const Mode md = row_mode(temperature, top_k, top_p, t, V);
+  const Mode md = row_mode(temperature, top_k, top_p, min_p, t, V);
   const size_t p0 = (size_t)t * NB;
+  auto emit = [&](int tok) {
+    tokens[t] = tok;
+    if (count_out != nullptr) atomicAdd(count_out + tok, 1);
+  };
   if (!md.filtered) {
     if (threadIdx.x == 0) {
       float bv = -INFINITY;
       int bi = 0x7FFFFFFF;
       for (int b = 0; b < NB; ++b)
         if (better(part_val[p0 + b], part_idx[p0 + b], bv, bi)) bv = part_val[p0 + b], bi = part_idx[p0 + b];
-      tokens[t] = bi == 0x7FFFFFFF ? 0 : bi;
+      emit(bi == 0x7FFFFFFF ? 0 : bi);
     }
     return;
   }
-  top_candidates(buf, NB * NCAND, [&](int i) { return part_keys[p0 * NCAND + i]; });
+  if (md.use_k && md.k <= KFAST) {
+    // The partials' lists (part_idx: their counts) merged by one warp, a lane per list, from shared
+    // memory; more than 32 lists or too long ones: the sorts over the lists (entries past a count are 0).
+    int longest = 0;
+    for (int b = 0; b < NB; ++b) longest = max(longest, part_idx[p0 + b]);
+    if (NB <= 32 && NB * longest <= SORTN) {
+      __shared__ u64 top[NCAND];
+      for (int i = threadIdx.x; i < NB * longest; i += THREADS) {
+        const int b = i / longest, j = i % longest;
+        buf[i] = j < part_idx[p0 + b] ? part_keys[(p0 + b) * NCAND + j] : 0ull;
+      }
+      for (int i = threadIdx.x; i < NCAND; i += THREADS) top[i] = 0ull;
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        int h = 0;
+        auto next_list = [&]() { return ++h < longest && lane < NB ? buf[lane * longest + h] : 0ull; };
+        const u64 first = lane < NB && longest > 0 ? buf[lane * longest] : 0ull;
+        warp_merge_topk(first, md.k, next_list, [&](int j, u64 key) {
+          if (lane == 0) top[j] = key;
+        });
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < NCAND; i += THREADS) buf[i] = top[i];
+      __syncthreads();
+    } else {
+      top_candidates(buf, NB * NCAND, [&](int i) {
+        return i % NCAND < part_idx[p0 + i / NCAND] ? part_keys[p0 * NCAND + i] : 0ull;
+      });
+    }
+  } else {
+    top_candidates(buf, NB * NCAND, [&](int i) { return part_keys[p0 * NCAND + i]; });
+  }
   const int c = threadIdx.x;  // one candidate per thread (NCAND <= THREADS)
   const u64 key = c < NCAND ? buf[c] : 0ull;
   const float x = key_value(key);
   const float top = key_value(buf[0]);
   const float kth = key_value(buf[md.k - 1]);
-  bool kept = c < NCAND && key != 0ull && (!md.use_k || x >= kth);
+  // A candidate passes min-p and top-k (min-p first, vLLM's order; they commute on what they keep).
+  auto passes = [&](u64 k, float xi) {
+    return k != 0ull && (!md.use_min_p || __fsub_rn(xi, top) >= md.min_p) && (!md.use_k || xi >= kth);
+  };
+  bool kept = c < NCAND && passes(key, x);
   if (md.use_p) {
     float z = 0.0f;  // softmax denominator relative to the max `top`
-    if (md.use_k) {
+    if (md.use_k || md.use_min_p) {
       for (int i = 0; i < NCAND; ++i) {
         const float xi = key_value(buf[i]);
-        if (buf[i] != 0ull && xi >= kth) z += expf(xi - top);
+        if (passes(buf[i], xi)) z += expf(xi - top);
       }
     } else {
       for (int b = 0; b < NB; ++b)
@@ -272,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     v = x + gumbel_of(uniform_of((u32)i, rk, (u32)((u64)seed[t] >> 32)));
   }
   block_argmax(v, i, sv, si);
-  if (threadIdx.x == 0) tokens[t] = i == 0x7FFFFFFF ? 0 : i;
+  if (threadIdx.x == 0) emit(i == 0x7FFFFFFF ? 0 : i);
 }
 
 // Test hook: u and g for indices [0, n) of one (seed, position); raw = 1 uses u's 23-bit integer = index.

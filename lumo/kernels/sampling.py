@@ -1,4 +1,5 @@
-"""GPU token sampling (sampling.cu): greedy / temperature / top-k / top-p Gumbel-max, no host sync.
+"""GPU token sampling (sampling.cu): penalties, then greedy / temperature / min-p / top-k / top-p
+Gumbel-max, no host sync.
 
 The noise is the CPU sampler's (lumo/engine/sampling.py): a counter hash of (seed, position, vocab index),
 so a token at a given absolute position gets the same noise in plain decoding and in a tree, and the GPU
@@ -7,7 +8,10 @@ draws the same token as the CPU on bitwise-equal logits. `gumbel_noise_ref` is t
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +20,7 @@ from .compile import Kernel, compile_kernel
 
 NCAND = 256  # candidates per row for top-k / top-p (sampling.cu); top_k > NCAND acts as NCAND
 SPAN = 8192  # vocab entries per partial CTA (sampling.cu)
+PATH_MAX = 64  # path tokens per row (sampling.cu)
 THREADS = 512
 _M32 = 0xFFFFFFFF
 
@@ -36,6 +41,29 @@ def sample_workspace(t: int, v: int, device: torch.device | str) -> tuple[torch.
     )
 
 
+@dataclass
+class Penalties:
+    """What the penalties read on the device (lumo.engine.sampling.penalize; sampling.cu)."""
+
+    params: torch.Tensor  # [T, 3] f32 per row: repetition, frequency, presence (1, 0, 0: off)
+    counts: torch.Tensor  # [V] int32: how often each token was generated so far
+    prompt: torch.Tensor  # [V] uint8: 1 for the prompt's tokens
+    path: torch.Tensor | None = None  # [T, E] int32: node ids of each row's path below the root, -1 padded
+    node_tokens: torch.Tensor | None = None  # [R] int32: the token of each node (with path)
+
+
+_NULL = ctypes.c_void_p(None)
+
+
+def _opt(x: torch.Tensor | None):
+    return _NULL if x is None else x
+
+
+def _check(x: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str, dev) -> None:
+    if x.dtype != dtype or tuple(x.shape) != shape or not x.is_contiguous() or x.device != dev:
+        raise ValueError(f"sample_tokens: {name} must be a contiguous {list(shape)} {dtype} tensor on {dev}")
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -45,29 +73,50 @@ def sample_tokens(
     position: torch.Tensor,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, ...] | None = None,
+    min_p: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
+    count_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tokens [T] int32 from logits [T, V] f32 or bf16 (read as their f32 values: the same tokens as
     `logits.float()`, without that cast) with per-row params on the device.
 
     temperature [T] f32 (<= 0: greedy), top_k [T] int32 (0: off), top_p [T] f32 (1: off), seed [T] int64,
-    position [T] int64 (absolute position of the token being sampled).
+    position [T] int64 (absolute position of the token being sampled), min_p [T] f32 (log(min_p), -inf:
+    off; SamplingParams.min_p_threshold; None: off), penalties (None: off), count_out [V] int32: a
+    histogram each row's token is added to (the runner's: the token its step emits).
     """
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [T, V], got {list(logits.shape)}")
     T, V = logits.shape
     if logits.dtype not in (torch.float32, torch.bfloat16) or not logits.is_contiguous():
         raise ValueError("sample_tokens: logits must be contiguous f32 or bf16 [T, V]")
+    dev = logits.device
     for name, x, dt in (
         ("temperature", temperature, torch.float32),
         ("top_k", top_k, torch.int32),
         ("top_p", top_p, torch.float32),
         ("seed", seed, torch.int64),
         ("position", position, torch.int64),
+        ("min_p", min_p, torch.float32),
     ):
-        if x.dtype != dt or x.shape != (T,) or not x.is_contiguous() or x.device != logits.device:
-            raise ValueError(
-                f"sample_tokens: {name} must be a contiguous [{T}] {dt} tensor on {logits.device}"
-            )
+        if x is not None:
+            _check(x, dt, (T,), name, dev)
+    pen_args: list = [_NULL] * 5 + [0]
+    if penalties is not None:
+        pe = penalties
+        _check(pe.params, torch.float32, (T, 3), "penalties.params", dev)
+        _check(pe.counts, torch.int32, (V,), "penalties.counts", dev)
+        _check(pe.prompt, torch.uint8, (V,), "penalties.prompt", dev)
+        E = 0
+        if pe.path is not None:
+            E = pe.path.shape[1] if pe.path.dim() == 2 else -1
+            _check(pe.path, torch.int32, (T, E), "penalties.path", dev)
+            if not 0 <= E <= PATH_MAX or pe.node_tokens is None:
+                raise ValueError(f"sample_tokens: a path of at most {PATH_MAX} nodes with node_tokens")
+            _check(pe.node_tokens, torch.int32, (pe.node_tokens.shape[0],), "penalties.node_tokens", dev)
+        pen_args = [pe.params, pe.counts, pe.prompt, _opt(pe.path), _opt(pe.node_tokens), E]
+    if count_out is not None:
+        _check(count_out, torch.int32, (V,), "count_out", dev)
     nb = -(-V // SPAN)
     if workspace is None:
         workspace = sample_workspace(T, V, logits.device)
@@ -78,11 +127,13 @@ def sample_tokens(
         out = torch.empty(T, dtype=torch.int32, device=logits.device)
     elif out.shape != (T,) or out.dtype != torch.int32:
         raise ValueError(f"sample_tokens: out must be [{T}] int32")
-    params = (temperature, top_k, top_p, seed, position)
+    params = (temperature, top_k, top_p, seed, position, _opt(min_p))
     _kernel("sample_partial", logits.dtype == torch.bfloat16).launch(
-        (nb, T), THREADS, (logits, *params, val, idx, ssum, keys, V, nb), pdl=True
+        (nb, T), THREADS, (logits, *params, *pen_args, val, idx, ssum, keys, V, nb), pdl=True
     )
-    _kernel("sample_final").launch(T, THREADS, (*params, val, idx, ssum, keys, out, V, nb), pdl=True)
+    _kernel("sample_final").launch(
+        T, THREADS, (*params, val, idx, ssum, keys, out, _opt(count_out), V, nb), pdl=True
+    )
     return out
 
 
@@ -112,14 +163,38 @@ def sample_tokens_ref(
     top_p: torch.Tensor,
     seed: torch.Tensor,
     position: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
+    count_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU sampler (lumo.engine.sampling.sample) row by row: the specification of sample_tokens."""
-    from ..engine.sampling import SamplingParams, sample
+    from ..engine.sampling import SamplingParams, TokenHistory, sample
 
     rows = []
     for t in range(logits.shape[0]):
+        thr = -math.inf if min_p is None else float(min_p[t])
+        rep, freq, pres = (1.0, 0.0, 0.0) if penalties is None else penalties.params[t].tolist()
         params = SamplingParams(
-            temperature=float(temperature[t]), top_k=int(top_k[t]), top_p=float(top_p[t]), seed=int(seed[t])
+            temperature=float(temperature[t]),
+            top_k=int(top_k[t]),
+            top_p=float(top_p[t]),
+            seed=int(seed[t]),
+            min_p=math.exp(thr) if thr > -math.inf else 0.0,
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
         )
-        rows.append(sample(logits[t].float().cpu(), params, position=int(position[t])))  # bf16: as f32
-    return torch.tensor(rows, dtype=torch.int32)
+        assert params.min_p_threshold == thr, "min_p thresholds come from SamplingParams.min_p_threshold"
+        history = None
+        if penalties is not None:
+            history = TokenHistory(logits.shape[1])
+            history.counts, history.prompt = penalties.counts.cpu().clone(), penalties.prompt.cpu().bool()
+            if penalties.path is not None:
+                nodes = [j for j in penalties.path[t].tolist() if j >= 0]
+                history.add(int(penalties.node_tokens[j]) for j in nodes)
+        rows.append(sample(logits[t].float().cpu(), params, int(position[t]), history))  # bf16: as f32
+    tokens = torch.tensor(rows, dtype=torch.int32)
+    if count_out is not None:
+        for tok in rows:
+            count_out[tok] += 1
+    return tokens

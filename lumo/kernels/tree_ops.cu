@@ -143,10 +143,12 @@ extern "C" __global__ void __launch_bounds__(32)
 // remap list); result [cap + 2]: result[0] = n (accepted nodes, root included = tokens emitted: the GDN
 // replay / KV remap count), result[1] = the new pending token, result[2 ..] = the emitted tokens (the
 // accepted drafts' tokens, then the pending token), -1 padded. A path longer than cap is cut at cap.
+// count_out (or null): a token histogram the emitted tokens are added to (the sampling penalties').
 
 extern "C" __global__ void __launch_bounds__(32)
     tree_accept(const int* __restrict__ tokens, const int* __restrict__ choice, const int* __restrict__ parent,
-                int n_nodes, int cap, int* __restrict__ accepted, int* __restrict__ result) {
+                int n_nodes, int cap, int* __restrict__ accepted, int* __restrict__ result,
+                int* __restrict__ count_out) {
   pdl_begin();
   __shared__ int path[64];
   const int lane = threadIdx.x;
@@ -173,6 +175,8 @@ extern "C" __global__ void __launch_bounds__(32)
     result[0] = n;
     result[1] = c;
   }
+  if (count_out != nullptr)
+    for (int i = lane; i < n; i += 32) atomicAdd(count_out + (i + 1 < n ? tokens[path[i + 1]] : c), 1);
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -144,6 +144,7 @@ def tree_accept(
     accepted: torch.Tensor | None = None,
     result: torch.Tensor | None = None,
     cap: int | None = None,
+    count_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """lumo.engine.tree.accept on the device, one warp.
 
@@ -153,7 +154,8 @@ def tree_accept(
     result[0] = n accepted nodes (root included; also the number of emitted tokens), result[1] = the new
     pending token, result[2 : 2 + n] = emitted tokens (accepted drafts, then the pending one), -1 padded).
     cap defaults to accepted's length or R; use D + 1. `result[:1]` is the count for gdn_decode's
-    commit replay and kv_remap; `accepted` their rows (and conv_state_commit's).
+    commit replay and kv_remap; `accepted` their rows (and conv_state_commit's). count_out [V] int32: a
+    token histogram the emitted tokens are added to (the sampling penalties'), or None.
     """
     dev = tokens.device
     R = tokens.shape[0] if tokens.dim() == 1 else -1
@@ -169,7 +171,12 @@ def tree_accept(
     _check_i32(result, (cap + 2,), "tree_accept: result", dev)
     if cap < 1:
         raise ValueError("tree_accept: cap must be >= 1")
-    _kernel("tree_accept").launch(1, 32, [tokens, choice, parent, n_nodes, cap, accepted, result], pdl=True)
+    if count_out is not None:
+        _check_i32(count_out, (count_out.shape[0],), "tree_accept: count_out", dev)
+    counts = ctypes.c_void_p(None) if count_out is None else count_out
+    _kernel("tree_accept").launch(
+        1, 32, [tokens, choice, parent, n_nodes, cap, accepted, result, counts], pdl=True
+    )
     return accepted, result
 
 

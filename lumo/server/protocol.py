@@ -1,8 +1,8 @@
 """OpenAI request bodies (pydantic) and the checks for values lumo does not support.
 
 Unknown fields are ignored, like the OpenAI API's harmless extras (user, store, metadata, service_tier...).
-Fields lumo knows but cannot honour are accepted at their neutral value (presence_penalty 0, logit_bias
-null or {}, n 1, ...) and rejected with a 400 that names the field otherwise.
+Fields lumo knows but cannot honour are accepted at their neutral value (logit_bias null or {}, best_of 1,
+...) and rejected with a 400 that names the field otherwise.
 """
 
 from __future__ import annotations
@@ -73,21 +73,15 @@ class _Common(BaseModel):
     n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, generated one after the other
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    # Penalties and min-p (OpenAI's two, vLLM's repetition_penalty and min_p; lumo.engine.sampling)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
-        neutral = {
-            "presence_penalty": (self.presence_penalty, (None, 0)),
-            "frequency_penalty": (self.frequency_penalty, (None, 0)),
-            "repetition_penalty": (self.repetition_penalty, (None, 1)),
-        }
-        for param, (value, ok) in neutral.items():
-            if value not in ok:
-                raise APIError(400, f"{param}={value} is not supported (lumo accepts only {ok[1]})", param)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported (send null or {})", "logit_bias")
 
@@ -113,6 +107,10 @@ class _Common(BaseModel):
             "top_p": self.top_p,
             "top_k": top_k,
             "seed": None if self.seed is None else self.seed + choice,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
             "stop": self.stop_list(),
             "logprobs": self.logprobs_k(),
         }

@@ -28,7 +28,7 @@ _DONE = object()  # end-of-job marker on a job's output queue
 class Job:
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict[str, Any]  # temperature, top_k, top_p, seed, stop, logprobs: LLM.generate_stream's
+    sampling: dict[str, Any]  # LLM.generate_stream's keyword arguments (protocol._Common.sampling)
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -1,0 +1,164 @@
+"""What the sampling penalties and min-p cost (lumo.engine.sampling; sampling.cu).
+
+1. `sample_tokens` alone on random bf16 logits rows (V = the 27B's 248,320 and the embedded model's), 1
+   row (a plain step) and 32 rows (a tree verify, each row with a path of 11 drafted tokens), greedy,
+   temperature 0.8 / top-k 20 / top-p 0.95 (Qwen's defaults: a top-k row's candidates by warp merges) and
+   temperature 0.8 / top-p 0.95 (256 candidates by sorts): the kernels' GPU time per call (CUDA events
+   over launches queued behind a sleep) with nothing on, with Qwen's presence_penalty 1.5 plus repetition
+   1.1, and with min_p 0.05; the floor is the rows' bytes at the copy bandwidth measured here.
+2. The embedded model on the GPU kernels (CUDA graphs), plain and tree decoding, 12 held-out prompts x
+   `--tokens`, greedy: tokens/s and accepted drafts per event without and with presence_penalty 1.5 (the
+   drafter does not know the penalties, so acceptance may drop); tree must equal plain in both.
+Medians of `--repeats` runs. JSON to $OUT or bench/results/bench_sampling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+import torch
+from bench_spec import decode_timed, held_out_prompts
+
+from lumo.benchmark import copy_bandwidth
+from lumo.config import TreeConfig
+from lumo.engine.gpu_decode import GPUDecoder
+from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
+from lumo.engine.gpu_weights import pack_weights
+from lumo.engine.llm import embedded_model_path
+from lumo.engine.runner import GPURunner
+from lumo.engine.sampling import SamplingParams
+from lumo.kernels.sampling import Penalties, sample_tokens, sample_workspace
+from lumo.weights import load_model
+
+PATH = 11  # drafted tokens on a verify row's path (the default tree's depth)
+SETTINGS = {
+    "off": SamplingParams(),
+    "presence 1.5, repetition 1.1": SamplingParams(presence_penalty=1.5, repetition_penalty=1.1),
+    "min_p 0.05": SamplingParams(min_p=0.05),
+}
+
+
+def _kernel_us(args: tuple, kw: dict, launches: int = 50) -> float:
+    """GPU us per sample_tokens call: launches queued behind a long sleep, timed by events."""
+    sample_tokens(*args, **kw)  # compiled and warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    start.record()
+    for _ in range(launches):
+        sample_tokens(*args, **kw)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / launches
+
+
+def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
+    out = []
+    for V in vocab:
+        for T in (1, 32):
+            logits = torch.randn(T, V, device="cuda").mul_(4).bfloat16()
+            counts = torch.zeros(V, dtype=torch.int32, device="cuda")
+            counts[torch.randint(0, V, (2000,), device="cuda")] = 1  # ~2000 tokens generated
+            prompt = (torch.rand(V, device="cuda") < 0.02).to(torch.uint8)
+            path = torch.randint(0, 32, (T, PATH), dtype=torch.int32, device="cuda") if T > 1 else None
+            node_tokens = torch.randint(0, V, (32,), dtype=torch.int32, device="cuda")
+            ws = sample_workspace(T, V, "cuda")
+            for mode, base in (
+                ("greedy", dict(temperature=0.0)),
+                ("t0.8 k20 p0.95", dict(top_k=20, top_p=0.95)),
+                ("t0.8 p0.95", dict(top_p=0.95)),
+            ):
+                for name, s in SETTINGS.items():
+                    p = SamplingParams(**{**s.__dict__, "temperature": 0.8, **base})
+                    f32 = dict(dtype=torch.float32, device="cuda")
+                    args = (
+                        logits,
+                        torch.full((T,), p.temperature, **f32),
+                        torch.full((T,), p.top_k, dtype=torch.int32, device="cuda"),
+                        torch.full((T,), p.top_p, **f32),
+                        torch.full((T,), 3, dtype=torch.int64, device="cuda"),
+                        torch.arange(T, dtype=torch.int64, device="cuda") + 1000,
+                    )
+                    pen = torch.tensor(
+                        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]] * T, **f32
+                    )
+                    kw = dict(
+                        out=torch.empty(T, dtype=torch.int32, device="cuda"),
+                        workspace=ws,
+                        min_p=torch.full((T,), p.min_p_threshold, **f32),
+                        penalties=Penalties(pen, counts, prompt, path, node_tokens),
+                    )
+                    us = statistics.median(_kernel_us(args, kw) for _ in range(repeats))
+                    floor = T * V * 2 / bw * 1e6
+                    out.append(
+                        {"V": V, "rows": T, "mode": mode, "setting": name, "us": us, "floor_us": floor}
+                    )
+    return out
+
+
+def embedded(tokens: int, repeats: int) -> list[dict]:
+    path = embedded_model_path()
+    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    gw = pack_weights(cfg, w, "cuda", mtp=True)
+    prompts = held_out_prompts(path, 12)
+    capacity = max(len(p) for p in prompts) + tokens + 128
+    out = []
+    for name, params in (("off", SamplingParams(temperature=0.0)), ("presence 1.5", None)):
+        params = params or SamplingParams(temperature=0.0, presence_penalty=1.5)
+        ref = None
+        for mode in ("plain", "tree"):
+            runner = GPURunner(cfg, gw, capacity)
+            if mode == "plain":
+                dec = GPUDecoder(runner, params, use_graph=True)
+            else:
+                dec = GPUSpecDecoder(GPUSpecEngine(runner, TreeConfig()), params, use_graph=True)
+            runs, accepted = [], []
+            for _ in range(repeats):
+                n, secs, got = 0, 0.0, []
+                for p in prompts:
+                    toks, t = decode_timed(dec, p, tokens)
+                    n, secs = n + len(toks) - 1, secs + t
+                    got.append(toks[:tokens])
+                    accepted += getattr(dec, "stats", None).accepted if mode == "tree" else []
+                ref = ref or got
+                assert got == ref, f"{mode} with penalties {name}: not plain decoding's tokens"
+                runs.append(n / secs)
+            mean = sum(accepted) / len(accepted) if accepted else float("nan")
+            out.append({"penalties": name, "mode": mode, "tok_s": statistics.median(runs), "accepted": mean})
+            del dec, runner
+            torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    bw = copy_bandwidth(1 << 28)
+    cfg = load_model(embedded_model_path(), device="cpu", progress=False)[0]
+    m = micro([248320, cfg.vocab_size], args.repeats, bw)
+    e = embedded(args.tokens, args.repeats)
+    print(f"\n{torch.cuda.get_device_name()}: copy {bw / 1e9:.0f} GB/s; medians")
+    print("| V | rows | mode | setting | sample_tokens GPU us | floor us (rows' bytes) |")
+    print("|---|---|---|---|---|---|")
+    for r in m:
+        print(
+            f"| {r['V']} | {r['rows']} | {r['mode']} | {r['setting']} | {r['us']:.1f} | {r['floor_us']:.2f} |"
+        )
+    print("\n| embedded model, greedy | penalties | tokens/s | accepted drafts / event |")
+    print("|---|---|---|---|")
+    for r in e:
+        print(f"| {r['mode']} | {r['penalties']} | {r['tok_s']:.0f} | {r['accepted']:.2f} |")
+    dst = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_sampling.json"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    res = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "micro": m, "embedded": e}
+    dst.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
