@@ -8,7 +8,7 @@
    1.1, and with min_p 0.05; the floor is the rows' bytes at the copy bandwidth measured here.
 2. The embedded model on the GPU kernels (CUDA graphs), plain and tree decoding, 12 held-out prompts x
    `--tokens`, greedy: tokens/s and accepted drafts per event without and with presence_penalty 1.5 (the
-   drafter does not know the penalties, so acceptance may drop); tree must equal plain in both.
+   drafter proposes under the same penalties: tree_ops.cu topk_partial); tree must equal plain in both.
 Medians of `--repeats` runs. JSON to $OUT or bench/results/bench_sampling.json.
 """
 

@@ -34,4 +34,11 @@ topk)
   group 60 t_accept $P tests/test_tree_kernels_gpu.py -k "accept"
   group 200 t_spec $P tests/test_gpu_spec_gpu.py -k "seeded_sampling or penalized"
   ;;
+drafter)
+  group 90 t_tree $P tests/test_tree_kernels_gpu.py -k "topk or accept"
+  group 60 t_sampling $P tests/test_sampling_gpu.py
+  group 150 t_penalized $P -s tests/test_gpu_spec_gpu.py -k "penalized or graph_replay"
+  group 120 b_sampling python bench/bench_sampling.py --repeats 3
+  tail -9 "$out/b_sampling.log"
+  ;;
 esac

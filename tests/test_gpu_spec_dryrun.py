@@ -24,7 +24,7 @@ from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
-from lumo.engine.sampling import SamplingParams
+from lumo.engine.sampling import SamplingParams, TokenHistory, penalize
 from lumo.engine.tree import accept, build_tree
 from lumo.testing import ScriptedAdaptive
 from lumo.weights import load_model
@@ -325,7 +325,20 @@ def _emulated_ops():
     ):  # shaping: min_p, penalties, count_out
         return out.copy_(sample_tokens_ref(logits, temperature, top_k, top_p, seed, position, **shaping))
 
-    def topk_select(logits, k, out=None, tokens=None, nodes=None, workspace=None, id_map=None):
+    def topk_select(
+        logits, k, out=None, tokens=None, nodes=None, workspace=None, id_map=None, penalties=None, n_path=0
+    ):
+        if penalties is not None:  # the drafter under the penalties: history = counts + the spine so far
+            rep, freq, pres = penalties.params[0].tolist()
+            params = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+            if params.penalized:
+                cols = torch.arange(logits.shape[1]) if id_map is None else id_map.long()
+                history = TokenHistory(1)
+                counts = penalties.counts.clone()
+                for tok in tokens[1 : 1 + n_path].tolist():
+                    counts[tok] += 1
+                history.counts, history.prompt = counts[cols], penalties.prompt[cols].bool()
+                logits = penalize(logits[0], params, history)[None]
         ids = topk_select_ref(logits, k)
         ids = ids if id_map is None else id_map[ids.long()]
         out.copy_(ids)

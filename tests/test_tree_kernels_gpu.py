@@ -298,6 +298,51 @@ def test_topk_select_maps_columns_to_draft_vocabulary_ids(V):
         topk_select(logits, k, id_map=id_map[:-1])
 
 
+@pytest.mark.parametrize("V", [4097, 248320])
+@pytest.mark.parametrize("mapped", [False, True], ids=["all", "draft-vocab"])
+def test_topk_select_under_penalties(V, mapped):
+    """The drafter's candidates under the penalties: topk of the CPU-penalised logits, whose history is the
+    counts (over token ids, through the id map) plus the spine drafted so far, tokens[1 : 1 + n_path]."""
+    from lumo.engine.sampling import SamplingParams, TokenHistory, penalize
+    from lumo.kernels.sampling import Penalties
+
+    gen = torch.Generator().manual_seed(V)
+    Vall = 2 * V if mapped else V
+    id_map = torch.sort(torch.randperm(Vall, generator=gen)[:V]).values.to(torch.int32) if mapped else None
+    cols = id_map.long() if mapped else torch.arange(V)
+    logits = torch.randn(1, V, generator=gen) * 3
+    best = logits[0].topk(6).indices
+    counts = torch.zeros(Vall, dtype=torch.int32)
+    counts[cols[best[:2]]] = torch.tensor([1, 3], dtype=torch.int32)  # generated before
+    prompt = torch.zeros(Vall, dtype=torch.uint8)
+    prompt[cols[best[2]]] = 1
+    tokens = torch.full((12,), 0, dtype=torch.int32)
+    tokens[1:4] = cols[best[3:6]].int()  # the spine so far: three of the best tokens
+    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=1.0)
+    pen = Penalties(torch.tensor([[1.3, 0.4, 1.0]]).to(DEV), counts.to(DEV), prompt.to(DEV))
+    for n_path in (0, 3):
+        history = TokenHistory(1)
+        c = counts.clone()
+        for tok in tokens[1 : 1 + n_path].tolist():
+            c[tok] += 1
+        history.counts, history.prompt = c[cols], prompt[cols].bool()
+        want = topk_select_ref(penalize(logits[0], params, history)[None], 8)
+        want = cols[want.long()].int() if mapped else want
+        ids = topk_select(
+            logits.to(DEV),
+            8,
+            tokens=tokens.to(DEV),
+            nodes=torch.full((1, 8), -1, dtype=torch.int32, device=DEV),
+            id_map=None if id_map is None else id_map.to(DEV),
+            penalties=pen,
+            n_path=n_path,
+        )
+        assert torch.equal(ids.cpu(), want), n_path
+        assert not torch.equal(
+            want, topk_select_ref(logits, 8) if not mapped else cols[topk_select_ref(logits, 8).long()].int()
+        )
+
+
 def test_topk_scatter_into_tree_and_graph_replay():
     """D drafter steps fill the tree's token buffer through the node table, eager and from a CUDA graph."""
     tree = build_tree(TreeConfig())

@@ -18,7 +18,7 @@ from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
 from .logprobs import PromptLogprobs, ScoresTokens
 from .prefix import PrefixCache
-from .sampling import SamplingParams, TokenHistory, sample
+from .sampling import SamplingParams, TokenHistory, penalize, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
@@ -82,6 +82,7 @@ class PlainDecoder(ScoresTokens):
         else:
             self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
+        self.history: TokenHistory | None = None  # the penalties' (set by prefill when params have any)
         self._init_scores()
         if self.prefix is not None:  # a snapshot's final-norm row is restored here
             self._restored_carry = torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype)
@@ -206,6 +207,8 @@ class SpecDecoder(PlainDecoder):
         pos = self.cache.length  # MTP position of the step predicting depth 2 (pair (out_1, s_1))
         for d in range(1, t.depth_max + 1):
             k = max(int(t.rank.max()) + 1, 1)
+            if self.history is not None:  # the drafter proposes under the penalties (spine so far generated)
+                logits = penalize(logits, self.params, self.history.with_tokens(tokens[1:d]))
             if self.draft_ids is None:
                 top = torch.topk(logits, k).indices.tolist()
             else:

@@ -137,6 +137,8 @@ class GPUSpecEngine:
         # A verify row's penalties see the committed history (the runner's) plus its path's drafted tokens.
         self.path = tb.path_nodes().to(dev)  # [R, D] node ids below the root
         self.penalties = Penalties(self.penalty, runner.counts, runner.prompt_mask, self.path, self.tokens)
+        # The drafter's candidates under the same penalties (its history: the spine drafted so far).
+        self.draft_penalties = Penalties(self.penalty[0:1], runner.counts, runner.prompt_mask)
 
         # ---- target verify activations (R rows) + the replay operands of every GDN layer ----
         self.tr = _Rows(runner, R)
@@ -483,6 +485,7 @@ class GPUSpecEngine:
             nodes=self.table[0:1],
             workspace=self.tk_ws,
             id_map=self.draft_ids,
+            penalties=self.draft_penalties,
         )
         for dd in range(1, self.D):
             # Step dd: pair (draft hidden, spine token at depth dd) at MTP position len + dd - 1.
@@ -499,6 +502,8 @@ class GPUSpecEngine:
                 nodes=self.table[dd : dd + 1],
                 workspace=self.tk_ws,
                 id_map=self.draft_ids,
+                penalties=self.draft_penalties,
+                n_path=dd,  # spine tokens at depths 1..dd
             )
             self.mtp_pos.add_(1)
 

@@ -37,12 +37,12 @@
 #define SPAN 8192     // vocab entries per partial CTA
 #define THREADS 512
 #define SORTN 4096  // bitonic sort buffer (keys)
-#define PATH_MAX 64  // path tokens per row (a tree's depth)
 #define KFAST 64     // top-k rows with k <= KFAST take their candidates by warp merges, not sorts
 #define PER_THREAD (SPAN / THREADS)
 
 #include "logits.cuh"
 #include "pdl.cuh"
+#include "penalty.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -105,27 +105,6 @@ __device__ __forceinline__ Mode row_mode(const float* temperature, const int* to
   m.filtered = !m.greedy && (m.use_k || m.use_p || m.use_min_p);
   m.k = m.use_k ? min(k, NCAND) : NCAND;
   return m;
-}
-
-struct Penalty {
-  bool on;
-  float rep, freq, pres;
-};
-
-__device__ __forceinline__ Penalty row_penalty(const float* penalty, int t) {
-  Penalty p;
-  p.rep = penalty == nullptr ? 1.0f : penalty[3 * t];
-  p.freq = penalty == nullptr ? 0.0f : penalty[3 * t + 1];
-  p.pres = penalty == nullptr ? 0.0f : penalty[3 * t + 2];
-  p.on = p.rep != 1.0f || p.freq != 0.0f || p.pres != 0.0f;
-  return p;
-}
-
-// torch's operations in lumo.engine.sampling.penalize, each rounded once (no contraction into an FMA).
-__device__ __forceinline__ float penalized(float x, int c, bool in_prompt, const Penalty& p) {
-  if (in_prompt || c > 0) x = x > 0.0f ? __fdiv_rn(x, p.rep) : __fmul_rn(x, p.rep);
-  x = __fsub_rn(x, __fmul_rn(p.freq, (float)c));
-  return __fsub_rn(x, __fmul_rn(p.pres, c > 0 ? 1.0f : 0.0f));
 }
 
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {

@@ -20,7 +20,7 @@ from .compile import Kernel, compile_kernel
 
 NCAND = 256  # candidates per row for top-k / top-p (sampling.cu); top_k > NCAND acts as NCAND
 SPAN = 8192  # vocab entries per partial CTA (sampling.cu)
-PATH_MAX = 64  # path tokens per row (sampling.cu)
+PATH_MAX = 64  # path tokens per row (penalty.cuh)
 THREADS = 512
 _M32 = 0xFFFFFFFF
 

@@ -27,6 +27,7 @@
 
 #include "logits.cuh"
 #include "pdl.cuh"
+#include "penalty.cuh"
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -76,17 +77,39 @@ __device__ __forceinline__ void topk_warp_merge(u64 (&l)[KMAX], u64 (&out)[KMAX]
   }
 }
 
+// With penalty (null: none; [T, 3], penalty.cuh) each logit is penalised first (the drafter proposes what
+// the penalised target is likely to pick): counts / prompt [V_all] are the request's history, indexed by
+// token id (id_map[column], or the column), and tokens[1 .. n_path] (the spine drafted so far) count as
+// generated too.
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
-    topk_partial(const logit_t* __restrict__ logits, int V, u64* __restrict__ part, int nb) {
+    topk_partial(const logit_t* __restrict__ logits, int V, u64* __restrict__ part, int nb,
+                 const float* __restrict__ penalty, const int* __restrict__ counts,
+                 const unsigned char* __restrict__ prompt, const int* __restrict__ tokens, int n_path,
+                 const int* __restrict__ id_map) {
   pdl_begin();
   __shared__ u64 warp_top[TK_THREADS / 32][KMAX];
+  __shared__ int ptok[PATH_MAX];
   const int b = blockIdx.x, t = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const logit_t* row = logits + (size_t)t * V;
+  const Penalty pen = row_penalty(penalty, t);
+  if (pen.on) {
+    for (int e = threadIdx.x; e < n_path; e += TK_THREADS) ptok[e] = tokens[1 + e];
+    __syncthreads();
+  }
   u64 l[KMAX];
 #pragma unroll
   for (int i = 0; i < KMAX; ++i) l[i] = 0ull;
   const int end = min(V, (b + 1) * TK_SPAN);
-  for (int i = b * TK_SPAN + threadIdx.x; i < end; i += TK_THREADS) topk_insert(l, topk_key(logit_f32(__ldg(row + i)), i));
+  for (int i = b * TK_SPAN + threadIdx.x; i < end; i += TK_THREADS) {
+    float x = logit_f32(__ldg(row + i));
+    if (pen.on) {
+      const int id = id_map != nullptr ? id_map[i] : i;
+      int c = counts[id];
+      for (int e = 0; e < n_path; ++e) c += ptok[e] == id;
+      x = penalized(x, c, prompt[id] != 0, pen);
+    }
+    topk_insert(l, topk_key(x, i));
+  }
   u64 top[KMAX];
   topk_warp_merge(l, top);
   if (lane == 0) {

@@ -19,6 +19,7 @@ import torch
 
 from ..engine.tree import TreeBuffers, accept
 from .compile import Kernel, compile_kernel
+from .sampling import PATH_MAX, Penalties
 
 KMAX = 8  # largest k of topk_select (tree_ops.cu)
 TK_SPAN = 4096  # logits per topk_partial CTA (tree_ops.cu)
@@ -68,6 +69,8 @@ def topk_select(
     nodes: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     id_map: torch.Tensor | None = None,
+    penalties: Penalties | None = None,
+    n_path: int = 0,
 ) -> torch.Tensor:
     """Top-k ids [T, k] int32 of logits [T, V] f32 or bf16 (k <= 8), logit descending, ties by lower id.
 
@@ -75,6 +78,10 @@ def topk_select(
     also tokens[nodes[t, r]] = ids[t, r] wherever nodes[t, r] >= 0 (node ids < R, not checked).
     With id_map ([V] int32: the token of each logits column, a draft vocabulary in ascending order, so
     ties still go to the lower token) the ids written are id_map[column].
+    With penalties (the sampler's: params [T, 3], counts and prompt over token ids; path / node_tokens
+    unused) the logits are penalised first (lumo.engine.sampling.penalize), the history being counts plus
+    tokens[1 : 1 + n_path] (the spine drafted so far; needs tokens): the drafter's candidates under the
+    request's penalties.
     Pass out= and workspace= (topk_workspace) on the hot path: then nothing is allocated. Never syncs.
     """
     if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or not logits.is_contiguous():
@@ -106,12 +113,21 @@ def topk_select(
         if id_map.dim() != 1:
             raise ValueError(f"topk_select: id_map must be int32 [{V}], got {tuple(id_map.shape)}")
         _check_i32(id_map, (V,), "topk_select: id_map", dev)
+    null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter, no map, no penalties
+    pen: list = [null, null, null, null, 0]
+    if penalties is not None:
+        p = penalties
+        if p.params.shape != (T, 3) or p.params.dtype != torch.float32 or not p.params.is_contiguous():
+            raise ValueError(f"topk_select: penalties.params must be contiguous f32 [{T}, 3]")
+        spine = tokens.numel() - 1 if tokens is not None else 0
+        if not 0 <= n_path <= min(PATH_MAX, spine):
+            raise ValueError(f"topk_select: n_path {n_path} needs tokens of >= n_path + 1 (<= {PATH_MAX})")
+        pen = [p.params, p.counts, p.prompt, null if tokens is None else tokens, n_path]
     if T == 0:
         return out
     _kernel("topk_partial", logits.dtype == torch.bfloat16).launch(
-        (nb, T), TK_THREADS, [logits, V, workspace, nb], pdl=True
+        (nb, T), TK_THREADS, [logits, V, workspace, nb, *pen, null if id_map is None else id_map], pdl=True
     )
-    null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter, no map
     extra = [tokens, nodes] if tokens is not None else [null, null]
     extra.append(null if id_map is None else id_map)
     _kernel("topk_final").launch(T, 32, [workspace, nb, k, out, *extra], pdl=True)

@@ -1,0 +1,28 @@
+// The sampling penalties (lumo.engine.sampling.penalize), shared by the sampler (sampling.cu) and the
+// drafter's candidate selection (tree_ops.cu topk_partial).
+#pragma once
+
+#define PATH_MAX 64  // path tokens a row's penalties may add to the history (a tree's depth)
+
+struct Penalty {
+  bool on;
+  float rep, freq, pres;  // repetition, frequency, presence
+};
+
+// Row t's penalties from penalty [T, 3] (null: none).
+__device__ __forceinline__ Penalty row_penalty(const float* penalty, int t) {
+  Penalty p;
+  p.rep = penalty == nullptr ? 1.0f : penalty[3 * t];
+  p.freq = penalty == nullptr ? 0.0f : penalty[3 * t + 1];
+  p.pres = penalty == nullptr ? 0.0f : penalty[3 * t + 2];
+  p.on = p.rep != 1.0f || p.freq != 0.0f || p.pres != 0.0f;
+  return p;
+}
+
+// torch's operations in lumo.engine.sampling.penalize, each rounded once (no contraction into an FMA):
+// c = how often the token was generated, in_prompt = it is in the prompt.
+__device__ __forceinline__ float penalized(float x, int c, bool in_prompt, const Penalty& p) {
+  if (in_prompt || c > 0) x = x > 0.0f ? __fdiv_rn(x, p.rep) : __fmul_rn(x, p.rep);
+  x = __fsub_rn(x, __fmul_rn(p.freq, (float)c));
+  return __fsub_rn(x, __fmul_rn(p.pres, c > 0 ? 1.0f : 0.0f));
+}
