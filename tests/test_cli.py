@@ -126,7 +126,7 @@ def test_quantize_round_trip(tmp_path):
         (["--temperature", "nan"], "finite temperature"),
         (["--min-p", "2"], "min_p must lie in [0, 1]"),
         (["--presence-penalty", "3"], "presence_penalty must lie in [-2, 2]"),
-        (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+        (["--repetition-penalty", "0"], "repetition_penalty must lie in (0, 10]"),
         (["--max-model-len", "0"], "max_model_len"),
         (["--spec", "tree"], "MTP head"),
     ],

@@ -24,7 +24,7 @@ from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
-from lumo.engine.sampling import SamplingParams, TokenHistory, penalize
+from lumo.engine.sampling import SamplingParams, TokenHistory, penalize, sample
 from lumo.engine.tree import accept, build_tree
 from lumo.testing import ScriptedAdaptive
 from lumo.weights import load_model
@@ -422,16 +422,25 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     # next draft step's logits within bf16 noise (a position off by one gives 3-20%), compared while the
     # two agree on the tokens (bf16 vs fp32 may part at a near-tie).
     ids = DRAFT_IDS if draft else None
-    # (Penalised runs skip it: the drafter ignores penalties, and it is checked unpenalised.)
+    # (Penalised runs skip it: their drafts are the penalised logits' top-k; checked unpenalised.)
     check_mtp = params.greedy and not params.penalized
     ref = SpecDecoder(cfg, w32(name), params, 64, "cpu", torch.float32, tree, ids) if check_mtp else None
     got = spec.prefill(prompt)
     compared = 0
     if ref is not None and ref.prefill(prompt) != got:
         ref = None
+    eng, path_nodes = spec.engine, spec.engine.tb.path_nodes()
     while len(got) < 16:
+        counts, L = rs.counts.clone(), rs.length  # the committed history before the event
         out = spec.step()
         got += out
+        if params.penalized:  # every node's choice: its own logits, the committed history + its path
+            for i in range(eng.tb.n_nodes):
+                history = TokenHistory(cfg.vocab_size, prompt)
+                history.counts = counts.clone()
+                history.add(int(eng.tokens[j]) for j in path_nodes[i].tolist() if j >= 0)
+                want = sample(eng.logits[i], params, L + int(eng.tb.depth[i]) + 1, history)
+                assert int(eng.choice[i]) == want, f"node {i}"
         if draft:  # every candidate the drafter proposed is a draft-vocabulary token
             assert set(spec.engine.cand.flatten().tolist()) <= set(DRAFT_IDS)
         if ref is not None and ref.step() == out:

@@ -32,6 +32,10 @@ def test_tiny_temperatures_are_greedy(llm):
         (dict(seed=0.5), "seed must be an integer"),
         (dict(stop=5), "stop must be a string or a list of strings"),
         (dict(stop=[b"x"]), "stop must be a string or a list of strings"),
+        (dict(min_p=-0.1), "min_p must lie in"),
+        (dict(presence_penalty=2.5), "presence_penalty must lie in"),
+        (dict(frequency_penalty=float("nan")), "finite frequency_penalty"),
+        (dict(repetition_penalty=11), "repetition_penalty must lie in"),
     ],
     ids=[
         "max-tokens-float",
@@ -41,6 +45,10 @@ def test_tiny_temperatures_are_greedy(llm):
         "seed-float",
         "stop-int",
         "stop-bytes",
+        "min-p-negative",
+        "presence-2.5",
+        "frequency-nan",
+        "repetition-11",
     ],
 )
 def test_bad_arguments_are_value_errors(llm, kwargs, words):
@@ -75,3 +83,21 @@ def test_draft_quant_is_checked(tmp_path):
     with pytest.raises(ValueError, match="kernels backend"):
         LLM(ckpt, device="cpu", draft_quant="nvfp4")
     assert LLM(ckpt, device="cpu", draft_quant="none").draft_quant == "none"
+
+
+def test_generation_config_defaults_are_checked_at_load(tmp_path):
+    """min_p / repetition_penalty from generation_config.json are the defaults; a value lumo cannot sample
+    with is a ConfigError naming the file when the model loads, not a failure of every request."""
+    import json
+
+    from lumo.config import ConfigError
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=2, mtp_num_hidden_layers=0)
+    f = ckpt / "generation_config.json"
+    cfg = json.loads(f.read_text())
+    f.write_text(json.dumps({**cfg, "min_p": 0.1, "repetition_penalty": 1.2}))
+    params = LLM(ckpt, device="cpu").sampling_params(seed=1)
+    assert params.min_p == 0.1 and params.repetition_penalty == 1.2 and params.penalized
+    f.write_text(json.dumps({**cfg, "min_p": 3}))
+    with pytest.raises(ConfigError, match="generation_config.json: min_p must lie in"):
+        LLM(ckpt, device="cpu")

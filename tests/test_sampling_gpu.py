@@ -264,3 +264,23 @@ def test_small_top_k_with_ties_matches_cpu_sampler(V, k):
         logits_in = x.to(torch.bfloat16) if bf16 else x
         got = sample_tokens(logits_in.to(DEV), *to_dev(rows[1:]))
         assert torch.equal(got.cpu(), sample_tokens_ref(*rows)), f"bf16={bf16}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [20, 65], ids=lambda k: f"k{k}")
+def test_signed_zero_ties_at_the_k_th_value(k):
+    """-0 and +0 are one value (a penalty can give an exact +0): with the k-th value 0, top-k keeps every
+    token at +-0, and top-p orders them by index, as the CPU sampler does."""
+    gen = torch.Generator().manual_seed(k)
+    T, V = 4, 20011
+    logits = -1 - torch.rand(T, V, generator=gen) * 4
+    logits[:, : k - 1] = 1 + torch.rand(T, k - 1, generator=gen) * 4
+    zeros = torch.randperm(V - k, generator=gen)[:40] + k
+    logits[:, zeros[::2]] = 0.0
+    logits[:, zeros[1::2]] = -0.0
+    temps = torch.full((T,), 0.9)
+    ks = torch.full((T,), k, dtype=torch.int32)
+    ps = torch.tensor([1.0, 1.0, 0.999999, 0.999999])
+    rows = (logits, temps, ks, ps, torch.arange(T) + 5, torch.arange(T) + 100)
+    got = sample_tokens(*to_dev(rows))
+    assert torch.equal(got.cpu(), sample_tokens_ref(*rows))

@@ -7,7 +7,7 @@ import torch
 
 from lumo.config import TreeConfig
 from lumo.engine.decode import PlainDecoder, SpecDecoder
-from lumo.engine.sampling import SamplingParams
+from lumo.engine.sampling import SamplingParams, TokenHistory
 from lumo.testing import make_tiny_checkpoint
 from lumo.weights import load_model
 
@@ -121,6 +121,28 @@ def test_penalties_are_exact_under_speculation(tiny, params, right, sibling):
     assert run(spec, 24) == truth[:24]
     assert spec.stats.accepted[0] == min(right + sibling, TREE.depth)
     assert int(spec.history.counts.sum()) == spec.cache.length - len(PROMPT) + 1  # every emitted token
+
+
+def test_a_nodes_choice_counts_its_path(tiny):
+    """SpecDecoder._choice: a node's penalties count the drafted tokens on its path below the root (and
+    nothing else of the tree), on top of the committed history."""
+    cfg, w = tiny
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0)
+    spec = SpecDecoder(cfg, w, params, 96, "cpu", torch.float32, TREE)
+    spec.prefill(PROMPT)
+    spec.history = TokenHistory(cfg.vocab_size, [5])  # committed: nothing generated, token 5 in the prompt
+    spec.history.add([20])
+    t = spec.tree
+    node = next(i for i in range(t.n_nodes) if int(t.depth[i]) == 2 and int(t.rank[i]) > 0)  # a sibling
+    logits = torch.zeros(cfg.vocab_size)
+    tokens = [7] * t.rows
+    tokens[1], tokens[2], tokens[node] = 11, 12, 13  # its path: spine node 1, then itself
+    logits[[11, 12, 13]] = torch.tensor([3.0, 2.9, 2.8])
+    logits[20] = 4.0  # generated before: 2.0 after the penalty
+    # the sibling's path is 11 (spine node 1) and 13 (itself): 12 (spine node 2) wins with 2.9
+    assert spec._choice(logits, 50, node, tokens) == 12
+    assert spec._choice(logits, 50, 2, tokens) == 13  # spine node 2: 11 and 12 on its path, 13 not
+    assert spec._choice(logits, 50, 0, tokens) == 11  # the root: only the committed history
 
 
 EMBEDDED_PROMPTS = [

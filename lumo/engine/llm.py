@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_PREFIX_SNAPSHOTS, TreeConfig, check_draft_quant
+from ..config import DEFAULT_PREFIX_SNAPSHOTS, ConfigError, TreeConfig, check_draft_quant
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
@@ -211,6 +211,10 @@ class LLM:
             )
         self.draft_quant = draft_quant
         self._defaults = _generation_defaults(path)
+        try:  # a generation_config.json lumo cannot sample with fails here, not in every request
+            self.sampling_params(seed=0)
+        except ValueError as e:
+            raise ConfigError(f"{path / 'generation_config.json'}: {e}") from None
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
         self._slot = Slot(self.prefix_snapshots) if self._gpu is None else None  # torch backend's caches
 
@@ -336,7 +340,7 @@ class LLM:
     ) -> SamplingParams:
         """Checked sampling settings (None: the checkpoint's generation_config, else temperature 1, no
         top-k / top-p / min-p, no penalties). Temperatures below GREEDY_BELOW are greedy; the seed is taken
-        modulo 2^64. min_p in [0, 1]; repetition_penalty > 0 (1: off; over the prompt and the output),
+        modulo 2^64. min_p in [0, 1]; repetition_penalty in (0, 10] (1: off; over the prompt and the output),
         frequency / presence penalties in [-2, 2] (0: off; over the output), as vLLM's."""
         d = self._defaults
 
@@ -357,8 +361,8 @@ class LLM:
         pres = number(presence_penalty, "presence_penalty", 0.0)
         if not 0.0 <= mp <= 1.0:
             raise ValueError(f"min_p must lie in [0, 1], got {mp}")
-        if not rep > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {rep}")
+        if not 0.0 < rep <= 10.0:
+            raise ValueError(f"repetition_penalty must lie in (0, 10], got {rep}")
         for name, x in (("frequency_penalty", freq), ("presence_penalty", pres)):
             if not -2.0 <= x <= 2.0:
                 raise ValueError(f"{name} must lie in [-2, 2], got {x}")

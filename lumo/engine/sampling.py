@@ -77,11 +77,12 @@ class TokenHistory:
 
 def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
     """[V] f32 logits with the repetition, frequency and presence penalties applied (sampling.cu's
-    operations, one IEEE rounding each, so the GPU gets the same bits)."""
+    operations, one IEEE rounding each, so the GPU sampler gets the same bits). The divisor is a tensor:
+    torch on CUDA divides by a Python number as a multiplication by its reciprocal."""
     x = logits.float()
     counts = history.counts.to(x.device)
     seen = history.prompt.to(x.device) | (counts > 0)
-    rep = params.repetition_penalty
+    rep = torch.tensor(params.repetition_penalty, dtype=torch.float32, device=x.device)
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     x = x - params.frequency_penalty * counts.float()
     return x - params.presence_penalty * (counts > 0).float()

@@ -75,6 +75,7 @@ __device__ __forceinline__ float gumbel_of(float u) {
 // order of a stable descending sort. Key 0 is padding (below every real key).
 __device__ __forceinline__ u64 make_key(float x, u32 idx) {
   u32 b = __float_as_uint(x);
+  if (b == 0x80000000u) b = 0u;  // -0 == +0: one value (ties by index, as torch's stable sort; top-k's ties)
   b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
   return ((u64)b << 32) | (u64)(~idx);
 }
