@@ -16,23 +16,16 @@ or bench/results/bench_logprobs.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from bench_spec import decode_timed, held_out_prompts
+from bench_spec import gpu_us_per_call, graphed_decoder, held_out_prompts, save_json, timed_requests
 
 from lumo.benchmark import copy_bandwidth
-from lumo.config import TreeConfig
-from lumo.engine.gpu_decode import GPUDecoder
-from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.logprobs import token_logprobs
-from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.kernels.logprobs import LogprobsWorkspace, row_logprobs
 from lumo.weights import load_model
@@ -61,22 +54,11 @@ def _median_us(fn, repeats: int, *args) -> float:
     return statistics.median(times) * 1e6
 
 
-def _kernel_us(rows: torch.Tensor, ids: torch.Tensor, k: int, launches: int = 20) -> tuple[float, float]:
-    """(GPU us, host us) per row_logprobs call: the launches are queued behind a long sleep kernel, so the
-    events time the GPU's work alone and the queueing loop's wall time is the host's."""
+def _kernel_us(rows: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[float, float]:
+    """(GPU us, host us) per row_logprobs call (gpu_us_per_call)."""
     ws = LogprobsWorkspace.new(rows.shape[0], rows.shape[1], rows.device)
     out = row_logprobs(rows, ids, k, workspace=ws)  # compiled and warm
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the host queues everything below meanwhile
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(launches):
-        row_logprobs(rows, ids, k, out=out, workspace=ws)
-    host = (time.perf_counter() - t0) / launches * 1e6
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / launches, host
+    return gpu_us_per_call(lambda: row_logprobs(rows, ids, k, out=out, workspace=ws), launches=20)
 
 
 def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
@@ -112,28 +94,19 @@ def embedded(tokens: int, repeats: int) -> list[dict]:
     params = SamplingParams(temperature=0.0)
     out = []
     for mode in ("plain", "tree"):
-        runner = GPURunner(cfg, gw, capacity)
-        if mode == "plain":
-            dec = GPUDecoder(runner, params, use_graph=True)
-        else:
-            dec = GPUSpecDecoder(GPUSpecEngine(runner, TreeConfig()), params, use_graph=True)
+        dec = graphed_decoder(cfg, gw, capacity, mode, params)
         res, ref = {}, None
         for k in (None, 5):
             dec.logprobs = k
             runs = []
             for _ in range(repeats):
-                n, secs, got = 0, 0.0, []
-                for p in prompts:
-                    toks, t = decode_timed(dec, p, tokens)
-                    n, secs = n + len(toks) - 1, secs + t
-                    got.append(toks[:tokens])
-                if ref is None:
-                    ref = got
+                rate, got, _ = timed_requests(dec, prompts, tokens)
+                ref = ref or got
                 assert got == ref, "logprobs changed the tokens"
-                runs.append(n / secs)
+                runs.append(rate)
             res[k] = statistics.median(runs)
         out.append({"mode": mode, "tok_s": res[None], "tok_s_logprobs5": res[5]})
-        del dec, runner
+        del dec
         torch.cuda.empty_cache()
     return out
 
@@ -160,10 +133,7 @@ def main() -> None:
     for r in e:
         a, b = r["tok_s"], r["tok_s_logprobs5"]
         print(f"| {r['mode']} | {a:.0f} | {b:.0f} | {b / a:.2f} |")
-    dst = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_logprobs.json"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "micro": m, "embedded": e}
-    dst.write_text(json.dumps(res, indent=1))
+    save_json("bench_logprobs.json", {"copy_GBps": bw / 1e9, "micro": m, "embedded": e})
 
 
 if __name__ == "__main__":

@@ -15,21 +15,14 @@ Medians of `--repeats` runs. JSON to $OUT or bench/results/bench_sampling.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-from pathlib import Path
 
 import torch
-from bench_spec import decode_timed, held_out_prompts
+from bench_spec import gpu_us_per_call, graphed_decoder, held_out_prompts, save_json, timed_requests
 
 from lumo.benchmark import copy_bandwidth
-from lumo.config import TreeConfig
-from lumo.engine.gpu_decode import GPUDecoder
-from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
-from lumo.engine.runner import GPURunner
 from lumo.engine.sampling import SamplingParams
 from lumo.kernels.sampling import Penalties, sample_tokens, sample_workspace
 from lumo.weights import load_model
@@ -42,18 +35,10 @@ SETTINGS = {
 }
 
 
-def _kernel_us(args: tuple, kw: dict, launches: int = 50) -> float:
-    """GPU us per sample_tokens call: launches queued behind a long sleep, timed by events."""
+def _kernel_us(args: tuple, kw: dict) -> float:
+    """GPU us per sample_tokens call (gpu_us_per_call)."""
     sample_tokens(*args, **kw)  # compiled and warm
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)
-    start.record()
-    for _ in range(launches):
-        sample_tokens(*args, **kw)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / launches
+    return gpu_us_per_call(lambda: sample_tokens(*args, **kw))[0]
 
 
 def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
@@ -111,25 +96,17 @@ def embedded(tokens: int, repeats: int) -> list[dict]:
         params = params or SamplingParams(temperature=0.0, presence_penalty=1.5)
         ref = None
         for mode in ("plain", "tree"):
-            runner = GPURunner(cfg, gw, capacity)
-            if mode == "plain":
-                dec = GPUDecoder(runner, params, use_graph=True)
-            else:
-                dec = GPUSpecDecoder(GPUSpecEngine(runner, TreeConfig()), params, use_graph=True)
+            dec = graphed_decoder(cfg, gw, capacity, mode, params)
             runs, accepted = [], []
             for _ in range(repeats):
-                n, secs, got = 0, 0.0, []
-                for p in prompts:
-                    toks, t = decode_timed(dec, p, tokens)
-                    n, secs = n + len(toks) - 1, secs + t
-                    got.append(toks[:tokens])
-                    accepted += getattr(dec, "stats", None).accepted if mode == "tree" else []
+                rate, got, acc = timed_requests(dec, prompts, tokens)
+                accepted += acc
                 ref = ref or got
                 assert got == ref, f"{mode} with penalties {name}: not plain decoding's tokens"
-                runs.append(n / secs)
+                runs.append(rate)
             mean = sum(accepted) / len(accepted) if accepted else float("nan")
             out.append({"penalties": name, "mode": mode, "tok_s": statistics.median(runs), "accepted": mean})
-            del dec, runner
+            del dec
             torch.cuda.empty_cache()
     return out
 
@@ -154,10 +131,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for r in e:
         print(f"| {r['mode']} | {r['penalties']} | {r['tok_s']:.0f} | {r['accepted']:.2f} |")
-    dst = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "bench_sampling.json"
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    res = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9, "micro": m, "embedded": e}
-    dst.write_text(json.dumps(res, indent=1))
+    save_json("bench_sampling.json", {"copy_GBps": bw / 1e9, "micro": m, "embedded": e})
 
 
 if __name__ == "__main__":

@@ -88,6 +88,50 @@ def decode_timed(dec, prompt: list[int], new: int) -> tuple[list[int], float]:
     return out, time.perf_counter() - t0
 
 
+def graphed_decoder(cfg, gw, capacity: int, mode: str, params: SamplingParams):
+    """A fresh runner's decoder replaying CUDA graphs: plain ("plain") or the default tree ("tree")."""
+    runner = GPURunner(cfg, gw, capacity)
+    if mode == "plain":
+        return GPUDecoder(runner, params, use_graph=True)
+    return GPUSpecDecoder(GPUSpecEngine(runner, TreeConfig()), params, use_graph=True)
+
+
+def timed_requests(dec, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]], list[int]]:
+    """decode_timed over the prompts: (tokens/s of the steps, each prompt's first `new` tokens, the
+    accepted drafts of every event when the decoder speculates)."""
+    n, secs, got, accepted = 0, 0.0, [], []
+    for p in prompts:
+        toks, t = decode_timed(dec, p, new)
+        n, secs = n + len(toks) - 1, secs + t
+        got.append(toks[:new])
+        stats = getattr(dec, "stats", None)
+        accepted += stats.accepted if stats is not None else []
+    return n / secs, got, accepted
+
+
+def save_json(name: str, res: dict) -> None:
+    """res, with the GPU's name, as JSON file `name` in $OUT (bench/results/ without it)."""
+    dst = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / name
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(json.dumps({"device": torch.cuda.get_device_name(), **res}, indent=1))
+
+
+def gpu_us_per_call(call, launches: int = 50) -> tuple[float, float]:
+    """(GPU us, host us) per call(): the launches are queued behind a long sleep kernel, so CUDA events
+    time the GPU's work alone and the queueing loop's wall time is the host's. Warm the call up first."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time: the host queues everything below meanwhile
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(launches):
+        call()
+    host = (time.perf_counter() - t0) / launches * 1e6
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / launches, host
+
+
 def embedded(n_prompts: int, new: int, draft_vocab: int) -> dict:
     path = embedded_model_path()
     cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)

@@ -1,17 +1,10 @@
 #!/usr/bin/env bash
 # Session 35's GPU checks (penalties / min-p), in groups with their own limits; logs under $OUT.
-#   bash bench/gpu_session35.sh kernels|spec|bench
+#   bash bench/gpu_session35.sh kernels|spec|bench|topk|drafter
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
-P="python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE"
-group() {  # group LIMIT NAME CMD...: run, then print rc, seconds, the last line and any failures
-  local lim=$1 name=$2 t0=$SECONDS
-  shift 2
-  timeout "$lim" "$@" >"$out/$name.log" 2>&1
-  echo "== $name rc=$? $((SECONDS - t0))s: $(tail -1 "$out/$name.log")"
-  grep -E "^(FAILED|ERROR)|Error" "$out/$name.log" | head -8
-}
+source "$(dirname "$0")/gpu_group.sh"  # $P, group()
 case ${1:-kernels} in
 kernels)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

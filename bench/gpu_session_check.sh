@@ -7,14 +7,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out=${OUT:-/tmp}
 what=${1:-all}
-P="python -m pytest -q -m gpu -p no:cacheprovider --tb=short -rfE"
-group() {  # group LIMIT NAME CMD...: run, then print rc, seconds, the last line and any failures
-  local lim=$1 name=$2 t0=$SECONDS
-  shift 2
-  timeout "$lim" "$@" >"$out/$name.log" 2>&1
-  echo "== $name rc=$? $((SECONDS - t0))s: $(tail -1 "$out/$name.log")"
-  grep -E "^(FAILED|ERROR)" "$out/$name.log" | head -8
-}
+source "$(dirname "$0")/gpu_group.sh"  # $P, group()
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [[ $what == kernels || $what == all ]]; then
   group 240 t_kernels $P tests/test_linear_gpu.py tests/test_norms_gpu.py tests/test_attention_gpu.py \
