@@ -63,6 +63,7 @@ class PlainDecoder(ScoresTokens):
 
     extra_positions = 0  # cache slots needed beyond prompt + output
     feeds_mtp = False  # its prefill writes the MTP head's K/V (speculative decoders)
+    history: TokenHistory | None = None  # the penalties' token history (prefill sets it when params have any)
 
     def __init__(
         self,
@@ -82,7 +83,6 @@ class PlainDecoder(ScoresTokens):
         else:
             self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
-        self.history: TokenHistory | None = None  # the penalties' (set by prefill when params have any)
         self._init_scores()
         if self.prefix is not None:  # a snapshot's final-norm row is restored here
             self._restored_carry = torch.zeros(1, cfg.hidden_size, device=device, dtype=dtype)
