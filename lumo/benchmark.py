@@ -3,7 +3,8 @@
 Prompts are real text: Python standard-library files the embedded model never trained on (lumo.corpus's
 held-out split, then the rest), cut to each prompt length in the model's own tokens; within a mode every
 request takes another stretch of text (the modes time the same prompts), and prefix caching is off.
-Decoding is greedy unless a temperature is given and runs for exactly `gen_tokens` tokens whatever the
+Decoding is greedy unless a temperature is given (top-k / top-p / min-p and the penalties only if asked,
+whatever the checkpoint's generation_config says) and runs for exactly `gen_tokens` tokens whatever the
 model emits (end-of-sequence tokens included, as vLLM's ignore_eos), so every mode times the same work.
 Speculative modes report the accepted drafts per event and their histogram, the numbers that decide their
 speed, and the plain steps adaptive speculation took (each request starts with a fresh policy, so no row
@@ -144,10 +145,40 @@ def time_request(
     return t1 - t0, time.perf_counter() - t1, dec
 
 
+def sampling_for(llm, temperature: float = 0.0, **shaping: float) -> SamplingParams:
+    """The benchmark's sampling: `temperature` (0: greedy) and only the top-k / top-p / min-p / penalties
+    given in `shaping` (LLM.sampling_params' names), each off otherwise; seed 0."""
+    off = dict(
+        top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0
+    )
+    return llm.sampling_params(temperature=temperature, seed=0, **{**off, **shaping})
+
+
+def describe(params: SamplingParams) -> str:
+    """'greedy' or the temperature, then the settings that are on, e.g. 'temperature 0.7, top-k 20'."""
+    settings = (
+        ("top-k", params.top_k, 0),
+        ("top-p", params.top_p, 1.0),
+        ("min-p", params.min_p, 0.0),
+        ("repetition", params.repetition_penalty, 1.0),
+        ("frequency", params.frequency_penalty, 0.0),
+        ("presence", params.presence_penalty, 0.0),
+    )
+    head = "greedy" if params.greedy else f"temperature {params.temperature:g}"
+    return ", ".join([head, *(f"{name} {value:g}" for name, value, off in settings if value != off)])
+
+
 def run_bench(
-    llm, lengths: list[int], gen: int, repeats: int, temperature: float = 0.0, modes: list[str] | None = None
+    llm,
+    lengths: list[int],
+    gen: int,
+    repeats: int,
+    temperature: float = 0.0,
+    modes: list[str] | None = None,
+    params: SamplingParams | None = None,
 ) -> list[BenchRow]:
-    """Rows for each mode (default: plain, and the LLM's speculative mode if it has one) and prompt length."""
+    """Rows for each mode (default: plain, and the LLM's speculative mode if it has one) and prompt length.
+    params (sampling_for) replaces temperature when given."""
     check_args(lengths, gen, repeats)
     max_len = max(lengths) + gen + ROOM
     if max_len > llm.max_model_len:
@@ -156,7 +187,7 @@ def run_bench(
             f"model's is {llm.max_model_len} (--max-model-len, or shorter --prompt-tokens / --gen-tokens)"
         )
     modes = modes or (["plain"] if llm.spec == "off" else ["plain", llm.spec])
-    params = SamplingParams(temperature=temperature, seed=0)
+    params = params or SamplingParams(temperature=temperature, seed=0)
     warm, prompts = bench_prompts(llm.tokenizer, lengths, repeats)
     gw = llm.gpu_weights
     bw = copy_bandwidth(512 << 20) if gw is not None else None
@@ -227,8 +258,10 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, llm, rows: list[BenchRow]) -> None:
+def write_json(path: str, llm, rows: list[BenchRow], params: SamplingParams | None = None) -> None:
     meta = {"model": llm.model_name, "device": device_name(llm), "backend": llm.backend}
     meta["dtype"] = str(llm.dtype).split(".")[-1]
+    if params is not None:
+        meta["sampling"] = asdict(params)
     with open(path, "w") as f:
         json.dump({**meta, "rows": [asdict(r) for r in rows]}, f, indent=1)

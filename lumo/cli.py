@@ -135,6 +135,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--gen-tokens", type=int, default=128, metavar="N", help="tokens generated per request")
     b.add_argument("--repeats", type=int, default=3, metavar="N", help="requests per prompt length and mode")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--top-k", type=int, default=0, help="0 = off (default; the checkpoint's is not used)")
+    b.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    b.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+    b.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default)")
+    b.add_argument("--frequency-penalty", type=float, default=0.0, help="0 = off (default)")
+    b.add_argument("--presence-penalty", type=float, default=0.0, help="0 = off (default)")
     b.add_argument(
         "--plain-only", action="store_true", help="time plain decoding only (default: also the --spec mode)"
     )
@@ -224,16 +230,27 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmark import check_args, device_name, format_table, run_bench, write_json
+    from .benchmark import (
+        check_args,
+        describe,
+        device_name,
+        format_table,
+        run_bench,
+        sampling_for,
+        write_json,
+    )
 
     check_args(args.prompt_tokens, args.gen_tokens, args.repeats)
     args.prefix_snapshots = 0  # every request prefilled in full
     llm = _llm(args, progress=True)
     modes = ["plain"] if args.plain_only else None
-    rows = run_bench(llm, args.prompt_tokens, args.gen_tokens, args.repeats, args.temperature, modes)
+    shaping = {k: getattr(args, k) for k in ("top_k", "top_p", "min_p")}
+    shaping |= {k: getattr(args, k) for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")}
+    params = sampling_for(llm, args.temperature, **shaping)
+    rows = run_bench(llm, args.prompt_tokens, args.gen_tokens, args.repeats, modes=modes, params=params)
     dtype = str(llm.dtype).split(".")[-1]
     head = f"lumo bench: {llm.model_name} on {device_name(llm)} ({llm.backend}, {dtype}), "
-    head += f"medians of {args.repeats} requests, {args.gen_tokens} tokens each"
+    head += f"medians of {args.repeats} requests, {args.gen_tokens} tokens each, {describe(params)}"
     if llm.device.type == "cuda":
         import torch  # only here: the CLI's start-up stays light
 
@@ -241,7 +258,7 @@ def _bench(args: argparse.Namespace) -> int:
     print(head)
     print(format_table(rows))
     if args.json:
-        write_json(args.json, llm, rows)
+        write_json(args.json, llm, rows, params)
     return 0
 
 

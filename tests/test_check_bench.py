@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from lumo import check
-from lumo.benchmark import bench_prompts, format_table, run_bench
+from lumo.benchmark import bench_prompts, describe, format_table, run_bench, sampling_for
 from lumo.engine.llm import LLM, embedded_model_path
 from lumo.engine.sampling import SamplingParams
 from lumo.testing import make_tiny_checkpoint
@@ -100,14 +100,34 @@ def test_bench_times_plain_and_speculative_rows(tmp_path):
         llm.decoder(SamplingParams(), 64, spec="tree")
 
 
+def test_bench_sampling_is_what_was_asked(tmp_path):
+    """lumo bench samples with the temperature and only the settings given (not the generation_config's
+    defaults), described in the header; the rows run with them (a penalised chain row: events)."""
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=2)
+    f = ckpt / "generation_config.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "top_k": 20, "repetition_penalty": 1.3}))
+    llm = LLM(ckpt, device="cpu", spec="chain")
+    assert describe(sampling_for(llm)) == "greedy"  # the generation_config's settings are not used
+    params = sampling_for(llm, 0.7, top_k=20, presence_penalty=1.5)
+    assert describe(params) == "temperature 0.7, top-k 20, presence 1.5" and params.repetition_penalty == 1.0
+    rows = run_bench(llm, [20], gen=5, repeats=1, params=params)
+    assert [r.mode for r in rows] == ["plain", "chain"] and rows[1].events > 0
+    with pytest.raises(ValueError, match="min_p"):
+        sampling_for(llm, 0.7, min_p=2.0)
+
+
 @pytest.mark.skipif(not (embedded_model_path() / "config.json").exists(), reason="no embedded model")
 def test_bench_command_writes_its_table_and_json(tmp_path):
     dst = tmp_path / "b.json"
+    sampling = ["--temperature", "0.7", "--top-k", "20", "--presence-penalty", "1.5"]
     r = lumo("bench", "--device", "cpu", "--prompt-tokens", "32", "--gen-tokens", "8", "--repeats", "1",
-             "--json", str(dst))  # fmt: skip
+             "--json", str(dst), *sampling)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "| plain | 32 |" in r.stdout and "lumo-tiny on CPU" in r.stdout
-    rows = json.loads(dst.read_text())["rows"]
+    assert "temperature 0.7, top-k 20, presence 1.5" in r.stdout
+    out = json.loads(dst.read_text())
+    assert out["sampling"]["presence_penalty"] == 1.5 and out["sampling"]["top_k"] == 20
+    rows = out["rows"]
     assert rows[0]["mode"] == "plain" and rows[0]["gen_tokens"] == 8
     bad = lumo("bench", "--device", "cpu", "--prompt-tokens", "100000")
     assert bad.returncode == 2 and "context" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -118,6 +138,7 @@ def test_bench_command_writes_its_table_and_json(tmp_path):
     [
         (["bench", "--gen-tokens", "1"], "--gen-tokens"),
         (["bench", "--repeats", "0"], "--repeats"),
+        (["bench", "--presence-penalty", "5"], "presence_penalty"),
         (["check", "--arch", "hopper"], "--arch"),
         (["check", "--tokens", "1"], "--tokens"),
     ],
