@@ -20,10 +20,9 @@ import statistics
 import time
 
 import torch
-from bench_spec import gpu_us_per_call, graphed_decoder, held_out_prompts, save_json, timed_requests
+from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, save_json, timed_requests
 
 from lumo.benchmark import copy_bandwidth
-from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.logprobs import token_logprobs
 from lumo.engine.sampling import SamplingParams
@@ -86,11 +85,7 @@ def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
 
 
 def embedded(tokens: int, repeats: int) -> list[dict]:
-    path = embedded_model_path()
-    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    gw = pack_weights(cfg, w, "cuda", mtp=True)
-    prompts = held_out_prompts(path, 12)
-    capacity = max(len(p) for p in prompts) + tokens + 128
+    cfg, gw, prompts, capacity = embedded_on_gpu(12, tokens)
     params = SamplingParams(temperature=0.0)
     out = []
     for mode in ("plain", "tree"):

@@ -18,10 +18,9 @@ import argparse
 import statistics
 
 import torch
-from bench_spec import gpu_us_per_call, graphed_decoder, held_out_prompts, save_json, timed_requests
+from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, save_json, timed_requests
 
 from lumo.benchmark import copy_bandwidth
-from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.sampling import SamplingParams
 from lumo.kernels.sampling import Penalties, sample_tokens, sample_workspace
@@ -86,11 +85,7 @@ def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
 
 
 def embedded(tokens: int, repeats: int) -> list[dict]:
-    path = embedded_model_path()
-    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
-    gw = pack_weights(cfg, w, "cuda", mtp=True)
-    prompts = held_out_prompts(path, 12)
-    capacity = max(len(p) for p in prompts) + tokens + 128
+    cfg, gw, prompts, capacity = embedded_on_gpu(12, tokens)
     out = []
     for name, params in (("off", SamplingParams(temperature=0.0)), ("presence 1.5", None)):
         params = params or SamplingParams(temperature=0.0, presence_penalty=1.5)

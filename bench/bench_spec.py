@@ -88,6 +88,15 @@ def decode_timed(dec, prompt: list[int], new: int) -> tuple[list[int], float]:
     return out, time.perf_counter() - t0
 
 
+def embedded_on_gpu(n_prompts: int, new: int):
+    """The embedded model packed on the GPU with its MTP head, `n_prompts` held-out prompts and the runner
+    capacity one of them plus `new` tokens needs: (cfg, weights, prompts, capacity)."""
+    path = embedded_model_path()
+    cfg, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    prompts = held_out_prompts(path, n_prompts)
+    return cfg, pack_weights(cfg, w, "cuda", mtp=True), prompts, max(len(p) for p in prompts) + new + 128
+
+
 def graphed_decoder(cfg, gw, capacity: int, mode: str, params: SamplingParams):
     """A fresh runner's decoder replaying CUDA graphs: plain ("plain") or the default tree ("tree")."""
     runner = GPURunner(cfg, gw, capacity)

@@ -333,11 +333,7 @@ def _emulated_ops():
             params = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
             if params.penalized:
                 cols = torch.arange(logits.shape[1]) if id_map is None else id_map.long()
-                history = TokenHistory(1)
-                counts = penalties.counts.clone()
-                for tok in tokens[1 : 1 + n_path].tolist():
-                    counts[tok] += 1
-                history.counts, history.prompt = counts[cols], penalties.prompt[cols].bool()
+                history = penalties.history(extra=tokens[1 : 1 + n_path].tolist()).select(cols)
                 logits = penalize(logits[0], params, history)[None]
         ids = topk_select_ref(logits, k)
         ids = ids if id_map is None else id_map[ids.long()]
@@ -436,9 +432,8 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
         got += out
         if params.penalized:  # every node's choice: its own logits, the committed history + its path
             for i in range(eng.tb.n_nodes):
-                history = TokenHistory(cfg.vocab_size, prompt)
-                history.counts = counts.clone()
-                history.add(int(eng.tokens[j]) for j in path_nodes[i].tolist() if j >= 0)
+                history = TokenHistory.of(counts, rs.prompt_mask.bool())
+                history = history.with_tokens(int(eng.tokens[j]) for j in path_nodes[i].tolist() if j >= 0)
                 want = sample(eng.logits[i], params, L + int(eng.tb.depth[i]) + 1, history)
                 assert int(eng.choice[i]) == want, f"node {i}"
         if draft:  # every candidate the drafter proposed is a draft-vocabulary token

@@ -303,7 +303,7 @@ def test_topk_select_maps_columns_to_draft_vocabulary_ids(V):
 def test_topk_select_under_penalties(V, mapped):
     """The drafter's candidates under the penalties: topk of the CPU-penalised logits, whose history is the
     counts (over token ids, through the id map) plus the spine drafted so far, tokens[1 : 1 + n_path]."""
-    from lumo.engine.sampling import SamplingParams, TokenHistory, penalize
+    from lumo.engine.sampling import SamplingParams, penalize
     from lumo.kernels.sampling import Penalties
 
     gen = torch.Generator().manual_seed(V)
@@ -321,11 +321,7 @@ def test_topk_select_under_penalties(V, mapped):
     params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=1.0)
     pen = Penalties(torch.tensor([[1.3, 0.4, 1.0]]).to(DEV), counts.to(DEV), prompt.to(DEV))
     for n_path in (0, 3):
-        history = TokenHistory(1)
-        c = counts.clone()
-        for tok in tokens[1 : 1 + n_path].tolist():
-            c[tok] += 1
-        history.counts, history.prompt = c[cols], prompt[cols].bool()
+        history = pen.history(extra=tokens[1 : 1 + n_path].tolist()).select(cols)
         want = topk_select_ref(penalize(logits[0], params, history)[None], 8)
         want = cols[want.long()].int() if mapped else want
         ids = topk_select(

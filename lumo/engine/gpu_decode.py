@@ -44,7 +44,6 @@ class GPUDecoder(ScoresTokens):
         if self.prompt_logprobs is not None:
             scored = PromptLogprobs(prompt_ids, self.prompt_logprobs, head=r.w.lm_head)
         self.cached_tokens = start = r.resume(prompt_ids, reuse=scored is None)
-        r.begin_history(prompt_ids)
         r.prefill(prompt_ids[start:], hidden_hook=None if scored is None else scored.hidden)
         self.last_prompt_logprobs = [] if scored is None else scored.out
         return self._emit()

@@ -246,7 +246,6 @@ class GPUSpecEngine:
         # From a prefix snapshot (lumo.engine.prefix) the MTP's pairs resume with the hidden row of the
         # snapshot's last position, as the next chunk of an uncached prefill would.
         self.cached_tokens = start = r.resume(prompt_ids, owner=self._prefix_owner, reuse=scored is None)
-        r.begin_history(ids)
         self._carry = r.hidden.clone() if start else None
 
         def hook(hidden: torch.Tensor, start: int) -> None:

@@ -178,7 +178,7 @@ class GPURunner:
     @torch.inference_mode()
     def begin_history(self, prompt_ids: Sequence[int]) -> None:
         """A new request's token history: its whole prompt (a resumed prefill's cached part too), nothing
-        generated. Call before prefill (whose sample is the first generated token)."""
+        generated; resume() starts it, before the prefill whose sample is the first generated token."""
         self.counts.zero_()
         self.prompt_mask.zero_()
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.device)
@@ -201,8 +201,10 @@ class GPURunner:
         state after the longest cached prefix of ids. Returns the position to prefill from: the caller
         prefills ids[start:] next (that prefill records the prompt's grid snapshots). owner: a token of
         whatever keeps caches beside the slot's (a GPUSpecEngine: its MTP K/V); prefixes cached by another
-        owner's prefills are dropped. reuse=False: from position 0 (PrefixCache.resume)."""
+        owner's prefills are dropped. reuse=False: from position 0 (PrefixCache.resume). The request's
+        token history starts here too (begin_history: the whole prompt, nothing generated)."""
         self.reset()
+        self.begin_history(ids)
         if self.prefix is None:
             return 0
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)

@@ -63,16 +63,26 @@ class TokenHistory:
         if ids:
             self.prompt[torch.tensor(ids)] = True
 
+    @classmethod
+    def of(cls, counts: torch.Tensor, prompt: torch.Tensor) -> TokenHistory:
+        """A history holding these tensors (counts [V] int32, prompt [V] bool), not copies."""
+        h = cls.__new__(cls)
+        h.counts, h.prompt = counts, prompt
+        return h
+
     def add(self, tokens: Iterable[int]) -> None:
         for t in tokens:
             self.counts[t] += 1
 
     def with_tokens(self, tokens: Iterable[int]) -> TokenHistory:
         """This history plus `tokens` generated (a tree node's: the drafted tokens on its path)."""
-        h = TokenHistory.__new__(TokenHistory)
-        h.counts, h.prompt = self.counts.clone(), self.prompt
+        h = TokenHistory.of(self.counts.clone(), self.prompt)
         h.add(tokens)
         return h
+
+    def select(self, ids: torch.Tensor) -> TokenHistory:
+        """The history of the tokens `ids` only, in that order (a draft vocabulary's columns)."""
+        return TokenHistory.of(self.counts[ids], self.prompt[ids])
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:

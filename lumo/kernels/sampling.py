@@ -11,11 +11,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import gumbel_of_uniform, uniform_noise
+from ..engine.sampling import TokenHistory, gumbel_of_uniform, uniform_noise
 from .compile import Kernel, compile_kernel
 
 NCAND = 256  # candidates per row for top-k / top-p (sampling.cu); top_k > NCAND acts as NCAND
@@ -50,6 +51,13 @@ class Penalties:
     prompt: torch.Tensor  # [V] uint8: 1 for the prompt's tokens
     path: torch.Tensor | None = None  # [T, E] int32: node ids of each row's path below the root, -1 padded
     node_tokens: torch.Tensor | None = None  # [R] int32: the token of each node (with path)
+
+    def history(self, row: int | None = None, extra: Iterable[int] = ()) -> TokenHistory:
+        """The CPU sampler's view (the references'): counts and prompt, plus row `row`'s path tokens (when
+        given) and `extra` as generated."""
+        path = [] if row is None or self.path is None else [j for j in self.path[row].tolist() if j >= 0]
+        tokens = [int(self.node_tokens[j]) for j in path] + list(extra)
+        return TokenHistory.of(self.counts.cpu(), self.prompt.cpu().bool()).with_tokens(tokens)
 
 
 _NULL = ctypes.c_void_p(None)
@@ -168,7 +176,7 @@ def sample_tokens_ref(
     count_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU sampler (lumo.engine.sampling.sample) row by row: the specification of sample_tokens."""
-    from ..engine.sampling import SamplingParams, TokenHistory, sample
+    from ..engine.sampling import SamplingParams, sample
 
     rows = []
     for t in range(logits.shape[0]):
@@ -185,13 +193,7 @@ def sample_tokens_ref(
             presence_penalty=pres,
         )
         assert params.min_p_threshold == thr, "min_p thresholds come from SamplingParams.min_p_threshold"
-        history = None
-        if penalties is not None:
-            history = TokenHistory(logits.shape[1])
-            history.counts, history.prompt = penalties.counts.cpu().clone(), penalties.prompt.cpu().bool()
-            if penalties.path is not None:
-                nodes = [j for j in penalties.path[t].tolist() if j >= 0]
-                history.add(int(penalties.node_tokens[j]) for j in nodes)
+        history = None if penalties is None else penalties.history(t)
         rows.append(sample(logits[t].float().cpu(), params, int(position[t]), history))  # bf16: as f32
     tokens = torch.tensor(rows, dtype=torch.int32)
     if count_out is not None:
