@@ -1,14 +1,16 @@
-"""What the sampling penalties and min-p cost (lumo.engine.sampling; sampling.cu).
+"""What the sampling penalties, min-p and the logit bias cost (lumo.engine.sampling; sampling.cu).
 
 1. `sample_tokens` alone on random bf16 logits rows (V = the 27B's 248,320 and the embedded model's), 1
    row (a plain step) and 32 rows (a tree verify, each row with a path of 11 drafted tokens), greedy,
    temperature 0.8 / top-k 20 / top-p 0.95 (Qwen's defaults: a top-k row's candidates by warp merges) and
    temperature 0.8 / top-p 0.95 (256 candidates by sorts): the kernels' GPU time per call (CUDA events
    over launches queued behind a sleep) with nothing on, with Qwen's presence_penalty 1.5 plus repetition
-   1.1, and with min_p 0.05; the floor is the rows' bytes at the copy bandwidth measured here.
+   1.1, with min_p 0.05 and with a logit bias on 300 tokens; the floor is the rows' bytes at the copy
+   bandwidth measured here.
 2. The embedded model on the GPU kernels (CUDA graphs), plain and tree decoding, 12 held-out prompts x
-   `--tokens`, greedy: tokens/s and accepted drafts per event without and with presence_penalty 1.5 (the
-   drafter proposes under the same penalties: tree_ops.cu topk_partial); tree must equal plain in both.
+   `--tokens`, greedy: tokens/s and accepted drafts per event without and with presence_penalty 1.5, and
+   with a logit bias (the drafter proposes under the same penalties and bias: tree_ops.cu topk_partial);
+   tree must equal plain in each.
 Medians of `--repeats` runs. JSON to $OUT or bench/results/bench_sampling.json.
 """
 
@@ -22,16 +24,20 @@ from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, save_j
 
 from lumo.benchmark import copy_bandwidth
 from lumo.engine.llm import embedded_model_path
-from lumo.engine.sampling import SamplingParams
+from lumo.engine.sampling import SamplingParams, bias_vector
 from lumo.kernels.sampling import Penalties, sample_tokens, sample_workspace
 from lumo.weights import load_model
 
 PATH = 11  # drafted tokens on a verify row's path (the default tree's depth)
+BENCH_BIAS = tuple((7 + 331 * i, 5.0 - 10 * (i % 2)) for i in range(300))  # ids modulo V (331: coprime)
 SETTINGS = {
     "off": SamplingParams(),
     "presence 1.5, repetition 1.1": SamplingParams(presence_penalty=1.5, repetition_penalty=1.1),
     "min_p 0.05": SamplingParams(min_p=0.05),
+    "logit bias, 300 tokens": SamplingParams(logit_bias=BENCH_BIAS),
 }
+# The embedded model's logit bias (tests/test_gpu_spec_gpu.py: '0' banned, '\n' lowered, ' the' lifted)
+EMBEDDED_BIAS = ((15, -100.0), (198, -3.0), (339, 5.0))
 
 
 def _kernel_us(args: tuple, kw: dict) -> float:
@@ -67,14 +73,13 @@ def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
                         torch.full((T,), 3, dtype=torch.int64, device="cuda"),
                         torch.arange(T, dtype=torch.int64, device="cuda") + 1000,
                     )
-                    pen = torch.tensor(
-                        [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]] * T, **f32
-                    )
+                    pen = torch.tensor([Penalties.row(p)] * T, **f32)
+                    bias = bias_vector(tuple((i % V, b) for i, b in p.logit_bias), V, "cuda")  # distinct ids
                     kw = dict(
                         out=torch.empty(T, dtype=torch.int32, device="cuda"),
                         workspace=ws,
                         min_p=torch.full((T,), p.min_p_threshold, **f32),
-                        penalties=Penalties(pen, counts, prompt, path, node_tokens),
+                        penalties=Penalties(pen, counts, prompt, path, node_tokens, bias),
                     )
                     us = statistics.median(_kernel_us(args, kw) for _ in range(repeats))
                     floor = T * V * 2 / bw * 1e6
@@ -87,8 +92,11 @@ def micro(vocab: list[int], repeats: int, bw: float) -> list[dict]:
 def embedded(tokens: int, repeats: int) -> list[dict]:
     cfg, gw, prompts, capacity = embedded_on_gpu(12, tokens)
     out = []
-    for name, params in (("off", SamplingParams(temperature=0.0)), ("presence 1.5", None)):
-        params = params or SamplingParams(temperature=0.0, presence_penalty=1.5)
+    for name, params in (
+        ("off", SamplingParams(temperature=0.0)),
+        ("presence 1.5", SamplingParams(temperature=0.0, presence_penalty=1.5)),
+        ("logit bias", SamplingParams(temperature=0.0, logit_bias=EMBEDDED_BIAS)),
+    ):
         ref = None
         for mode in ("plain", "tree"):
             dec = graphed_decoder(cfg, gw, capacity, mode, params)
@@ -122,7 +130,7 @@ def main() -> None:
         print(
             f"| {r['V']} | {r['rows']} | {r['mode']} | {r['setting']} | {r['us']:.1f} | {r['floor_us']:.2f} |"
         )
-    print("\n| embedded model, greedy | penalties | tokens/s | accepted drafts / event |")
+    print("\n| embedded model, greedy | penalties / bias | tokens/s | accepted drafts / event |")
     print("|---|---|---|---|")
     for r in e:
         print(f"| {r['mode']} | {r['penalties']} | {r['tok_s']:.0f} | {r['accepted']:.2f} |")

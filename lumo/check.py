@@ -127,17 +127,20 @@ def generate(llm, tokens: int) -> str:
 
 @torch.inference_mode()
 def spec_equals_plain(llm, tokens: int) -> str:
-    """Speculative and plain decoders on the same weights emit the same tokens (greedy, seeded, and seeded
-    with Qwen's recommended presence penalty and min-p: a verify row's penalties see its drafted path)."""
+    """Speculative and plain decoders on the same weights emit the same tokens (greedy, seeded, seeded
+    with Qwen's recommended presence penalty and min-p: a verify row's penalties see its drafted path, and
+    greedy under a logit bias on two of the prompt's tokens)."""
     if llm.spec == "off":
         raise SkipCheck("speculative decoding is off (no MTP head, or --spec off)")
     events, accepted = 0, 0
     for i, prompt in enumerate(CHECK_PROMPTS):
         ids = llm.tokenizer.encode(prompt)
+        bias = tuple(sorted({ids[len(ids) // 2]: 3.0, ids[-1]: -100.0}.items()))
         for params in (
             SamplingParams(temperature=0.0),
             SamplingParams(temperature=0.8, top_p=0.95, seed=i),
             SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=i, presence_penalty=1.5, min_p=0.02),
+            SamplingParams(temperature=0.0, logit_bias=bias),
         ):
             got = []
             for spec in ("off", llm.spec):  # events only: adaptive plain steps would test plain decoding
@@ -156,7 +159,7 @@ def spec_equals_plain(llm, tokens: int) -> str:
             if stats.events == 0:
                 raise RuntimeError(f"no speculative event ran for prompt {prompt!r}")
             events, accepted = events + stats.events, accepted + sum(stats.accepted)
-    n = len(CHECK_PROMPTS) * 3
+    n = len(CHECK_PROMPTS) * 4
     mean = accepted / events if events else 0.0
     return f"{n} requests x {tokens} tokens identical to plain decoding ({mean:.2f} accepted drafts/event)"
 

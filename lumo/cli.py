@@ -98,6 +98,17 @@ def _port(text: str) -> int:
     return port
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias TOKEN_ID=VALUE."""
+    token, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=VALUE (e.g. 13=-100), got {text!r}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lumo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--frequency-penalty", type=float, default=None, help="0 = off (output)")
     g.add_argument("--presence-penalty", type=float, default=None, help="0 = off (output)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument(
+        "--logit-bias", type=_bias, action="append", default=None, metavar="ID=VALUE",
+        help="add VALUE to token ID's logit (repeatable; -100 bans it)",
+    )  # fmt: skip
+    g.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s, positional=True)
@@ -195,7 +211,9 @@ def _generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty,
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
+        logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         stop=args.stop,
+        ignore_eos=args.ignore_eos,
     ):
         t_first = t_first or time.perf_counter()
         n += len(chunk.token_ids)

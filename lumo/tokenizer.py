@@ -260,7 +260,8 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text that is safe to send: whole characters, no stop strings.
+    """Turns a stream of token ids into text that is safe to send: whole characters, nothing of a stop
+    string (or, with include_stop, the text up to the end of the first stop string).
 
     Decodes only a window of recent tokens (vLLM's prefix_offset/read_offset): `tokens[prefix_offset:
     read_offset]` is text already emitted, kept as context because some decoders (SentencePiece
@@ -273,9 +274,11 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> None:
         self._tok = tokenizer
         self._stop = [s for s in (stop or []) if s]
+        self._include_stop = include_stop
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1  # longest partial stop kept back
         self._skip = skip_special_tokens
         # a few prompt tokens give the first generated token its left context
@@ -319,10 +322,11 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         text = self._pending
-        cut = min((i for s in self._stop if (i := text.find(s)) >= 0), default=-1)
+        # the first stop string in the text (the longest of those starting there)
+        cut, end = min(((i, -len(s)) for s in self._stop if (i := text.find(s)) >= 0), default=(-1, 0))
         if cut >= 0:
             self.stopped = True
-            out, self._pending = text[:cut], ""
+            out, self._pending = text[: cut - end if self._include_stop else cut], ""
         else:
             hold = 0 if final else self._stop_prefix_len(text)
             out, self._pending = text[: len(text) - hold], text[len(text) - hold :]

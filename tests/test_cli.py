@@ -10,6 +10,7 @@ import pytest
 
 from lumo.engine.llm import embedded_model_path
 from lumo.testing import make_tiny_checkpoint
+from lumo.tokenizer import Tokenizer
 
 
 def lumo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -38,6 +39,12 @@ def test_generate_chat_stop_and_spec(tmp_path):
     flags = ["--prefix-snapshots", "0", "--no-adaptive-spec"]  # accepted (adaptive: the kernels only)
     other = lumo(*base, "--prompt", "hello", "--spec", "chain", "--spec-depth", "3", *flags)
     assert other.returncode == 0 and other.stdout == plain.stdout, other.stderr
+    # an end-of-sequence token lifted to the top: nothing generated, or 12 of them with --ignore-eos
+    eos = str(Tokenizer.from_dir(ckpt).eos_token_ids[0])
+    ended = lumo(*base, "--prompt", "hello", "--logit-bias", f"{eos}=100", "--logit-bias", "3=-5")
+    assert ended.returncode == 0 and "0 tokens (stop)" in ended.stderr, ended.stderr
+    kept = lumo(*base, "--prompt", "hello", "--logit-bias", f"{eos}=100", "--ignore-eos")
+    assert kept.returncode == 0 and "12 tokens (length)" in kept.stderr, kept.stderr
 
 
 @pytest.mark.parametrize(
@@ -129,6 +136,8 @@ def test_quantize_round_trip(tmp_path):
         (["--repetition-penalty", "0"], "repetition_penalty must lie in (0, 10]"),
         (["--max-model-len", "0"], "max_model_len"),
         (["--spec", "tree"], "MTP head"),
+        (["--logit-bias", "13"], "TOKEN_ID=VALUE"),
+        (["--logit-bias", "99999999=1"], "outside the vocabulary"),
     ],
 )
 def test_bad_settings_fail_at_start(tmp_path, args, words):

@@ -24,7 +24,7 @@ from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
 from lumo.engine.gpu_weights import pack_weights
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.runner import GPURunner
-from lumo.engine.sampling import SamplingParams, TokenHistory, penalize, sample
+from lumo.engine.sampling import SamplingParams, TokenHistory, bias_vector, penalize, sample
 from lumo.engine.tree import accept, build_tree
 from lumo.testing import ScriptedAdaptive
 from lumo.weights import load_model
@@ -125,6 +125,9 @@ def w32(name: str = "lumo-tiny"):
 # A draft vocabulary whose logits columns differ from their token ids (column j is token 2j below 3065),
 # so a missing map shows: the even ids and the added tokens.
 DRAFT_IDS = sorted({*range(0, 2400, 2), *range(3065, 3072)})
+# A logit bias that changes the embedded model's greedy output on the tests' prompt (' and' banned,
+# "')" lifted, '.startswith' lowered: tokens of that output).
+BIAS = ((446, -100.0), (650, 1.5), (2232, -5.0))
 
 
 @functools.cache
@@ -328,11 +331,12 @@ def _emulated_ops():
     def topk_select(
         logits, k, out=None, tokens=None, nodes=None, workspace=None, id_map=None, penalties=None, n_path=0
     ):
-        if penalties is not None:  # the drafter under the penalties: history = counts + the spine so far
-            rep, freq, pres = penalties.params[0].tolist()
-            params = SamplingParams(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        if penalties is not None:  # the drafter under the bias and penalties: history = counts + the spine
+            params = penalties.settings(0)
+            cols = torch.arange(logits.shape[1]) if id_map is None else id_map.long()
+            if params.logit_bias:  # bias [V_all] indexed by token id: the columns' entries
+                logits = logits.float() + bias_vector(params.logit_bias, penalties.bias.numel())[cols]
             if params.penalized:
-                cols = torch.arange(logits.shape[1]) if id_map is None else id_map.long()
                 history = penalties.history(extra=tokens[1 : 1 + n_path].tolist()).select(cols)
                 logits = penalize(logits[0], params, history)[None]
         ids = topk_select_ref(logits, k)
@@ -390,6 +394,8 @@ def _install_emulation(monkeypatch) -> None:
         (SamplingParams(temperature=0.7, top_k=20, seed=5), True),
         (SamplingParams(temperature=0.0, presence_penalty=1.5, repetition_penalty=1.2), False),
         (SamplingParams(temperature=0.8, seed=9, min_p=0.05, frequency_penalty=0.6, top_p=0.9), False),
+        (SamplingParams(temperature=0.0, logit_bias=BIAS), False),
+        (SamplingParams(temperature=0.7, top_k=20, seed=5, presence_penalty=1.0, logit_bias=BIAS), True),
     ],
     ids=[
         "greedy",
@@ -398,6 +404,8 @@ def _install_emulation(monkeypatch) -> None:
         "seeded-draft-vocab",
         "greedy-penalized",
         "seeded-penalized",
+        "greedy-biased",
+        "seeded-biased-draft-vocab",
     ],
 )
 def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
@@ -418,8 +426,8 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     # next draft step's logits within bf16 noise (a position off by one gives 3-20%), compared while the
     # two agree on the tokens (bf16 vs fp32 may part at a near-tie).
     ids = DRAFT_IDS if draft else None
-    # (Penalised runs skip it: their drafts are the penalised logits' top-k; checked unpenalised.)
-    check_mtp = params.greedy and not params.penalized
+    # (Penalised and biased runs skip it: their drafts are the adjusted logits' top-k; checked without.)
+    check_mtp = params.greedy and not params.penalized and not params.logit_bias
     ref = SpecDecoder(cfg, w32(name), params, 64, "cpu", torch.float32, tree, ids) if check_mtp else None
     got = spec.prefill(prompt)
     compared = 0
@@ -430,7 +438,7 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
         counts, L = rs.counts.clone(), rs.length  # the committed history before the event
         out = spec.step()
         got += out
-        if params.penalized:  # every node's choice: its own logits, the committed history + its path
+        if params.penalized or params.logit_bias:  # every node's choice: its logits, history + its path
             for i in range(eng.tb.n_nodes):
                 history = TokenHistory.of(counts, rs.prompt_mask.bool())
                 history = history.with_tokens(int(eng.tokens[j]) for j in path_nodes[i].tolist() if j >= 0)
@@ -438,6 +446,8 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
                 assert int(eng.choice[i]) == want, f"node {i}"
         if draft:  # every candidate the drafter proposed is a draft-vocabulary token
             assert set(spec.engine.cand.flatten().tolist()) <= set(DRAFT_IDS)
+        banned = {i for i, v in params.logit_bias if v <= -100}  # the drafter proposes under the bias
+        assert not banned & set(spec.engine.cand.flatten().tolist())
         if ref is not None and ref.step() == out:
             lg, want_lg = spec.engine.draft_logits[0], ref.draft_logits
             if draft:

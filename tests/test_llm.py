@@ -36,6 +36,14 @@ def test_tiny_temperatures_are_greedy(llm):
         (dict(presence_penalty=2.5), "presence_penalty must lie in"),
         (dict(frequency_penalty=float("nan")), "finite frequency_penalty"),
         (dict(repetition_penalty=11), "repetition_penalty must lie in"),
+        (dict(logit_bias={10**6: 1.0}), "outside the vocabulary"),
+        (dict(logit_bias={-1: 1.0}), "outside the vocabulary"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias token id must be an integer"),
+        (dict(logit_bias={5: float("inf")}), r"must lie in \[-100, 100\]"),
+        (dict(logit_bias={5: 100.5}), r"must lie in \[-100, 100\]"),
+        (dict(logit_bias={5: "x"}), "must be a number"),
+        (dict(logit_bias=[5]), "must map token ids"),
+        (dict(ignore_eos=1), "ignore_eos must be true or false"),
     ],
     ids=[
         "max-tokens-float",
@@ -49,6 +57,14 @@ def test_tiny_temperatures_are_greedy(llm):
         "presence-2.5",
         "frequency-nan",
         "repetition-11",
+        "bias-id-large",
+        "bias-id-negative",
+        "bias-id-str",
+        "bias-inf",
+        "bias-100.5",
+        "bias-str",
+        "bias-list",
+        "ignore-eos-int",
     ],
 )
 def test_bad_arguments_are_value_errors(llm, kwargs, words):
@@ -101,3 +117,21 @@ def test_generation_config_defaults_are_checked_at_load(tmp_path):
     f.write_text(json.dumps({**cfg, "min_p": 3}))
     with pytest.raises(ConfigError, match="generation_config.json: min_p must lie in"):
         LLM(ckpt, device="cpu")
+
+
+def test_logit_bias_and_ignore_eos(llm):
+    """logit_bias moves greedy decoding (a ban, a lift); an end-of-sequence token lifted to the top ends the
+    request at once, unless ignore_eos: then exactly max_tokens are generated (eos tokens, no text)."""
+    plain = llm.generate("hello", max_tokens=6, temperature=0).token_ids
+    banned = llm.generate("hello", max_tokens=6, temperature=0, logit_bias={plain[0]: -100})
+    assert banned.token_ids[0] != plain[0] and plain[0] not in banned.token_ids
+    zero = llm.generate("hello", max_tokens=6, temperature=0, logit_bias={plain[0]: 0.0})
+    assert zero.token_ids == plain
+    eos = llm.tokenizer.eos_token_ids[0]
+    stopped = llm.generate("hello", max_tokens=6, temperature=0, logit_bias={eos: 100})
+    assert stopped.token_ids == [] and stopped.finish_reason == "stop"
+    kept = llm.generate("hello", max_tokens=6, temperature=0, logit_bias={eos: 100}, ignore_eos=True)
+    assert kept.token_ids == [eos] * 6 and kept.finish_reason == "length"
+    kw = dict(max_tokens=6, temperature=0.9, seed=2, logit_bias={eos: 100}, ignore_eos=True)
+    sampled = llm.generate("hello", **kw)
+    assert sampled.token_ids == [eos] * 6  # +100: every sample the end token

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from lumo.engine.sampling import SamplingParams, TokenHistory, filter_logits, penalize, sample, uniform_noise
+from lumo.engine.sampling import (
+    SamplingParams,
+    TokenHistory,
+    adjust,
+    bias_vector,
+    filter_logits,
+    penalize,
+    sample,
+    uniform_noise,
+)
 
 
 def test_noise_depends_only_on_seed_and_position():
@@ -95,6 +104,24 @@ def test_penalties_steer_greedy_and_need_a_history():
     assert sample(logits, SamplingParams(temperature=0.0, frequency_penalty=-0.5), 1, history) == 0
     with pytest.raises(ValueError, match="history"):
         sample(logits, SamplingParams(presence_penalty=0.5), 1)
+
+
+def test_logit_bias_comes_before_the_penalties():
+    """vLLM's order: the bias is added to the raw logits, then the penalties act on the biased values
+    (repetition divides a positive logit, multiplies a negative one: the order changes the result)."""
+    logits = torch.tensor([1.0, 0.5, -1.0, 2.0])
+    history = TokenHistory(4, [0])  # token 0 in the prompt
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias=((0, -3.0), (2, 4.0)))
+    got = adjust(logits, params, history)
+    assert got.tolist() == [(1.0 - 3.0) * 2.0, 0.5, 3.0, 2.0]  # not 1 / 2 - 3
+    assert torch.equal(bias_vector(params.logit_bias, 4), torch.tensor([-3.0, 0.0, 4.0, 0.0]))
+    assert sample(logits, params, 1, history) == 2  # the bias lifted token 2 above token 3
+    assert sample(logits, SamplingParams(temperature=0.0, logit_bias=((3, -100.0),)), 1) == 0  # no history
+    # sampled: a banned token never comes, a lifted one always
+    ban = SamplingParams(temperature=1.5, seed=4, logit_bias=((3, -100.0),))
+    assert 3 not in {sample(logits, ban, p) for p in range(200)}
+    lift = SamplingParams(temperature=1.5, top_k=2, seed=4, logit_bias=((1, 100.0),))
+    assert {sample(logits, lift, p) for p in range(50)} == {1}
 
 
 def test_min_p_keeps_tokens_near_the_best():

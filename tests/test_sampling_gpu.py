@@ -191,10 +191,10 @@ def test_graph_replay():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,V", [(1, 1000), (13, 9973), (32, 248320)], ids=lambda v: str(v))
 def test_penalties_and_min_p_match_cpu_sampler(T, V):
-    """Penalties (a committed histogram, the prompt, each row's path tokens) and min-p: the CPU sampler's
-    tokens; the sampled tokens added to count_out. Rows cycle through off / penalised / min-p / both, in the
-    greedy, plain and top-k modes (top-p only where nothing else is on: its safe thresholds are computed on
-    the raw logits)."""
+    """Penalties (a committed histogram, the prompt, each row's path tokens), min-p and the logit bias: the
+    CPU sampler's tokens; the sampled tokens added to count_out. Rows cycle through off / penalised / min-p /
+    both, some of them biased, in the greedy, plain and top-k modes (top-p only where nothing else is on: its
+    safe thresholds are computed on the raw logits)."""
     logits, temps, ks, ps, seeds, positions = make_rows(T, V, 500 + T)
     gen = torch.Generator().manual_seed(T)
     R, E = 32, 11
@@ -208,7 +208,7 @@ def test_penalties_and_min_p_match_cpu_sampler(T, V):
     counts[best[1::4]] += 2  # committed history on some rows' best tokens
     prompt = (torch.rand(V, generator=gen) < 0.05).to(torch.uint8)
     prompt[best[2::4]] = 1
-    pen = torch.tensor([[1.0, 0.0, 0.0]] * T)
+    pen = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * T)
     if T > 1:
         temps[1] = 0.0
         second = logits[1].topk(2).values[1]
@@ -221,15 +221,22 @@ def test_penalties_and_min_p_match_cpu_sampler(T, V):
         if kind in (1, 3):
             rep = 0.5 + torch.rand(1, generator=gen).item()
             freq, pres = (torch.rand(2, generator=gen) * 4 - 2).tolist()
-            pen[t] = torch.tensor([rep, freq, pres])
+            pen[t] = torch.tensor([rep, freq, pres, 0.0])
         if t == 1:
-            pen[t] = torch.tensor([1.0, 0.0, 2.0])
+            pen[t] = torch.tensor([1.0, 0.0, 2.0, 0.0])
         if kind in (2, 3):
             thr[t] = SamplingParams(min_p=0.01 + 0.5 * torch.rand(1, generator=gen).item()).min_p_threshold
         if kind:
             ps[t] = 1.0
-    penalties = Penalties(pen, counts, prompt, path, node_tokens)
-    dev = Penalties(*(x.to(DEV) for x in (pen, counts, prompt, path, node_tokens)))
+        if kind and t % 8 >= 4:  # the logit bias too (not with top-p: its thresholds are the raw rows')
+            pen[t, 3] = 1.0
+    bias = torch.zeros(V)
+    biased = torch.randint(0, V, (V // 50,), generator=gen)
+    bias[biased] = ((torch.rand(biased.shape, generator=gen) * 200 - 100) * 8).round() / 8
+    bias[best[4::8]] = -100.0  # the best tokens of biased rows banned or pushed
+    bias[best[5::8]] = 3.0
+    penalties = Penalties(pen, counts, prompt, path, node_tokens, bias)
+    dev = Penalties(*(x.to(DEV) for x in (pen, counts, prompt, path, node_tokens, bias)))
     count_out = torch.zeros(V, dtype=torch.int32, device=DEV)
     rows = (logits, temps, ks, ps, seeds, positions)
     got = sample_tokens(*to_dev(rows), min_p=thr.to(DEV), penalties=dev, count_out=count_out)
@@ -284,3 +291,53 @@ def test_signed_zero_ties_at_the_k_th_value(k):
     rows = (logits, temps, ks, ps, torch.arange(T) + 5, torch.arange(T) + 100)
     got = sample_tokens(*to_dev(rows))
     assert torch.equal(got.cpu(), sample_tokens_ref(*rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [3001, 248320], ids=lambda v: f"V{v}")
+def test_logit_bias_matches_cpu_sampler(V):
+    """OpenAI's logit_bias, added to the raw logits before everything else, in every sampling mode (greedy,
+    plain, top-k, top-k + top-p, top-p, min-p, with the penalties, top-k 1), f32 and bf16 logits: the CPU
+    sampler's tokens. The rows' best tokens are banned (-100) and each row has a token of its own just
+    below its best lifted by +4, so every biased row's token differs from its unbiased one (checked on the
+    CPU reference); a row with the flag off ignores the vector."""
+    gen = torch.Generator().manual_seed(V)
+    T = 9
+    logits = torch.randn(T, V, generator=gen) * 3
+    best = logits.argmax(1)
+    lifted = torch.randperm(V, generator=gen)[:T]
+    logits[torch.arange(T), lifted] = logits.max(1).values - 1.0  # each row's own, 1 below its best
+    bias = torch.zeros(V)
+    nz = torch.randint(0, V, (40,), generator=gen)
+    bias[nz] = torch.randn(40, generator=gen)
+    bias[best], bias[lifted] = -100.0, 4.0
+    # rows: greedy, greedy unbiased, plain, top-k 20, top-k 20 + top-p 0.9, top-p, min-p, penalised, top-k 1
+    temps = torch.tensor([0.0, 0.0, 0.8, 0.8, 0.8, 0.8, 0.8, 0.7, 0.9])
+    ks = torch.tensor([0, 0, 0, 20, 20, 0, 0, 20, 1], dtype=torch.int32)
+    ps = torch.ones(T)
+    thr = torch.full((T,), -float("inf"))
+    thr[6] = SamplingParams(min_p=0.05).min_p_threshold
+    pen = torch.tensor([[1.0, 0.0, 0.0, 1.0]] * T)
+    pen[1, 3] = 0.0
+    pen[7] = torch.tensor([1.2, 0.3, 1.5, 1.0])
+    counts = torch.zeros(V, dtype=torch.int32)
+    counts[torch.randint(0, V, (V // 10,), generator=gen)] = 2
+    prompt = (torch.rand(V, generator=gen) < 0.05).to(torch.uint8)
+    penalties = Penalties(pen, counts, prompt, bias=bias)
+    dev = Penalties(pen.to(DEV), counts.to(DEV), prompt.to(DEV), bias=bias.to(DEV))
+    off = Penalties(pen * torch.tensor([1.0, 1.0, 1.0, 0.0]), counts, prompt, bias=bias)  # no row biased
+    seeds, positions = torch.arange(T) + 11, torch.arange(T) + 4000
+    for bf16 in (False, True):
+        x = logits.to(torch.bfloat16).float() if bf16 else logits
+        # top-p thresholds in gaps of the biased rows' cumulative mass (summation order cannot matter)
+        ps[4] = _safe_top_p(x[4] + bias, 0.8, 20, gen)
+        ps[5] = _safe_top_p(x[5] + bias, 0.8, 0, gen)
+        rows = (x, temps, ks, ps, seeds, positions)
+        logits_in = (x.to(torch.bfloat16) if bf16 else x).to(DEV)
+        got = sample_tokens(logits_in, *to_dev(rows[1:]), min_p=thr.to(DEV), penalties=dev)
+        want = sample_tokens_ref(*rows, min_p=thr, penalties=penalties)
+        assert torch.equal(got.cpu(), want), f"bf16={bf16}"
+        unbiased = sample_tokens_ref(*rows, min_p=thr, penalties=off)
+        changed = (want != unbiased).tolist()
+        assert changed == [t != 1 for t in range(T)], changed  # the bias moved every flagged row
+        assert not set(want.tolist()) & set(best.tolist()) - {int(best[1])}  # banned (row 1: unbiased)

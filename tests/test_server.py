@@ -437,6 +437,96 @@ def test_penalties_and_min_p_are_the_engines(client, llm):
     assert chat.choices[0].message.content == _parsed(prompt, want.text)[0]
 
 
+def test_logit_bias_is_the_engines(client, llm):
+    """logit_bias (OpenAI's token-id-string keys) through both endpoints: LLM.generate's tokens with the same
+    bias, values clamped to [-100, 100] as OpenAI / vLLM; a ban moves a greedy continuation off its first
+    token, a large bias forces one."""
+    kw = {"max_tokens": 8, "temperature": 0}
+    plain = llm.generate("The quick brown fox", **kw).token_ids
+    forced = (plain[1] + 7) % llm.config.vocab_size
+    sent = {str(plain[0]): -100, str(forced): 250.0}  # 250: clamped to 100
+    want = llm.generate("The quick brown fox", **kw, logit_bias={plain[0]: -100, forced: 100})
+    assert want.token_ids[0] == forced and plain[0] not in want.token_ids
+    r = client.completions.create(model=llm.model_name, prompt="The quick brown fox", logit_bias=sent, **kw)
+    assert r.choices[0].text == want.text
+    messages = [{"role": "user", "content": "Hello, how are you?"}]
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    first = llm.generate(prompt, **kw).token_ids[0]
+    want = llm.generate(prompt, **kw, logit_bias={first: -100})
+    chat = client.chat.completions.create(
+        model=llm.model_name, messages=messages, logit_bias={str(first): -100}, **kw
+    )
+    assert chat.choices[0].message.content == _parsed(prompt, want.text)[0]
+    assert want.token_ids[0] != first
+    # vLLM's ignore_eos (extra_body): an end token forced to the top ends a request, or is generated on
+    eos = {str(llm.tokenizer.eos_token_ids[0]): 100}
+    ended = client.completions.create(model=llm.model_name, prompt="Hi", logit_bias=eos, **kw)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 0
+    kept = client.completions.create(
+        model=llm.model_name, prompt="Hi", logit_bias=eos, extra_body={"ignore_eos": True}, **kw
+    )
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 8
+    streamed = client.chat.completions.create(
+        model=llm.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        logit_bias=eos,
+        extra_body={"ignore_eos": True},
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    events = list(streamed)
+    assert events[-1].usage.completion_tokens == 8
+    assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] == ["length"]
+
+
+def test_tokenize_and_detokenize(server, llm):
+    """vLLM's /tokenize (a prompt; chat messages as the chat endpoint renders them) and /detokenize."""
+    tok = llm.tokenizer
+    r = httpx.post(
+        server.url + "/tokenize", json={"prompt": "The quick brown fox", "return_token_strs": True}
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["tokens"] == tok.encode("The quick brown fox")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == llm.max_model_len
+    assert body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]]
+    messages = [{"role": "user", "content": "Hello, how are you?"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(messages)) and chat["token_strs"] is None
+    bare = httpx.post(server.url + "/tokenize", json={"messages": messages, "add_generation_prompt": False})
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert bare.json()["tokens"] == tok.encode(rendered) != chat["tokens"]
+    back = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}).json()
+    assert back == {"prompt": "The quick brown fox"}
+
+
+def test_stop_token_ids_include_stop_str_and_special_tokens(client, llm):
+    """vLLM's output options: stop_token_ids end a choice like an end-of-sequence token (not in the text),
+    include_stop_str_in_output keeps the stop string, skip_special_tokens false shows special tokens (an
+    end token generated under ignore_eos)."""
+    kw, prompt = {"max_tokens": 10, "temperature": 0}, "Hello, how are you?"
+    plain = llm.generate(prompt, **kw)
+    assert len(plain.token_ids) == 10, "the random model should not end this prompt early"
+    j = next(i for i in range(2, 10) if plain.token_ids[i] not in plain.token_ids[:i])
+    want = llm.generate(prompt, **kw, stop_token_ids=[plain.token_ids[j]])
+    assert want.token_ids == plain.token_ids[:j] and want.finish_reason == "stop"
+    extra = {"stop_token_ids": [plain.token_ids[j]]}
+    r = client.completions.create(model=llm.model_name, prompt=prompt, extra_body=extra, **kw)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == j
+    stop = next(s for i in range(3, 9) if "\ufffd" not in (s := plain.text[i : i + 2]))
+    cut = llm.generate(prompt, **kw, stop=[stop])
+    kept = llm.generate(prompt, **kw, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == cut.text + stop and cut.finish_reason == kept.finish_reason == "stop"
+    extra = {"include_stop_str_in_output": True}
+    r = client.completions.create(model=llm.model_name, prompt=prompt, stop=[stop], extra_body=extra, **kw)
+    assert r.choices[0].text == kept.text
+    eos = llm.tokenizer.eos_token_ids[0]
+    shown = {"logit_bias": {str(eos): 100}, "ignore_eos": True, "skip_special_tokens": False}
+    r = client.completions.create(model=llm.model_name, prompt="Hi", max_tokens=2, extra_body=shown)
+    assert r.choices[0].text == llm.tokenizer.decode([eos, eos]) != ""
+
+
 def test_n_choices_are_the_seeded_requests_in_turn(client, server, llm):
     """n > 1: choice j samples with seed + j (choice 0 is the request alone), completions prompt-major over a
     batch, chat and completions, streamed and not; usage counts each prompt once and every choice's tokens;

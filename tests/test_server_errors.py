@@ -89,7 +89,26 @@ BAD = [
     ("freq-penalty-str", COMP, {"prompt": "a", "frequency_penalty": "x"}, 422, "frequency_penalty", ""),
     ("repetition-penalty-0", COMP, {"prompt": "a", "repetition_penalty": 0}, 422, "repetition_penalty", ""),
     ("min-p-2", CHAT, {"messages": USER, "min_p": 2}, 422, "min_p", ""),
-    ("logit-bias", COMP, {"prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias", ""),
+    ("logit-bias-id", COMP, {"prompt": "a", "logit_bias": {"99999999": 10}}, 400, "logit_bias", "vocabulary"),
+    ("logit-bias-key", CHAT, {"messages": USER, "logit_bias": {"the": 1}}, 400, "logit_bias", "token ids"),
+    ("logit-bias-neg", COMP, {"prompt": "a", "logit_bias": {"-1": 1}}, 400, "logit_bias", "vocabulary"),
+    ("logit-bias-value", COMP, {"prompt": "a", "logit_bias": {"5": "x"}}, 422, "logit_bias.5", "number"),
+    ("logit-bias-list", CHAT, {"messages": USER, "logit_bias": [5]}, 422, "logit_bias", ""),
+    (
+        "stop-ids-range",
+        COMP,
+        {"prompt": "a", "stop_token_ids": [-1]},
+        400,
+        "stop_token_ids",
+        "vocabulary",
+    ),
+    ("stop-ids-str", CHAT, {"messages": USER, "stop_token_ids": ["a"]}, 422, "stop_token_ids[0]", "integer"),
+    ("ignore-eos-str", COMP, {"prompt": "a", "ignore_eos": "yes"}, 422, "ignore_eos", ""),
+    ("tokenize-neither", "/tokenize", {}, 400, "messages", "prompt or messages"),
+    ("tokenize-both", "/tokenize", {"prompt": "a", "messages": USER}, 400, "prompt", "prompt or messages"),
+    ("tokenize-empty-chat", "/tokenize", {"messages": []}, 400, "messages", "empty"),
+    ("detokenize-range", "/detokenize", {"tokens": [1, -4]}, 400, "tokens", "token ids"),
+    ("detokenize-str", "/detokenize", {"tokens": "abc"}, 422, "tokens", ""),
     ("top-logprobs-alone", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
     (
         "top-logprobs-21",
@@ -320,3 +339,16 @@ def test_server_still_healthy(server):
     metrics = httpx.get(server.url + "/metrics").text
     assert 'lumo_requests_total{endpoint="/v1/chat/completions",status="422"}' in metrics
     assert server.proc.poll() is None
+
+
+def test_logit_bias_keys_and_clamping():
+    """logit_bias keys are token ids (strings in JSON), values clamped to [-100, 100] (OpenAI's range, as
+    vLLM clamps); no token settings: the vocabulary is not asked for."""
+    from lumo.server.protocol import CompletionRequest
+
+    body = CompletionRequest(prompt="a", logit_bias={"5": 250, "7": -1e9, "9": 0.5}, stop_token_ids=[3])
+    assert body.token_settings(lambda: 10) == {
+        "logit_bias": {5: 100.0, 7: -100.0, 9: 0.5},
+        "stop_token_ids": [3],
+    }
+    assert CompletionRequest(prompt="a").token_settings(lambda: 1 / 0) == {}

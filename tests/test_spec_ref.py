@@ -104,10 +104,11 @@ def test_every_acceptance_case_is_exact(tiny, right, sibling):
 PENALIZED = [
     SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
     SamplingParams(temperature=0.9, seed=7, min_p=0.02, presence_penalty=-1.0, repetition_penalty=0.8),
+    SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias=((0, 4.0), (7, 4.0), (35, 4.0))),
 ]
 
 
-@pytest.mark.parametrize("params", PENALIZED, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("params", PENALIZED, ids=["greedy", "sampled", "greedy-biased"])
 @pytest.mark.parametrize("right, sibling", [(4, False), (1, True)])
 def test_penalties_are_exact_under_speculation(tiny, params, right, sibling):
     """A verify node's penalties see the drafted tokens on its path: with drafts from the true (penalised)
@@ -175,8 +176,10 @@ def test_embedded_model_spec_equals_plain(spec):
     [
         dict(temperature=0, presence_penalty=1.5, repetition_penalty=1.1),
         dict(temperature=0.8, seed=3, min_p=0.05, frequency_penalty=0.7),
+        dict(temperature=0, logit_bias={446: -100, 650: 1.5, 2232: -5, 13: 2}),
+        dict(temperature=0.7, top_k=20, seed=4, logit_bias={259: -100, 548: 3}, presence_penalty=0.5),
     ],
-    ids=["greedy", "sampled"],
+    ids=["greedy", "sampled", "greedy-biased", "sampled-biased"],
 )
 def test_embedded_model_penalized_tree_equals_plain(kw):
     from lumo.engine.llm import LLM, embedded_model_path
@@ -184,10 +187,16 @@ def test_embedded_model_penalized_tree_equals_plain(kw):
     if not (embedded_model_path() / "config.json").exists():
         pytest.skip("the embedded model is not in lumo/assets (run bench/train_tiny.py)")
     plain, fast = LLM(device="cpu", spec="off"), LLM(device="cpu", spec="tree")
+    changed = "logit_bias" not in kw
     for prompt in EMBEDDED_PROMPTS[:2]:
         want = plain.generate(prompt, max_tokens=40, **kw).token_ids
         assert fast.generate(prompt, max_tokens=40, **kw).token_ids == want
         assert sum(fast.last_decoder.stats.accepted) > 0
+        banned = [i for i, v in kw.get("logit_bias", {}).items() if v <= -100]
+        assert not set(banned) & set(want)
+        unbiased = {k: v for k, v in kw.items() if k != "logit_bias"}
+        changed = changed or plain.generate(prompt, max_tokens=40, **unbiased).token_ids != want
+    assert changed  # the bias changes the output
 
 
 def test_auto_spec_is_tree_only_on_the_kernels(tmp_path):

@@ -385,3 +385,25 @@ def test_missing_tokenizer_json(tok_dir, tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json") as e:
         Tokenizer.from_dir(d)
     assert "\n" not in str(e.value)
+
+
+def test_include_stop_keeps_the_stop_string(tok):
+    """include_stop (vLLM's include_stop_str_in_output): the same stop, on the same token, and the text
+    runs on to that stop string's end (the longest one starting there)."""
+    rng = random.Random(7)
+    cases = [("xxabcdyy", ["abcd", "bc"]), ("a 日本語 b", ["本語 b", "本語"]), ("one two", ["tw", "two"])]
+    for _ in range(40):
+        text = random_text(rng, rng.randint(2, 30))
+        a = rng.randrange(len(text))
+        cases.append((text, [text[a : a + rng.randint(1, 6)], random_text(rng, 2)]))
+    for text, stops in cases:
+        ids = tok.encode(text)
+        _, det = stream(tok, ids, stops)
+        inc = IncrementalDetokenizer(tok, stop=stops, include_stop=True)
+        chunks = [inc.add(i) for i in ids] + [inc.finish()]
+        assert inc.stopped == det.stopped and "".join(chunks) == inc.text
+        if not det.stopped:
+            assert inc.text == text
+            continue
+        tail = inc.text[len(det.text) :]
+        assert inc.text.startswith(det.text) and tail in stops and text.startswith(inc.text)

@@ -300,10 +300,12 @@ def test_topk_select_maps_columns_to_draft_vocabulary_ids(V):
 
 @pytest.mark.parametrize("V", [4097, 248320])
 @pytest.mark.parametrize("mapped", [False, True], ids=["all", "draft-vocab"])
-def test_topk_select_under_penalties(V, mapped):
-    """The drafter's candidates under the penalties: topk of the CPU-penalised logits, whose history is the
-    counts (over token ids, through the id map) plus the spine drafted so far, tokens[1 : 1 + n_path]."""
-    from lumo.engine.sampling import SamplingParams, penalize
+@pytest.mark.parametrize("biased", [False, True], ids=["", "biased"])
+def test_topk_select_under_penalties(V, mapped, biased):
+    """The drafter's candidates under the penalties (and the logit bias): topk of the CPU-adjusted logits,
+    whose history is the counts (over token ids, through the id map) plus the spine drafted so far,
+    tokens[1 : 1 + n_path]; the bias over token ids too."""
+    from lumo.engine.sampling import SamplingParams, adjust, bias_vector
     from lumo.kernels.sampling import Penalties
 
     gen = torch.Generator().manual_seed(V)
@@ -318,11 +320,21 @@ def test_topk_select_under_penalties(V, mapped):
     prompt[cols[best[2]]] = 1
     tokens = torch.full((12,), 0, dtype=torch.int32)
     tokens[1:4] = cols[best[3:6]].int()  # the spine so far: three of the best tokens
-    params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=1.0)
-    pen = Penalties(torch.tensor([[1.3, 0.4, 1.0]]).to(DEV), counts.to(DEV), prompt.to(DEV))
+    bias = ()
+    if biased:  # the best column banned, the 20th lifted (over token ids), a few random ones moved
+        moved = torch.randint(0, V, (30,), generator=gen)
+        bias = {int(cols[j]): float(torch.randn(1, generator=gen)) for j in moved}
+        bias |= {int(cols[best[0]]): -100.0, int(cols[logits[0].topk(20).indices[-1]]): 5.0}
+        bias = tuple(sorted(bias.items()))
+    params = SamplingParams(
+        repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=1.0, logit_bias=bias
+    )
+    row = torch.tensor([Penalties.row(params)]).to(DEV)
+    bias_dev = bias_vector(bias, Vall).to(DEV) if biased else None
+    pen = Penalties(row, counts.to(DEV), prompt.to(DEV), bias=bias_dev)
     for n_path in (0, 3):
-        history = pen.history(extra=tokens[1 : 1 + n_path].tolist()).select(cols)
-        want = topk_select_ref(penalize(logits[0], params, history)[None], 8)
+        history = pen.history(extra=tokens[1 : 1 + n_path].tolist())
+        want = topk_select_ref(adjust(_full(logits[0], cols, Vall), params, history)[cols][None], 8)
         want = cols[want.long()].int() if mapped else want
         ids = topk_select(
             logits.to(DEV),
@@ -337,6 +349,13 @@ def test_topk_select_under_penalties(V, mapped):
         assert not torch.equal(
             want, topk_select_ref(logits, 8) if not mapped else cols[topk_select_ref(logits, 8).long()].int()
         )
+
+
+def _full(row: torch.Tensor, cols: torch.Tensor, n: int) -> torch.Tensor:
+    """A draft vocabulary's logits row spread over the n token ids (0 elsewhere: never read back)."""
+    out = torch.zeros(n)
+    out[cols] = row
+    return out
 
 
 def test_topk_scatter_into_tree_and_graph_replay():

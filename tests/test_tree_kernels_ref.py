@@ -10,6 +10,7 @@ import torch
 from lumo import model as M
 from lumo.config import TreeConfig
 from lumo.engine.decode import SpecDecoder
+from lumo.engine.sampling import SamplingParams
 from lumo.engine.tree import TreeBuffers, accept, build_tree, chain_config, gdn_schedule
 from lumo.kernels.conv import conv_commit_rows
 from lumo.kernels.gdn import gdn_decode_ref
@@ -113,6 +114,7 @@ def test_draft_node_table_matches_spec_decoder(monkeypatch):
     dec = object.__new__(SpecDecoder)
     dec.cfg, dec.w, dec.device, dec.tree, dec.pending, dec.draft_ids = None, None, "cpu", tree, 11, None
     dec.draft_logits, dec.draft_hidden, dec.cache = logits[0], torch.zeros(1, 4), _FakeCache()
+    dec.params = SamplingParams(temperature=0.0)  # no bias, no penalties: the raw draft logits
     want = dec._draft()
 
     table = draft_node_table(tree)

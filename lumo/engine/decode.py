@@ -18,7 +18,7 @@ from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
 from .logprobs import PromptLogprobs, ScoresTokens
 from .prefix import PrefixCache
-from .sampling import SamplingParams, TokenHistory, penalize, sample
+from .sampling import SamplingParams, TokenHistory, adjust, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
@@ -207,8 +207,10 @@ class SpecDecoder(PlainDecoder):
         pos = self.cache.length  # MTP position of the step predicting depth 2 (pair (out_1, s_1))
         for d in range(1, t.depth_max + 1):
             k = max(int(t.rank.max()) + 1, 1)
-            if self.history is not None:  # the drafter proposes under the penalties (spine so far generated)
-                logits = penalize(logits, self.params, self.history.with_tokens(tokens[1:d]))
+            if self.params.logit_bias or self.history is not None:
+                # the drafter proposes under the bias and the penalties (the spine so far generated)
+                spine = None if self.history is None else self.history.with_tokens(tokens[1:d])
+                logits = adjust(logits, self.params, spine)
             if self.draft_ids is None:
                 top = torch.topk(logits, k).indices.tolist()
             else:

@@ -133,12 +133,14 @@ class GPUSpecEngine:
         self.top_p = torch.ones(R, dtype=f32, device=dev)
         self.seed = torch.zeros(R, dtype=i64, device=dev)
         self.min_p = torch.full((R,), -float("inf"), dtype=f32, device=dev)
-        self.penalty = torch.zeros(R, 3, dtype=f32, device=dev)
-        # A verify row's penalties see the committed history (the runner's) plus its path's drafted tokens.
+        self.penalty = torch.zeros(R, 4, dtype=f32, device=dev)
+        # A verify row's penalties see the committed history (the runner's) plus its path's drafted tokens;
+        # its logit bias is the request's (the runner's).
         self.path = tb.path_nodes().to(dev)  # [R, D] node ids below the root
-        self.penalties = Penalties(self.penalty, runner.counts, runner.prompt_mask, self.path, self.tokens)
-        # The drafter's candidates under the same penalties (its history: the spine drafted so far).
-        self.draft_penalties = Penalties(self.penalty[0:1], runner.counts, runner.prompt_mask)
+        pen = (runner.counts, runner.prompt_mask)
+        self.penalties = Penalties(self.penalty, *pen, self.path, self.tokens, runner.logit_bias)
+        # The drafter's candidates under the same bias and penalties (its history: the spine drafted so far).
+        self.draft_penalties = Penalties(self.penalty[0:1], *pen, bias=runner.logit_bias)
 
         # ---- target verify activations (R rows) + the replay operands of every GDN layer ----
         self.tr = _Rows(runner, R)
@@ -215,7 +217,7 @@ class GPUSpecEngine:
         self.top_p.fill_(params.top_p)
         self.seed.fill_(params.seed)
         self.min_p.copy_(self.runner.min_p.expand(self.R))
-        self.penalty.copy_(self.runner.penalty.expand(self.R, 3))
+        self.penalty.copy_(self.runner.penalty.expand(self.R, 4))
 
     def extra_bytes(self) -> int:
         """GPU memory tree decoding adds to plain decoding: MTP weights and cache, tree buffers."""

@@ -7,7 +7,7 @@ import math
 import operator
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,7 +243,11 @@ class LLM:
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:
         """Keyword arguments: temperature, top_k, top_p, seed, min_p, repetition_penalty, frequency_penalty,
-        presence_penalty, stop (see sampling_params), logprobs (None:
+        presence_penalty, logit_bias (see sampling_params), stop (strings), stop_token_ids (tokens that end
+        the request like an end-of-sequence token: not part of the result), ignore_eos (end-of-sequence
+        tokens are generated like any other), include_stop_str_in_output (the text ends after the stop
+        string, not before it), skip_special_tokens (default True: special tokens add no text; vLLM's
+        four options), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
         ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
@@ -337,11 +341,14 @@ class LLM:
         repetition_penalty: float | None = None,
         frequency_penalty: float | None = None,
         presence_penalty: float | None = None,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> SamplingParams:
         """Checked sampling settings (None: the checkpoint's generation_config, else temperature 1, no
         top-k / top-p / min-p, no penalties). Temperatures below GREEDY_BELOW are greedy; the seed is taken
         modulo 2^64. min_p in [0, 1]; repetition_penalty in (0, 10] (1: off; over the prompt and the output),
-        frequency / presence penalties in [-2, 2] (0: off; over the output), as vLLM's."""
+        frequency / presence penalties in [-2, 2] (0: off; over the output), as vLLM's. logit_bias: token id
+        -> a value in [-100, 100] added to its logit before the penalties (OpenAI's; ids below the
+        vocabulary size)."""
         d = self._defaults
 
         def number(value, key: str, default: float) -> float:
@@ -369,6 +376,7 @@ class LLM:
         if t < GREEDY_BELOW:
             t = 0.0
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else _integer(seed, "seed")
+        bias = self._logit_bias(logit_bias)
         return SamplingParams(
             temperature=t,
             top_k=k,
@@ -378,7 +386,26 @@ class LLM:
             repetition_penalty=rep,
             frequency_penalty=freq,
             presence_penalty=pres,
+            logit_bias=bias,
         )
+
+    def _logit_bias(self, logit_bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+        if logit_bias is None:
+            return ()
+        if not isinstance(logit_bias, Mapping):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}")
+        V = self.config.vocab_size
+        out = {}
+        for key, value in logit_bias.items():
+            i = _integer(key, "a logit_bias token id")
+            if not 0 <= i < V:
+                raise ValueError(f"logit_bias token id {i} is outside the vocabulary [0, {V})")
+            x = _number(value, f"logit_bias[{i}]")
+            if not -100.0 <= x <= 100.0:  # OpenAI's range (the server clamps to it, as vLLM's does)
+                raise ValueError(f"logit_bias[{i}] must lie in [-100, 100], got {x}")
+            if x != 0.0:
+                out[i] = x
+        return tuple(sorted(out.items()))
 
     def _stream(
         self,
@@ -391,16 +418,17 @@ class LLM:
         stop: list[str] | str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
-        **shaping: float | None,  # min_p and the penalties (sampling_params)
+        stop_token_ids: Iterable[int] | None = None,
+        ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        **shaping,  # min_p, the penalties and logit_bias (sampling_params)
     ) -> Iterator[StreamChunk]:
         if _integer(max_tokens, "max_tokens") < 1:
             raise ValueError("max_tokens must be at least 1")
-        if not (
-            stop is None
-            or isinstance(stop, str)
-            or (isinstance(stop, list | tuple) and all(isinstance(x, str) for x in stop))
-        ):
-            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        ending = self._ending(
+            stop, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens
+        )
         n = len(prompt_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(
@@ -409,10 +437,33 @@ class LLM:
             )
         max_tokens = min(max_tokens, self.max_model_len - n)
         params = self.sampling_params(temperature, top_k, top_p, seed, **shaping)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         self.last_decoder = None  # until this request's decoder exists (no stale stats)
-        return self._run(prompt_ids, max_tokens, params, stops, logprobs, prompt_logprobs)
+        return self._run(prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs)
+
+    def _ending(self, stop, stop_token_ids, ignore_eos, include_stop, skip_special) -> Ending:
+        if not (
+            stop is None
+            or isinstance(stop, str)
+            or (isinstance(stop, list | tuple) and all(isinstance(x, str) for x in stop))
+        ):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for name, flag in (
+            ("ignore_eos", ignore_eos),
+            ("include_stop_str_in_output", include_stop),
+            ("skip_special_tokens", skip_special),
+        ):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be true or false, got {flag!r}")
+        if isinstance(stop_token_ids, str | bytes) or not isinstance(stop_token_ids, Iterable | None):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
+        ids = frozenset(_integer(t, "a stop_token_ids entry") for t in stop_token_ids or ())
+        V = self.config.vocab_size
+        if bad := sorted(t for t in ids if not 0 <= t < V):
+            raise ValueError(f"stop_token_ids {bad} lie outside the vocabulary [0, {V})")
+        eos = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        return Ending(strings, eos | ids, include_stop, skip_special)
 
     @torch.inference_mode()
     def _run(
@@ -420,15 +471,21 @@ class LLM:
         prompt_ids: list[int],
         max_tokens: int,
         params: SamplingParams,
-        stops: list[str],
+        ending: Ending,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
     ) -> Iterator[StreamChunk]:
         decoder = self.decoder(params, len(prompt_ids) + max_tokens)
         self.last_decoder = decoder
         decoder.logprobs, decoder.prompt_logprobs = logprobs, prompt_logprobs
-        detok = IncrementalDetokenizer(self.tokenizer, stop=stops, prompt_ids=prompt_ids[-8:])
-        eos = set(self.tokenizer.eos_token_ids)
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            stop=list(ending.stop),
+            skip_special_tokens=ending.skip_special_tokens,
+            prompt_ids=prompt_ids[-8:],
+            include_stop=ending.include_stop_str_in_output,
+        )
+        eos = ending.stop_token_ids
         n = 0
         tokens = decoder.prefill(prompt_ids)
         first = None if prompt_logprobs is None else [None, *decoder.last_prompt_logprobs]
@@ -458,6 +515,16 @@ class LLM:
                 return
             first = None
             tokens = decoder.step()
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Where a request ends and what its text shows (LLM.generate's keyword arguments, checked)."""
+
+    stop: tuple[str, ...]  # stop strings: the text ends before the first (or after it, include_stop)
+    stop_token_ids: frozenset[int]  # end-of-sequence tokens (unless ignore_eos) and stop_token_ids
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 def _generation_defaults(path: Path) -> dict:

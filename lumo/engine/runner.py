@@ -39,7 +39,7 @@ from ..kernels.sampling import Penalties, sample_tokens, sample_workspace
 from ..weights import ModelWeights
 from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
 from .prefix import PrefixCache
-from .sampling import SamplingParams
+from .sampling import SamplingParams, bias_vector
 
 PREFILL_CHUNK = 2048  # tokens per prefill chunk: bounds the activations (docs/runner.md has the numbers)
 
@@ -115,12 +115,14 @@ class GPURunner:
         self.top_p = torch.ones(1, dtype=f32, device=dev)  # [1] 1: off
         self.seed = torch.zeros(1, dtype=i64, device=dev)  # [1]
         self.min_p = torch.full((1,), -float("inf"), dtype=f32, device=dev)  # [1] log(min_p), -inf: off
-        self.penalty = torch.tensor([[1.0, 0.0, 0.0]], dtype=f32, device=dev)  # [1, 3] rep, freq, pres
+        # [1, 4] repetition, frequency, presence penalties, logit bias on (Penalties.row)
+        self.penalty = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=f32, device=dev)
+        self.logit_bias = torch.zeros(V, dtype=f32, device=dev)  # [V] the request's (set_sampling)
         # The request's token history (the sampling penalties'; begin_history): every sample the step
         # emits is added to counts by the sampler itself, an event's tokens by tree_accept.
         self.counts = torch.zeros(V, dtype=i32, device=dev)  # [V] generated tokens
         self.prompt_mask = torch.zeros(V, dtype=torch.uint8, device=dev)  # [V] 1: in the prompt
-        self.penalties = Penalties(self.penalty, self.counts, self.prompt_mask)
+        self.penalties = Penalties(self.penalty, self.counts, self.prompt_mask, bias=self.logit_bias)
         self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
 
         # ---- static activations of one decode row ----
@@ -172,8 +174,9 @@ class GPURunner:
         self.top_p.fill_(params.top_p)
         self.seed.fill_(params.seed)
         self.min_p.fill_(params.min_p_threshold)
-        pen = (params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
-        self.penalty.copy_(torch.tensor([pen], dtype=torch.float32))
+        self.penalty.copy_(torch.tensor([Penalties.row(params)], dtype=torch.float32))
+        if params.logit_bias:
+            self.logit_bias.copy_(bias_vector(params.logit_bias, self.logit_bias.numel()))
 
     @torch.inference_mode()
     def begin_history(self, prompt_ids: Sequence[int]) -> None:

@@ -6,11 +6,12 @@ speculative tree node at the same logical position therefore draw the same noise
 emits the same tokens with and without speculation (DESIGN.md, Exactness). The GPU sampler implements
 the same hash.
 
-Order of the operations on a row (vLLM's): the raw logits, the penalties (repetition over the prompt and
-the output, then frequency and presence over the output), greedy argmax or: / temperature, min-p, top-k,
-top-p, Gumbel-max. The penalties read the tokens generated so far (`TokenHistory`); a tree node's
-history is the committed one plus the drafted tokens on its path, which is what plain decoding has seen
-when it samples at that position, so penalised decoding stays exact under speculation too.
+Order of the operations on a row (vLLM's): the raw logits, + logit_bias, the penalties (repetition over the
+prompt and the output, then frequency and presence over the output), greedy argmax or: / temperature,
+min-p, top-k, top-p, Gumbel-max. The penalties read the tokens generated so far (`TokenHistory`); a tree
+node's history is the committed one plus the drafted tokens on its path, which is what plain decoding has
+seen when it samples at that position, so penalised decoding stays exact under speculation too. The bias
+is the same at every position.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # OpenAI's logit_bias: (token id, value) pairs, ids ascending and distinct, each value added to that
+    # token's raw logit before the penalties (bias_vector; LLM.sampling_params checks the ids and values).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +87,28 @@ class TokenHistory:
     def select(self, ids: torch.Tensor) -> TokenHistory:
         """The history of the tokens `ids` only, in that order (a draft vocabulary's columns)."""
         return TokenHistory.of(self.counts[ids], self.prompt[ids])
+
+
+def bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab_size: int, device=None) -> torch.Tensor:
+    """[V] f32: each biased token's value, 0 elsewhere (what the GPU sampler reads)."""
+    bias = torch.zeros(vocab_size, dtype=torch.float32)
+    if logit_bias:
+        ids, values = zip(*logit_bias, strict=True)
+        bias[torch.tensor(ids)] = torch.tensor(values, dtype=torch.float32)
+    return bias.to(device)
+
+
+def adjust(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None = None) -> torch.Tensor:
+    """[V] f32 logits as the sampler sees them before the temperature: + logit_bias (every entry: x + 0
+    for the others, as the GPU sampler adds its [V] vector), then the penalties (they need `history`)."""
+    x = logits.float()
+    if params.logit_bias:
+        x = x + bias_vector(params.logit_bias, x.numel(), x.device)
+    if params.penalized:
+        if history is None:
+            raise ValueError("penalties need the token history")
+        x = penalize(x, params, history)
+    return x
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
@@ -149,11 +175,9 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, position: int, history: TokenHistory | None = None
 ) -> int:
     """One token from [V] logits for absolute position `position` (Gumbel-max; greedy = argmax), after the
-    penalties when `params` has any (then `history` is required)."""
-    if params.penalized:
-        if history is None:
-            raise ValueError("penalties need the token history")
-        logits = penalize(logits, params, history)
+    logit bias and the penalties when `params` has any (penalties need `history`)."""
+    if params.logit_bias or params.penalized:
+        logits = adjust(logits, params, history)
     if params.greedy:
         return int(torch.argmax(logits))
     x = filter_logits(logits, params)

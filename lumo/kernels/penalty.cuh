@@ -1,21 +1,24 @@
-// The sampling penalties (lumo.engine.sampling.penalize), shared by the sampler (sampling.cu) and the
-// drafter's candidate selection (tree_ops.cu topk_partial).
+// The sampling penalties and the logit bias (lumo.engine.sampling.adjust), shared by the sampler
+// (sampling.cu) and the drafter's candidate selection (tree_ops.cu topk_partial).
 #pragma once
 
 #define PATH_MAX 64  // path tokens a row's penalties may add to the history (a tree's depth)
 
 struct Penalty {
-  bool on;
+  bool on;    // the penalties: repetition != 1, frequency != 0 or presence != 0
+  bool bias;  // x + bias[id] first
   float rep, freq, pres;  // repetition, frequency, presence
 };
 
-// Row t's penalties from penalty [T, 3] (null: none).
-__device__ __forceinline__ Penalty row_penalty(const float* penalty, int t) {
+// Row t's settings from penalty [T, 4] (null: none): repetition, frequency, presence, and 1 where the row
+// adds the logit bias [V] (null: no bias anywhere).
+__device__ __forceinline__ Penalty row_penalty(const float* penalty, const float* bias, int t) {
   Penalty p;
-  p.rep = penalty == nullptr ? 1.0f : penalty[3 * t];
-  p.freq = penalty == nullptr ? 0.0f : penalty[3 * t + 1];
-  p.pres = penalty == nullptr ? 0.0f : penalty[3 * t + 2];
+  p.rep = penalty == nullptr ? 1.0f : penalty[4 * t];
+  p.freq = penalty == nullptr ? 0.0f : penalty[4 * t + 1];
+  p.pres = penalty == nullptr ? 0.0f : penalty[4 * t + 2];
   p.on = p.rep != 1.0f || p.freq != 0.0f || p.pres != 0.0f;
+  p.bias = penalty != nullptr && bias != nullptr && penalty[4 * t + 3] != 0.0f;
   return p;
 }
 

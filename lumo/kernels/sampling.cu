@@ -9,9 +9,10 @@
 //            keeps x >= x[k-1] (k clamped to C), top-p keeps tokens whose exclusive cumulative softmax
 //            mass is < top_p (first always kept; the softmax denominator covers all V unless top-k or
 //            min-p is on: then the kept candidates), then argmax of x + g over the kept candidates.
-// Penalties (lumo.engine.sampling.penalize; a row is penalised when repetition != 1, frequency != 0 or
-// presence != 0): each logit first becomes, with c = counts[i] + how often i is among the row's path
-// tokens and seen = prompt[i] or c > 0,
+// Logit bias and penalties (lumo.engine.sampling.adjust): a row with its bias flag set first adds bias[i]
+// (every i: x + 0 where nothing is biased, as the CPU sampler adds its vector); a row is penalised when
+// repetition != 1, frequency != 0 or presence != 0: then each logit becomes, with c = counts[i] + how often
+// i is among the row's path tokens and seen = prompt[i] or c > 0,
 //   x = seen ? (x > 0 ? x / rep : x * rep) : x;  x = x - freq * c;  x = x - pres * (c > 0)
 // one IEEE rounding per operation, as torch's. counts is the slot's generated-token histogram; a tree row's
 // path tokens are the drafted tokens of its path below the root (node ids path[t, 0..E), tokens from
@@ -198,7 +199,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                    const float* __restrict__ top_p, const long long* __restrict__ seed,
                    const long long* __restrict__ position,  // [T] each
                    const float* __restrict__ min_p,         // [T] log threshold, -inf: off; or null
-                   const float* __restrict__ penalty,       // [T, 3] repetition, frequency, presence; or null
+                   const float* __restrict__ penalty,       // [T, 4] repetition, frequency, presence, bias on
+                   const float* __restrict__ bias,          // [V] logit bias, or null
                    const int* __restrict__ counts,          // [V] generated-token histogram
                    const unsigned char* __restrict__ prompt,  // [V] 1: in the prompt
                    const int* __restrict__ path,            // [T, E] path node ids (-1: none), or null
@@ -216,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   __shared__ int ptok[PATH_MAX];
   const int b = blockIdx.x, t = blockIdx.y;
   const Mode md = row_mode(temperature, top_k, top_p, min_p, t, V);
-  const Penalty pen = row_penalty(penalty, t);
+  const Penalty pen = row_penalty(penalty, bias, t);
   const int np = path == nullptr ? 0 : E;
   if (pen.on) {
     for (int e = threadIdx.x; e < np; e += THREADS) {
@@ -227,7 +229,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   }
   const logit_t* lrow = logits + (size_t)t * V;
   auto row = [&](int i) {
-    const float x = logit_f32(lrow[i]);
+    float x = logit_f32(lrow[i]);
+    if (pen.bias) x = __fadd_rn(x, bias[i]);
     if (!pen.on) return x;
     int c = counts[i];
     for (int e = 0; e < np; ++e) c += ptok[e] == i;

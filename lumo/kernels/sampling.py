@@ -9,6 +9,7 @@ draws the same token as the CPU on bitwise-equal logits. `gumbel_noise_ref` is t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import math
 from collections.abc import Iterable
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampling import TokenHistory, gumbel_of_uniform, uniform_noise
+from ..engine.sampling import SamplingParams, TokenHistory, gumbel_of_uniform, uniform_noise
 from .compile import Kernel, compile_kernel
 
 NCAND = 256  # candidates per row for top-k / top-p (sampling.cu); top_k > NCAND acts as NCAND
@@ -44,13 +45,32 @@ def sample_workspace(t: int, v: int, device: torch.device | str) -> tuple[torch.
 
 @dataclass
 class Penalties:
-    """What the penalties read on the device (lumo.engine.sampling.penalize; sampling.cu)."""
+    """What the logit bias and the penalties read on the device (lumo.engine.sampling.adjust; sampling.cu,
+    penalty.cuh)."""
 
-    params: torch.Tensor  # [T, 3] f32 per row: repetition, frequency, presence (1, 0, 0: off)
+    params: torch.Tensor  # [T, 4] f32 per row: repetition, frequency, presence (1, 0, 0: off), bias on (1)
     counts: torch.Tensor  # [V] int32: how often each token was generated so far
     prompt: torch.Tensor  # [V] uint8: 1 for the prompt's tokens
     path: torch.Tensor | None = None  # [T, E] int32: node ids of each row's path below the root, -1 padded
     node_tokens: torch.Tensor | None = None  # [R] int32: the token of each node (with path)
+    bias: torch.Tensor | None = None  # [V] f32: the logit bias of the rows whose flag is set (None: none)
+
+    @staticmethod
+    def row(params: SamplingParams) -> list[float]:
+        """A row of `params` for these settings."""
+        bias = 1.0 if params.logit_bias else 0.0
+        return [params.repetition_penalty, params.frequency_penalty, params.presence_penalty, bias]
+
+    def settings(self, row: int) -> SamplingParams:
+        """Row `row`'s bias and penalties as SamplingParams fields (the references' view), sampling unset."""
+        rep, freq, pres, on = self.params[row].tolist()
+        bias = ()
+        if on and self.bias is not None:
+            vec = self.bias.cpu()
+            bias = tuple((i, float(vec[i])) for i in torch.nonzero(vec).flatten().tolist())
+        return SamplingParams(
+            repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, logit_bias=bias
+        )
 
     def history(self, row: int | None = None, extra: Iterable[int] = ()) -> TokenHistory:
         """The CPU sampler's view (the references'): counts and prompt, plus row `row`'s path tokens (when
@@ -90,8 +110,9 @@ def sample_tokens(
 
     temperature [T] f32 (<= 0: greedy), top_k [T] int32 (0: off), top_p [T] f32 (1: off), seed [T] int64,
     position [T] int64 (absolute position of the token being sampled), min_p [T] f32 (log(min_p), -inf:
-    off; SamplingParams.min_p_threshold; None: off), penalties (None: off), count_out [V] int32: a
-    histogram each row's token is added to (the runner's: the token its step emits).
+    off; SamplingParams.min_p_threshold; None: off), penalties (the logit bias and the penalties; None:
+    off), count_out [V] int32: a histogram each row's token is added to (the runner's: the token its step
+    emits).
     """
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [T, V], got {list(logits.shape)}")
@@ -109,10 +130,12 @@ def sample_tokens(
     ):
         if x is not None:
             _check(x, dt, (T,), name, dev)
-    pen_args: list = [_NULL] * 5 + [0]
+    pen_args: list = [_NULL] * 6 + [0]
     if penalties is not None:
         pe = penalties
-        _check(pe.params, torch.float32, (T, 3), "penalties.params", dev)
+        _check(pe.params, torch.float32, (T, 4), "penalties.params", dev)
+        if pe.bias is not None:
+            _check(pe.bias, torch.float32, (V,), "penalties.bias", dev)
         _check(pe.counts, torch.int32, (V,), "penalties.counts", dev)
         _check(pe.prompt, torch.uint8, (V,), "penalties.prompt", dev)
         E = 0
@@ -122,7 +145,7 @@ def sample_tokens(
             if not 0 <= E <= PATH_MAX or pe.node_tokens is None:
                 raise ValueError(f"sample_tokens: a path of at most {PATH_MAX} nodes with node_tokens")
             _check(pe.node_tokens, torch.int32, (pe.node_tokens.shape[0],), "penalties.node_tokens", dev)
-        pen_args = [pe.params, pe.counts, pe.prompt, _opt(pe.path), _opt(pe.node_tokens), E]
+        pen_args = [pe.params, _opt(pe.bias), pe.counts, pe.prompt, _opt(pe.path), _opt(pe.node_tokens), E]
     if count_out is not None:
         _check(count_out, torch.int32, (V,), "count_out", dev)
     nb = -(-V // SPAN)
@@ -176,21 +199,19 @@ def sample_tokens_ref(
     count_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The CPU sampler (lumo.engine.sampling.sample) row by row: the specification of sample_tokens."""
-    from ..engine.sampling import SamplingParams, sample
+    from ..engine.sampling import sample
 
     rows = []
     for t in range(logits.shape[0]):
         thr = -math.inf if min_p is None else float(min_p[t])
-        rep, freq, pres = (1.0, 0.0, 0.0) if penalties is None else penalties.params[t].tolist()
-        params = SamplingParams(
+        params = SamplingParams() if penalties is None else penalties.settings(t)
+        params = dataclasses.replace(
+            params,
             temperature=float(temperature[t]),
             top_k=int(top_k[t]),
             top_p=float(top_p[t]),
             seed=int(seed[t]),
             min_p=math.exp(thr) if thr > -math.inf else 0.0,
-            repetition_penalty=rep,
-            frequency_penalty=freq,
-            presence_penalty=pres,
         )
         assert params.min_p_threshold == thr, "min_p thresholds come from SamplingParams.min_p_threshold"
         history = None if penalties is None else penalties.history(t)

@@ -77,13 +77,14 @@ __device__ __forceinline__ void topk_warp_merge(u64 (&l)[KMAX], u64 (&out)[KMAX]
   }
 }
 
-// With penalty (null: none; [T, 3], penalty.cuh) each logit is penalised first (the drafter proposes what
-// the penalised target is likely to pick): counts / prompt [V_all] are the request's history, indexed by
-// token id (id_map[column], or the column), and tokens[1 .. n_path] (the spine drafted so far) count as
-// generated too.
+// With penalty (null: none; [T, 4], penalty.cuh) each logit is biased and penalised first (the drafter
+// proposes what the target is likely to pick under them): bias / counts / prompt [V_all] are the request's,
+// indexed by token id (id_map[column], or the column), and tokens[1 .. n_path] (the spine drafted so far)
+// count as generated too.
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
     topk_partial(const logit_t* __restrict__ logits, int V, u64* __restrict__ part, int nb,
-                 const float* __restrict__ penalty, const int* __restrict__ counts,
+                 const float* __restrict__ penalty, const float* __restrict__ bias,
+                 const int* __restrict__ counts,
                  const unsigned char* __restrict__ prompt, const int* __restrict__ tokens, int n_path,
                  const int* __restrict__ id_map) {
   pdl_begin();
@@ -91,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
   __shared__ int ptok[PATH_MAX];
   const int b = blockIdx.x, t = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const logit_t* row = logits + (size_t)t * V;
-  const Penalty pen = row_penalty(penalty, t);
+  const Penalty pen = row_penalty(penalty, bias, t);
   if (pen.on) {
     for (int e = threadIdx.x; e < n_path; e += TK_THREADS) ptok[e] = tokens[1 + e];
     __syncthreads();
@@ -102,11 +103,14 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
   const int end = min(V, (b + 1) * TK_SPAN);
   for (int i = b * TK_SPAN + threadIdx.x; i < end; i += TK_THREADS) {
     float x = logit_f32(__ldg(row + i));
-    if (pen.on) {
+    if (pen.on || pen.bias) {
       const int id = id_map != nullptr ? id_map[i] : i;
-      int c = counts[id];
-      for (int e = 0; e < n_path; ++e) c += ptok[e] == id;
-      x = penalized(x, c, prompt[id] != 0, pen);
+      if (pen.bias) x = __fadd_rn(x, bias[id]);
+      if (pen.on) {
+        int c = counts[id];
+        for (int e = 0; e < n_path; ++e) c += ptok[e] == id;
+        x = penalized(x, c, prompt[id] != 0, pen);
+      }
     }
     topk_insert(l, topk_key(x, i));
   }

@@ -78,10 +78,10 @@ def topk_select(
     also tokens[nodes[t, r]] = ids[t, r] wherever nodes[t, r] >= 0 (node ids < R, not checked).
     With id_map ([V] int32: the token of each logits column, a draft vocabulary in ascending order, so
     ties still go to the lower token) the ids written are id_map[column].
-    With penalties (the sampler's: params [T, 3], counts and prompt over token ids; path / node_tokens
-    unused) the logits are penalised first (lumo.engine.sampling.penalize), the history being counts plus
-    tokens[1 : 1 + n_path] (the spine drafted so far; needs tokens): the drafter's candidates under the
-    request's penalties.
+    With penalties (the sampler's: params [T, 4], bias, counts and prompt over token ids; path /
+    node_tokens unused) the logits are biased and penalised first (lumo.engine.sampling.adjust), the
+    history being counts plus tokens[1 : 1 + n_path] (the spine drafted so far; needs tokens): the
+    drafter's candidates under the request's logit bias and penalties.
     Pass out= and workspace= (topk_workspace) on the hot path: then nothing is allocated. Never syncs.
     """
     if logits.dtype not in (torch.float32, torch.bfloat16) or logits.dim() != 2 or not logits.is_contiguous():
@@ -114,15 +114,26 @@ def topk_select(
             raise ValueError(f"topk_select: id_map must be int32 [{V}], got {tuple(id_map.shape)}")
         _check_i32(id_map, (V,), "topk_select: id_map", dev)
     null = ctypes.c_void_p(0)  # the kernel's nullptr: no scatter, no map, no penalties
-    pen: list = [null, null, null, null, 0]
+    pen: list = [null, null, null, null, null, 0]
     if penalties is not None:
         p = penalties
-        if p.params.shape != (T, 3) or p.params.dtype != torch.float32 or not p.params.is_contiguous():
-            raise ValueError(f"topk_select: penalties.params must be contiguous f32 [{T}, 3]")
+        if p.params.shape != (T, 4) or p.params.dtype != torch.float32 or not p.params.is_contiguous():
+            raise ValueError(f"topk_select: penalties.params must be contiguous f32 [{T}, 4]")
         spine = tokens.numel() - 1 if tokens is not None else 0
         if not 0 <= n_path <= min(PATH_MAX, spine):
             raise ValueError(f"topk_select: n_path {n_path} needs tokens of >= n_path + 1 (<= {PATH_MAX})")
-        pen = [p.params, p.counts, p.prompt, null if tokens is None else tokens, n_path]
+        bias_ok = p.bias is None or (
+            p.bias.dtype == torch.float32
+            and p.bias.shape == p.counts.shape
+            and p.bias.is_contiguous()
+            and p.bias.device == dev
+        )
+        if not bias_ok:
+            raise ValueError(
+                f"topk_select: penalties.bias must be contiguous f32 shaped like counts on {dev}"
+            )
+        bias = null if p.bias is None else p.bias
+        pen = [p.params, bias, p.counts, p.prompt, null if tokens is None else tokens, n_path]
     if T == 0:
         return out
     _kernel("topk_partial", logits.dtype == torch.bfloat16).launch(

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine worker.
 
 POST /v1/completions, POST /v1/chat/completions (both also as SSE with `stream: true`), GET /v1/models,
-GET /health, GET /metrics (Prometheus text). See docs/server.md.
+GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize (vLLM's). See docs/server.md.
 """
 
 from __future__ import annotations
@@ -25,11 +25,19 @@ from .chat import delta_json, finish_reason, message_json, opens_reasoning, rend
 from .errors import APIError, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .toolparse import ChatOutputParser
 from .worker import EngineWorker, Job
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context left
 # A prompt of more than context x longest-token characters x this is refused without tokenising it (the
 # slack covers normalisation that merges characters, e.g. NFC composing combining marks).
@@ -103,7 +111,8 @@ class _CompletionOutput:
         self.n_prompt, self.n_gen, self.first = len(prompt_ids), 0, True
         # text_offset: where each token's text starts, by the engine's own incremental detokenisation
         self.pos = 0
-        self.detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids[-8:])
+        skip = job.sampling.get("skip_special_tokens", True)  # the engine's text: the same setting
+        self.detok = IncrementalDetokenizer(tok, prompt_ids=prompt_ids[-8:], skip_special_tokens=skip)
 
     def _offsets(self, ids: list[int], detok: IncrementalDetokenizer) -> list[int]:
         """Where each token's text starts: a whole token's own text ends what its decode adds (text held
@@ -199,7 +208,32 @@ class _Server:
     async def metrics_text(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.registry.render(), media_type="text/plain; version=0.0.4")
 
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: the token ids the engine would see for a prompt or chat messages (to count
+        them, or to find the ids logit_bias and stop_token_ids name)."""
+        self._check_model(body.model)
+        tok, chat = self.llm.tokenizer, body.chat()
+        if chat is None:
+            text, param = body.prompt, "prompt"
+        else:
+            text, param = render_prompt(tok, chat, body.add_generation_prompt), "messages"
+        ids = await self._encode(text, param)
+        strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's /detokenize: the text of token ids, special tokens included."""
+        self._check_model(body.model)
+        tok = self.llm.tokenizer
+        if any(not 0 <= t < tok.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must lie in [0, {tok.vocab_size})", "tokens")
+        return {"prompt": tok.decode(body.tokens)}
+
     # ---- shared request plumbing ----
+    def _vocab_size(self) -> int:
+        """The model's vocabulary size (its logits' width: the ids logit_bias and stop_token_ids name)."""
+        return self.llm.config.vocab_size
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.served_name, self.llm.model_name):
             raise APIError(
@@ -276,6 +310,7 @@ class _Server:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
         body.check_supported()
+        by_id = body.token_settings(self._vocab_size)  # logit_bias, stop_token_ids
         tok = self.llm.tokenizer
         prompts = body.prompts()
         # max_tokens 0 (with echo): one token is generated (the prefill samples it anyway) and dropped
@@ -301,7 +336,7 @@ class _Server:
             """Choice c's job (prompt c // n, its choice c % n), queued when its turn comes: a request holds
             one place in the queue at a time."""
             ids, budget, echo = items[c // n]
-            job = self._submit(ids, budget, body.sampling(c % n))
+            job = self._submit(ids, budget, {**body.sampling(c % n), **by_id})
             return _CompletionOutput(tok, job, ids, echo, score_only)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -365,6 +400,7 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Any:
         self._check_model(body.model)
         body.check_supported()
+        by_id = body.token_settings(self._vocab_size)  # logit_bias, stop_token_ids
         tok = self.llm.tokenizer
         prompt = render_prompt(tok, body)
         prompt_ids = await self._encode(prompt, "messages")
@@ -373,7 +409,7 @@ class _Server:
 
         def start(j: int) -> tuple[Job, ChatOutputParser]:
             """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
-            job = self._submit(prompt_ids, max_tokens, body.sampling(j))
+            job = self._submit(prompt_ids, max_tokens, {**body.sampling(j), **by_id})
             parser = ChatOutputParser(
                 in_reasoning=opens_reasoning(prompt), parse_tools=body.parse_tools, tools=tools
             )
@@ -503,6 +539,8 @@ def create_app(llm: Any, model_name: str | None = None, max_queue: int = 64) -> 
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app
 
 

@@ -64,7 +64,7 @@ def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
+def render_prompt(tokenizer: Any, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> str:
     """The prompt text for a chat request; template errors are the client's mistake (400)."""
     if not tokenizer.has_chat_template:
         raise APIError(
@@ -79,7 +79,9 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
         choice = req.tool_choice
         kwargs["tool_choice"] = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+        )
     except (TokenizerError, TypeError) as e:
         raise APIError(400, str(e), "messages") from None
 

@@ -1,12 +1,14 @@
 """OpenAI request bodies (pydantic) and the checks for values lumo does not support.
 
 Unknown fields are ignored, like the OpenAI API's harmless extras (user, store, metadata, service_tier...).
-Fields lumo knows but cannot honour are accepted at their neutral value (logit_bias null or {}, best_of 1,
+Fields lumo knows but cannot honour are accepted at their neutral value (best_of 1, response_format text,
 ...) and rejected with a 400 that names the field otherwise.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
@@ -78,12 +80,49 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # token id (a string, as JSON keys are) -> bias added to its logit; values clamped to [-100, 100]
     logit_bias: dict[str, float] | None = None
+    # vLLM's output options: end-of-sequence tokens generated like others (benchmark clients), tokens that
+    # end a choice like one, the stop string kept in the text, special tokens' text shown
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported (send null or {})", "logit_bias")
+        """A 400 for values lumo cannot honour (the endpoints' own fields; every shared one is honoured)."""
+
+    def token_settings(self, vocab_size: Callable[[], int]) -> dict[str, Any]:
+        """The settings that name token ids, checked against the vocabulary (a 400 naming the field):
+        LLM.generate_stream's logit_bias and stop_token_ids (none: {}; vocab_size asked only then)."""
+        if not self.logit_bias and not self.stop_token_ids:
+            return {}
+        vocab_size = vocab_size()
+        bad = [t for t in self.stop_token_ids or () if not 0 <= t < vocab_size]
+        if bad:
+            msg = f"stop_token_ids {bad} lie outside the vocabulary [0, {vocab_size})"
+            raise APIError(400, msg, "stop_token_ids")
+        return {"logit_bias": self.logit_bias_ids(vocab_size), "stop_token_ids": self.stop_token_ids}
+
+    def logit_bias_ids(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with integer token ids below vocab_size (else a 400) and values clamped to [-100, 100]
+        (OpenAI's range; vLLM clamps the same way)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                i = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= i < vocab_size:
+                msg = f"logit_bias token id {i} is outside the vocabulary [0, {vocab_size})"
+                raise APIError(400, msg, "logit_bias")
+            if not math.isfinite(value):
+                raise APIError(400, f"logit_bias[{key!r}] must be a finite number", "logit_bias")
+            out[i] = min(100.0, max(-100.0, value))
+        return out
 
     def stop_list(self) -> list[str] | None:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -112,6 +151,9 @@ class _Common(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "stop": self.stop_list(),
+            "ignore_eos": bool(self.ignore_eos),
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+            "skip_special_tokens": self.skip_special_tokens is not False,
             "logprobs": self.logprobs_k(),
         }
 
@@ -204,3 +246,36 @@ class ChatCompletionRequest(_Common):
     @property
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt (encoded as /v1/completions encodes it) or chat messages (rendered as
+    /v1/chat/completions renders them), never both."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # accepted: lumo encodes exactly as it does to generate
+    return_token_strs: StrictBool = False
+
+    def chat(self) -> ChatCompletionRequest | None:
+        """The messages as a chat request (None for a prompt); a 400 unless exactly one of the two."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt" if self.prompt else "messages")
+        if self.messages is None:
+            return None
+        if not self.messages:
+            raise APIError(400, "messages must not be empty", "messages")
+        return ChatCompletionRequest(
+            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
+        )
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text (special tokens included)."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
