@@ -235,9 +235,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` to the prompt text; extra kwargs (e.g. enable_thinking) reach the template."""
+        """Render `messages` to the prompt text; extra kwargs (e.g. enable_thinking) reach the template.
+        continue_final_message: the text ends where the last message's content does (no end-of-turn
+        after it), so the model continues that message (a prefilled reply); not with add_generation_prompt.
+        """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise TokenizerError("continue_final_message and add_generation_prompt exclude each other")
+            if not messages or not isinstance(messages[-1].get("content"), str):
+                raise TokenizerError("continue_final_message needs a last message with text content")
+            text = self.apply_chat_template(messages, tools, False, **kwargs)
+            return _cut_after_final(text, messages[-1]["content"])
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
         source = self._templates.get(name)
         if source is None:
@@ -253,6 +264,15 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from None
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """`text` up to the end of its last occurrence of the final message's content (as rendered: the
+    template may have stripped its surrounding whitespace)."""
+    for piece in (final, final.strip()):
+        if piece and (at := text.rfind(piece)) >= 0:
+            return text[: at + len(piece)]
+    raise TokenizerError("continue_final_message: the chat template does not render the last message's text")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -500,6 +500,24 @@ def test_tokenize_and_detokenize(server, llm):
     assert back == {"prompt": "The quick brown fox"}
 
 
+def test_continue_final_message(client, server, llm):
+    """vLLM's continue_final_message: the last (assistant) message is continued, not answered: the prompt
+    is the template's text up to its end (as /tokenize shows), and the output LLM.generate's on it."""
+    tok = llm.tokenizer
+    messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert prompt.endswith("One, two,")
+    want = llm.generate(prompt, max_tokens=6, temperature=0)
+    extra = {"continue_final_message": True}
+    r = client.chat.completions.create(
+        model=llm.model_name, messages=messages, max_tokens=6, temperature=0, extra_body=extra
+    )
+    assert r.choices[0].message.content == _parsed(prompt, want.text)[0]
+    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    shown = httpx.post(server.url + "/tokenize", json={"messages": messages, **extra}).json()
+    assert shown["tokens"] == tok.encode(prompt)
+
+
 def test_stop_token_ids_include_stop_str_and_special_tokens(client, llm):
     """vLLM's output options: stop_token_ids end a choice like an end-of-sequence token (not in the text),
     include_stop_str_in_output keeps the stop string, skip_special_tokens false shows special tokens (an

@@ -260,6 +260,27 @@ def test_chat_basic(tok):
     assert tok.apply_chat_template(msgs, enable_thinking=True) == with_prompt
 
 
+def test_chat_continue_final_message(tok):
+    """continue_final_message (a prefilled reply): the text ends where the last message's content does,
+    however the template wraps it (whitespace it strips too); exclusive with add_generation_prompt."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, here is"}]
+    out = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert out == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nSure, here is"
+    padded = [msgs[0], {"role": "assistant", "content": "  Sure, here is \n"}]
+    assert tok.apply_chat_template(padded, add_generation_prompt=False, continue_final_message=True) in (
+        out,
+        out.replace("Sure, here is", "  Sure, here is \n"),
+    )
+    with pytest.raises(TokenizerError, match="exclude each other"):
+        tok.apply_chat_template(msgs, continue_final_message=True)
+    with pytest.raises(TokenizerError, match="text content"):
+        tok.apply_chat_template(
+            msgs[:1] + [{"role": "assistant", "content": None}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )
+
+
 def test_chat_tools_and_results(tok):
     msgs = [
         {"role": "user", "content": "Weather in Paris and Oslo?"},

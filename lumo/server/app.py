@@ -216,7 +216,7 @@ class _Server:
         if chat is None:
             text, param = body.prompt, "prompt"
         else:
-            text, param = render_prompt(tok, chat, body.add_generation_prompt), "messages"
+            text, param = render_prompt(tok, chat), "messages"
         ids = await self._encode(text, param)
         strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids, "token_strs": strs}

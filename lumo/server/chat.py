@@ -64,8 +64,9 @@ def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def render_prompt(tokenizer: Any, req: ChatCompletionRequest, add_generation_prompt: bool = True) -> str:
-    """The prompt text for a chat request; template errors are the client's mistake (400)."""
+def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
+    """The prompt text for a chat request (an assistant turn opened, or the last message continued: vLLM's
+    add_generation_prompt / continue_final_message); template errors are the client's mistake (400)."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions with a plain prompt", "messages"
@@ -73,14 +74,20 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest, add_generation_pro
     messages = [template_message(i, m) for i, m in enumerate(req.messages)]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     kwargs = dict(req.chat_template_kwargs or {})
-    if taken := sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt"}):
+    if taken := sorted(
+        kwargs.keys() & {"messages", "tools", "add_generation_prompt", "continue_final_message"}
+    ):
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
     if req.tool_choice is not None:
         choice = req.tool_choice
         kwargs["tool_choice"] = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs
+            messages,
+            tools=tools,
+            add_generation_prompt=req.opens_turn(),
+            continue_final_message=req.continue_final_message,
+            **kwargs,
         )
     except (TokenizerError, TypeError) as e:
         raise APIError(400, str(e), "messages") from None

@@ -217,9 +217,21 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
+    # vLLM's: no assistant turn opened (None: unless continue_final_message), or the last message continued
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool = False
+
+    def opens_turn(self) -> bool:
+        """The prompt ends with the template's opening of an assistant turn."""
+        if self.add_generation_prompt is None:
+            return not self.continue_final_message
+        return self.add_generation_prompt
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            msg = "continue_final_message and add_generation_prompt cannot both be true"
+            raise APIError(400, msg, "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -257,7 +269,8 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    add_generation_prompt: StrictBool = True
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool = False
     add_special_tokens: StrictBool | None = None  # accepted: lumo encodes exactly as it does to generate
     return_token_strs: StrictBool = False
 
@@ -269,9 +282,15 @@ class TokenizeRequest(BaseModel):
             return None
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
-        return ChatCompletionRequest(
-            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
+        req = ChatCompletionRequest(
+            messages=self.messages,
+            tools=self.tools,
+            chat_template_kwargs=self.chat_template_kwargs,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
         )
+        req.check_supported()
+        return req
 
 
 class DetokenizeRequest(BaseModel):
