@@ -22,7 +22,7 @@ import uvicorn
 
 from lumo.server.app import create_app
 from lumo.server.testing import free_port
-from lumo.server.toolparse import ChatOutputParser, parse_tool_call
+from lumo.server.toolparse import ChatOutputParser, ParsedDelta, parse_tool_call
 
 TOOLS = [
     {
@@ -204,17 +204,25 @@ CASES = [
 ]
 
 
-def _run(pieces: list[str], in_reasoning: bool, parse_tools: bool):
+def _run(pieces: list[str], in_reasoning: bool, parse_tools: bool, raw: bool = False):
+    """Content, reasoning and the tool calls (name, parsed arguments; raw: the arguments' text) the parser
+    gives over these deltas; checks the streamed pieces: each call named once by its first piece, with a
+    fresh id, numbered in order, the arguments of a call continuing only that call's."""
     p = ChatOutputParser(in_reasoning=in_reasoning, parse_tools=parse_tools, tools=TOOLS)
-    content, reasoning, calls = "", "", []
-    deltas = [p.feed(x) for x in pieces] + [p.finish()]
-    for d in deltas:
-        content += d.content
-        reasoning += d.reasoning
-        calls += d.tool_calls
-    assert all(c.id.startswith("call_") and len(c.id) > 12 for c in calls)
-    assert len({c.id for c in calls}) == len(calls)
-    return content, reasoning, [(c.name, json.loads(c.arguments)) for c in calls]
+    total, named = ParsedDelta(), []
+    for d in [p.feed(x) for x in pieces] + [p.finish()]:
+        for piece in d.tool_calls:
+            if piece.id is not None:
+                assert piece.index == len(named) and piece.name and piece.id.startswith("call_")
+                named.append(piece.id)
+            else:
+                assert piece.index == len(named) - 1 and piece.name is None and piece.arguments
+        total.extend(d)
+    calls = total.calls()
+    assert len(set(named)) == len(calls) == p.n_tool_calls
+    if raw:
+        return total.content, total.reasoning, [(c.name, c.arguments) for c in calls]
+    return total.content, total.reasoning, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -327,14 +335,18 @@ def test_http_tool_calls_streamed_and_not(scripted):
         content += delta.content or ""
         reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
         for tc in delta.tool_calls or []:
-            entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": "", "deltas": 0})
+            assert (tc.id is not None) == (entry["id"] is None)  # the first delta of a call names it
             entry["id"] = tc.id or entry["id"]
             entry["name"] += tc.function.name or ""
             entry["arguments"] += tc.function.arguments or ""
+            entry["deltas"] += 1
         finish = ev.choices[0].finish_reason or finish
     assert (content, reasoning, finish) == ("Checking.", "\nNeed weather.\n", "tool_calls")
     assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_weather"]
     assert [json.loads(calls[i]["arguments"])["city"] for i in sorted(calls)] == ["New York", "Oslo"]
+    assert json.loads(calls[0]["arguments"]) == XML_ARGS
+    assert all(c["deltas"] > 5 for c in calls.values())  # the arguments streamed, not sent whole
     assert usage.completion_tokens == r.usage.completion_tokens
     assert usage.prompt_tokens == r.usage.prompt_tokens == len(llm.prompts[-1])
 
@@ -360,3 +372,67 @@ def test_logprobs_asked_of_an_engine_without_them(scripted):
     body = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 2}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"]["content"] == []
+
+
+def test_xml_call_streams_its_arguments():
+    """An XML call goes out while it is generated: its id and name once `<function=NAME>` is whole, a
+    string value's text before its parameter closes; the arguments' text is json.dumps of the whole call's
+    (typed) values, however the output is split."""
+    p = ChatOutputParser(tools=TOOLS)
+    head = XML_CALL[: XML_CALL.index("\n<parameter=city>")]
+    d = p.feed(head)
+    assert [(c.index, c.name, c.arguments) for c in d.tool_calls] == [(0, "get_weather", "")]
+    d = p.feed("\n<parameter=city>\nNew Yo")
+    assert [c.arguments for c in d.tool_calls] == ['{"city": "New Yo']
+    d = p.feed("rk\n")  # the newline may be the template's: held until the parameter goes on or ends
+    assert [c.arguments for c in d.tool_calls] == ["rk"]
+    d = p.feed("</parameter>\n<parameter=days>\n3")
+    assert [c.arguments for c in d.tool_calls] == ['", "days": ']  # a typed value waits for its end
+    want = json.dumps(XML_ARGS, ensure_ascii=False)
+    for pieces in ([XML_CALL], list(XML_CALL), [XML_CALL[:40], XML_CALL[40:97], XML_CALL[97:]]):
+        assert _run(pieces, False, True, raw=True) == ("", "", [("get_weather", want)])
+
+
+def _xml_reference(body: str) -> dict:
+    """The XML form's arguments by regular expressions over the whole body (the parser's specification):
+    a parameter's value runs to `</parameter>`, the next `<parameter=` or the end of the function."""
+    import re
+
+    from lumo.server.toolparse import _typed_value
+
+    fn = re.match(r"\s*<function=([^>\n]+)>(.*?)(?:</function>.*)?\Z", body, re.S)
+    props = TOOLS[0]["function"]["parameters"]["properties"]
+    args = {}
+    for m in re.finditer(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", fn.group(2), re.S):
+        value = m.group(2)
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        args[m.group(1).strip()] = _typed_value(value, props.get(m.group(1).strip()))
+    return args
+
+
+def test_xml_arguments_match_the_whole_body_parse():
+    """Random XML bodies (values with newlines, angle brackets, tag look-alikes, empty values, unclosed
+    parameters, typed and untyped parameters), fed whole, character by character and in random pieces:
+    the streamed arguments are the whole-body parse's."""
+    import random
+
+    rng = random.Random(5)
+    atoms = ["a", "x y", "\n", "\n\n", "<", ">", "</", "</par", "<parameter", "<p>", "1", "[2]", '"q"', "é"]
+    for _ in range(300):
+        body = "<function=get_weather>"
+        for _ in range(rng.randint(0, 4)):
+            key = rng.choice(["city", "days", "metric", "opts", "note", "free", " city "])
+            value = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 6)))
+            if key in ("days", "metric", "opts") and rng.random() < 0.7:
+                value = rng.choice(["\n3\n", "\ntrue\n", '\n{"a": 1}\n', "\nnot json\n"])
+            body += f"\n<parameter={key}>{value}" + rng.choice(["</parameter>", "", "\n</parameter>"])
+        body += rng.choice(["\n</function>\n", "\n</function>", "", "\n"])
+        text = "<tool_call>\n" + body + rng.choice(["</tool_call>", ""])
+        want = _xml_reference(body)
+        splits = [[text], list(text)]
+        cuts = sorted(rng.sample(range(len(text) + 1), min(4, len(text))))
+        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+        for pieces in splits:
+            content, _, calls = _run(pieces, False, True)
+            assert content == "" and calls == [("get_weather", want)], (body, pieces)

@@ -435,7 +435,7 @@ class _Server:
                     "index": j,
                     "message": message_json(parsed),
                     "logprobs": logprobs,
-                    "finish_reason": finish_reason(reason, len(parsed.tool_calls)),
+                    "finish_reason": finish_reason(reason, parser.n_tool_calls),
                 }
             )
             n_gen, cached = n_gen + n_tok, cached if j else job.cached_tokens  # the prompt's, from choice 0
@@ -487,7 +487,7 @@ class _Server:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             return _sse({**head, "choices": [choice], **extra})
 
-        reason, n_calls = None, 0
+        reason = None
         yield chunk_of({"role": "assistant", "content": ""})
         async for chunk in job.events():
             n_gen[0] += len(chunk.token_ids)
@@ -498,14 +498,12 @@ class _Server:
             if chunk.finish_reason is not None:
                 d.extend(parser.finish())
             if d:
-                yield chunk_of(delta_json(d, n_calls))
-                n_calls += len(d.tool_calls)
+                yield chunk_of(delta_json(d))
         if reason is None:  # the engine stopped without saying why: flush what the parser holds
             d = parser.finish()
             if d:
-                yield chunk_of(delta_json(d, n_calls))
-                n_calls += len(d.tool_calls)
-        yield chunk_of({}, finish_reason(reason, n_calls))
+                yield chunk_of(delta_json(d))
+        yield chunk_of({}, finish_reason(reason, parser.n_tool_calls))
 
     @staticmethod
     def _streaming(events: AsyncIterator[str]) -> StreamingResponse:

@@ -8,7 +8,7 @@ from typing import Any
 from ..tokenizer import TokenizerError
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from .toolparse import THINK_OPEN, ParsedDelta, ToolCall
+from .toolparse import THINK_OPEN, ParsedDelta, ToolCall, ToolCallPiece
 
 
 def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
@@ -106,27 +106,33 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return out
 
 
-def delta_json(d: ParsedDelta, first_index: int) -> dict[str, Any]:
-    """A streamed `delta` object; tool calls are numbered from `first_index`."""
+def piece_json(p: ToolCallPiece) -> dict[str, Any]:
+    """A streamed tool-call delta: a call's first piece names it (id, type, name), later ones only add to
+    its arguments (OpenAI's streaming shape)."""
+    if p.id is None:
+        return {"index": p.index, "function": {"arguments": p.arguments}}
+    return tool_call_json(ToolCall(p.name or "", p.arguments, p.id), p.index)
+
+
+def delta_json(d: ParsedDelta) -> dict[str, Any]:
+    """A streamed `delta` object."""
     out: dict[str, Any] = {}
     if d.reasoning:
         out["reasoning_content"] = d.reasoning
     if d.content:
         out["content"] = d.content
     if d.tool_calls:
-        out["tool_calls"] = [tool_call_json(c, first_index + k) for k, c in enumerate(d.tool_calls)]
+        out["tool_calls"] = [piece_json(p) for p in d.tool_calls]
     return out
 
 
 def message_json(d: ParsedDelta) -> dict[str, Any]:
-    msg: dict[str, Any] = {
-        "role": "assistant",
-        "content": d.content if d.content or not d.tool_calls else None,
-    }
+    calls = d.calls()
+    msg: dict[str, Any] = {"role": "assistant", "content": d.content if d.content or not calls else None}
     if d.reasoning:
         msg["reasoning_content"] = d.reasoning
-    if d.tool_calls:
-        msg["tool_calls"] = [tool_call_json(c) for c in d.tool_calls]
+    if calls:
+        msg["tool_calls"] = [tool_call_json(c) for c in calls]
     return msg
 
 

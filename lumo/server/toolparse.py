@@ -5,10 +5,15 @@ sent now; text that might be the start of a tag (`<tool` ...) is held back until
 Feeding the whole text at once and feeding it in any split gives the same concatenated result, so the
 non-streaming response is the streamed one, assembled.
 
-Tool calls come in two shapes, both parsed when the closing tag arrives:
+Tool calls come in two shapes:
     <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>                        (JSON, Qwen3)
     <tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>  (XML, Qwen3-coder)
-A tool call that does not parse is returned as plain content, tags included, so nothing is lost.
+A JSON call is parsed when its closing tag arrives; one that does not parse is returned as plain content,
+tags included, so nothing is lost. An XML call streams (`ToolCallPiece`s, OpenAI's streamed tool calls):
+its id and name once `<function=NAME>` is whole, then its JSON arguments as they come: a string value
+as its text arrives (a long file an agent writes shows up while it is generated), a typed value (the
+tool's schema says number, boolean, object...) when its parameter ends. A call's pieces concatenated are
+its arguments, whatever the split.
 
 A complete tool call inside the reasoning (Qwen3 models sometimes call a tool before `</think>`, or never
 close it) is a tool call too, taken out of the reasoning text; one that is not closed before `</think>` or
@@ -18,7 +23,6 @@ the end, or does not parse, stays reasoning text.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,9 +31,6 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 _CONTENT, _REASONING, _TOOL = "content", "reasoning", "tool"
-_FUNCTION_RE = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>\s*)?\Z", re.S)
-# a parameter ends at its closing tag, or (tolerating a sloppy model) at the next parameter / the end
-_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 
 def new_tool_call_id() -> str:
@@ -44,10 +45,25 @@ class ToolCall:
 
 
 @dataclass
+class ToolCallPiece:
+    """Part of tool call `index` (numbered over the whole output): its first piece carries the id and the
+    name, every piece a fragment of the JSON arguments."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+    @classmethod
+    def whole(cls, index: int, call: ToolCall) -> ToolCallPiece:
+        return cls(index, call.arguments, call.name, call.id)
+
+
+@dataclass
 class ParsedDelta:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCallPiece] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
@@ -55,7 +71,26 @@ class ParsedDelta:
     def extend(self, other: ParsedDelta) -> None:
         self.content += other.content
         self.reasoning += other.reasoning
-        self.tool_calls += other.tool_calls
+        for piece in other.tool_calls:
+            self.add_piece(piece)
+
+    def add_piece(self, piece: ToolCallPiece) -> None:
+        """Append a piece; one that continues the last piece's call joins it."""
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last.index == piece.index and piece.id is None:
+            last.arguments += piece.arguments
+        else:
+            self.tool_calls.append(ToolCallPiece(piece.index, piece.arguments, piece.name, piece.id))
+
+    def calls(self) -> list[ToolCall]:
+        """The whole tool calls these pieces make (every call's first piece among them)."""
+        out: dict[int, ToolCall] = {}
+        for p in self.tool_calls:
+            if p.id is not None:
+                out[p.index] = ToolCall(p.name or "", p.arguments, p.id)
+            else:
+                out[p.index].arguments += p.arguments
+        return [out[i] for i in sorted(out)]
 
 
 def _partial_tag_len(text: str, tags: tuple[str, ...]) -> int:
@@ -85,6 +120,7 @@ class ChatOutputParser:
         self._buf = ""  # text not yet classified
         self._held_ws = ""  # trailing content whitespace, sent only if more content follows
         self._at_start = True  # no content since the start or the last tag: leading whitespace is dropped
+        self._xml: _XmlArguments | None = None  # the XML call streaming now
         self.n_tool_calls = 0
 
     def feed(self, text: str) -> ParsedDelta:
@@ -100,6 +136,8 @@ class ChatOutputParser:
         buf, self._buf = self._buf, ""
         if self._mode == _REASONING:
             out.reasoning += buf
+        elif self._mode == _TOOL and self._xml is not None:
+            self._end_xml_call(self._xml.feed(buf, final=True), out)
         elif self._mode == _TOOL:
             self._close_tool_call(buf, out, closed=False)
         else:
@@ -125,12 +163,7 @@ class ChatOutputParser:
             self._mode, self._at_start = _CONTENT, True
             return True
         if self._mode == _TOOL:
-            i = buf.find(TOOL_CLOSE)
-            if i < 0:
-                return False  # the whole call is needed before it can be parsed
-            self._buf = buf[i + len(TOOL_CLOSE) :]
-            self._close_tool_call(buf[:i], out, closed=True)
-            return True
+            return self._tool_step(buf, out)
         hits = [(i, t) for t in self._tags if (i := buf.find(t)) >= 0]
         if not hits:
             keep = _partial_tag_len(buf, self._tags)
@@ -142,6 +175,44 @@ class ChatOutputParser:
         self._buf = buf[i + len(tag) :]
         self._mode = _REASONING if tag == THINK_OPEN else _TOOL
         return True
+
+    def _tool_step(self, buf: str, out: ParsedDelta) -> bool:
+        """Inside `<tool_call>`: an XML call streams from its `<function=NAME>` on; any other waits for
+        `</tool_call>` (or the end) and is parsed whole. True if the call ended."""
+        i = buf.find(TOOL_CLOSE)
+        if self._xml is None:
+            head = _xml_head(buf if i < 0 else buf[:i])
+            if head is None or (head is _UNDECIDED and i >= 0):  # not XML: the whole call is needed
+                if i < 0:
+                    return False
+                self._buf = buf[i + len(TOOL_CLOSE) :]
+                self._close_tool_call(buf[:i], out, closed=True)
+                return True
+            if head is _UNDECIDED:
+                return False
+            name, at = head
+            call = ToolCall(name, "")
+            out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
+            self.n_tool_calls += 1
+            self._xml = _XmlArguments(self._schemas.get(name, {}))
+            buf, i = buf[at:], (i - at if i >= 0 else -1)
+        if i < 0:
+            keep = _partial_tag_len(buf, (TOOL_CLOSE,))
+            self._add_arguments(self._xml.feed(buf[: len(buf) - keep]), out)
+            self._buf = buf[len(buf) - keep :]
+            return False
+        self._buf = buf[i + len(TOOL_CLOSE) :]
+        self._end_xml_call(self._xml.feed(buf[:i], final=True), out)
+        return True
+
+    def _add_arguments(self, text: str, out: ParsedDelta) -> None:
+        if text:
+            out.add_piece(ToolCallPiece(self.n_tool_calls - 1, text))
+
+    def _end_xml_call(self, text: str, out: ParsedDelta) -> None:
+        self._add_arguments(text, out)
+        self._xml = None
+        self._mode, self._at_start, self._held_ws = _CONTENT, True, ""
 
     def _tool_call_in_reasoning(self, buf: str, j: int, i: int, out: ParsedDelta) -> bool:
         """`<tool_call>` at j inside the reasoning (`</think>` at i, or -1): a call if it closes before
@@ -161,8 +232,8 @@ class ChatOutputParser:
             out.reasoning += buf[:end]
         else:
             out.reasoning += buf[:j]
+            out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
             self.n_tool_calls += 1
-            out.tool_calls.append(call)
         self._buf = buf[end:]
         return True
 
@@ -188,8 +259,8 @@ class ChatOutputParser:
             self._held_ws = ""
             return
         self._held_ws = ""
+        out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
         self.n_tool_calls += 1
-        out.tool_calls.append(call)
 
 
 def _parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -225,28 +296,132 @@ def parse_tool_call(body: str, schemas: dict[str, dict[str, Any]] | None = None)
 
 
 def _parse_xml(s: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
-    m = _FUNCTION_RE.match(s)
-    if m is None:
+    head = _xml_head(s)
+    if not isinstance(head, tuple):
         return None
-    name = m.group(1).strip()
-    props = schemas.get(name, {})
-    args: dict[str, Any] = {}
-    for p in _PARAM_RE.finditer(m.group(2)):
-        key = p.group(1).strip()
-        value = p.group(2)
-        # the template puts the value on its own lines: drop exactly that one newline on each side
-        value = value[1:] if value.startswith("\n") else value
-        value = value[:-1] if value.endswith("\n") else value
-        args[key] = _typed_value(value, props.get(key))
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    name, at = head
+    return ToolCall(name, _XmlArguments(schemas.get(name, {})).feed(s[at:], final=True))
+
+
+_UNDECIDED = object()  # _xml_head: not enough text yet
+_FUNCTION = "<function="
+_PARAM, _PARAM_CLOSE, _FUNCTION_CLOSE = "<parameter=", "</parameter>", "</function>"
+
+
+def _xml_head(body: str) -> tuple[str, int] | object | None:
+    """(name, offset after `<function=NAME>`) if the call body is the XML form; None if it is not;
+    _UNDECIDED while its start could still be either."""
+    s = body.lstrip()
+    if not s.startswith(_FUNCTION):
+        return _UNDECIDED if _FUNCTION.startswith(s) else None
+    k, nl = s.find(">"), s.find("\n")
+    if k < 0:
+        return None if nl >= 0 else _UNDECIDED
+    name = s[len(_FUNCTION) : k].strip()
+    if (0 <= nl < k) or not name:
+        return None
+    return name, len(body) - len(s) + k + 1
+
+
+class _XmlArguments:
+    """An XML call's body (after `<function=NAME>`) -> its arguments as JSON text, fed as it streams in
+    and returned in pieces: json.dumps of {parameter: value} as the whole body would give it (value types
+    from the tool's schema, strings where it has none; the one newline the template puts on each side of
+    a value dropped; a parameter ends at `</parameter>`, the next `<parameter=`, `</function>` or the end;
+    text between parameters and after `</function>` ignored)."""
+
+    def __init__(self, props: dict[str, Any]) -> None:
+        self.props = props
+        self.buf = ""
+        self.key: str | None = None  # the open parameter (None: between parameters)
+        self.typed = False  # its value is held whole (a non-string schema type), else streamed
+        self.lead = True  # its first character (a newline to drop) is still to come
+        self.value = ""  # a typed value so far
+        self.n = 0  # parameters opened
+        self.done = False  # </function> seen
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """The JSON text that became certain with `text`; final: the body ends here (the closing brace)."""
+        self.buf += text
+        out = []
+        while self.buf and not self.done:
+            if not (self._parameter(out, final) if self.key is None else self._value(out, final)):
+                break
+        if final:
+            if self.key is not None:
+                self._value(out, final=True)
+            out.append("}" if self.n else "{}")
+        return "".join(out)
+
+    def _parameter(self, out: list[str], final: bool) -> bool:
+        """Between parameters: open the next one (True) or wait for more text."""
+        i, j = self.buf.find(_PARAM), self.buf.find(_FUNCTION_CLOSE)
+        if j >= 0 and (i < 0 or j < i):
+            self.done, self.buf = True, ""
+            return False
+        if i < 0:
+            keep = 0 if final else _partial_tag_len(self.buf, (_PARAM, _FUNCTION_CLOSE))
+            self.buf = self.buf[len(self.buf) - keep :]
+            return False
+        start = i + len(_PARAM)
+        k, nl = self.buf.find(">", start), self.buf.find("\n", start)
+        if (0 <= nl and (k < 0 or nl < k)) or k == start:  # not a parameter tag: skip it
+            self.buf = self.buf[start:]
+            return True
+        if k < 0:
+            self.buf = "" if final else self.buf[i:]
+            return False
+        self.key, self.buf = self.buf[start:k].strip(), self.buf[k + 1 :]
+        self.typed, self.lead, self.value = not _is_text(self.props.get(self.key)), True, ""
+        out.append(("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False) + ": ")
+        out.append("" if self.typed else '"')
+        self.n += 1
+        return True
+
+    def _value(self, out: list[str], final: bool) -> bool:
+        """Inside a parameter's value: pass on what is certain; True when the parameter ended."""
+        if self.lead and self.buf:
+            self.buf, self.lead = (self.buf[1:] if self.buf.startswith("\n") else self.buf), False
+        ends = [(i, t) for t in (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE) if (i := self.buf.find(t)) >= 0]
+        if ends or final:
+            e, tag = min(ends) if ends else (len(self.buf), "")
+            piece = self.buf[:e]
+            piece = piece[:-1] if piece.endswith("\n") else piece
+            self.buf = self.buf[e + (len(tag) if tag == _PARAM_CLOSE else 0) :]
+            self._take(piece, out, end=True)
+            self.key = None
+            return True
+        keep = _partial_tag_len(self.buf, (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE))
+        if self.buf[: len(self.buf) - keep].endswith("\n"):
+            keep += 1  # a newline right before the end is the template's, not the value's
+        self._take(self.buf[: len(self.buf) - keep], out, end=False)
+        self.buf = self.buf[len(self.buf) - keep :]
+        return False
+
+    def _take(self, text: str, out: list[str], end: bool) -> None:
+        if self.typed:
+            self.value += text
+            if end:
+                out.append(json.dumps(_typed_value(self.value, self.props.get(self.key)), ensure_ascii=False))
+            return
+        out.append(json.dumps(text, ensure_ascii=False)[1:-1] + ('"' if end else ""))
+
+
+def _types(schema: Any) -> set[Any]:
+    types = schema.get("type") if isinstance(schema, dict) else None
+    return set(types) if isinstance(types, list) else {types}
+
+
+def _is_text(schema: Any) -> bool:
+    """A parameter without a schema type, or one that may be a string, keeps its text as a string (as in
+    vLLM's qwen3_coder parser)."""
+    return bool(_types(schema) & {None, "string"})
 
 
 def _typed_value(value: str, schema: Any) -> Any:
-    """The XML form carries every value as text; the tool's JSON schema says what it really is.
-    Parameters without a schema, or typed as strings, stay strings (as in vLLM's qwen3_coder parser)."""
-    types = schema.get("type") if isinstance(schema, dict) else None
-    types = set(types) if isinstance(types, list) else {types}
-    if types & {None, "string"}:
+    """The XML form carries every value as text; the tool's JSON schema says what it really is."""
+    types = _types(schema)
+    if _is_text(schema):
         return value
     if "boolean" in types and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
