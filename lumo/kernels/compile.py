@@ -141,6 +141,49 @@ def kernel_sources() -> list[Path]:
     return sorted(KERNEL_DIR.glob("**/*.cu"))
 
 
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
+def kernel_params(source: str, name: str) -> tuple[str, ...]:
+    """The parameter kinds of extern "C" kernel `name` in CUDA source text, in order: "ptr:T" (a pointer to
+    T, its last type word: "ptr:float", "ptr:bf16", "ptr:u64"...), "i32" (int / unsigned), "i64" (long
+    long), "f32" (float); what a launch's arguments must be (tests check the launchers against it without
+    a GPU). A parameter list spelled as one object-like macro (a
+    list several kernels share) is expanded."""
+    text = _COMMENT.sub("", source.replace("\\\n", " "))
+    macros = dict(re.findall(r"^[ \t]*#define[ \t]+(\w+)[ \t]+(.*)$", text, re.M))
+    head = re.search(
+        r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?'
+        + re.escape(name)
+        + r"\s*\(",
+        text,
+    )
+    if head is None:
+        raise KeyError(f'no extern "C" kernel {name}')
+    depth, i = 1, head.end()
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    listed = text[head.end() : i - 1].strip()
+    listed = macros.get(listed, listed)
+    params = [p.strip() for p in listed.split(",") if p.strip()]
+    kinds = []
+    for p in params:
+        names = [w for w in re.findall(r"\w+", p.split("*")[0]) if w not in ("const", "volatile")]
+        words = set(re.findall(r"\w+", p.split("=")[0]))
+        if "*" in p:
+            kinds.append("ptr:" + ("unsigned " if "unsigned" in names[:-1] else "") + names[-1])
+        elif "float" in words:
+            kinds.append("f32")
+        elif "long" in words:
+            kinds.append("i64")
+        elif words & {"int", "unsigned", "u32"}:
+            kinds.append("i32")
+        else:
+            raise ValueError(f"{name}: parameter {p!r} of a kind kernel_params does not know")
+    return tuple(kinds)
+
+
 @functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 for any other device): launch-shape choices."""
