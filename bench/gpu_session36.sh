@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 36's GPU checks (logit_bias / ignore_eos), in groups with their own limits; logs under $OUT.
+# Session 36's GPU checks (logit_bias, min_tokens), in groups with their own limits; logs under $OUT.
 #   bash bench/gpu_session36.sh kernels|engine
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
@@ -10,7 +10,7 @@ kernels)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   group 170 t_sampling $P tests/test_sampling_gpu.py
   group 90 t_tree $P tests/test_tree_kernels_gpu.py -k "topk or accept"
-  group 300 t_penalized $P -s tests/test_gpu_spec_gpu.py -k penalized
+  group 400 t_penalized $P -s tests/test_gpu_spec_gpu.py -k "penalized or min_tokens"
   ;;
 engine)
   group 150 t_runner $P tests/test_runner_gpu.py

@@ -7,6 +7,7 @@ Numerics are not checked here (the stubs compute nothing): that is tests/test_gp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -128,6 +129,9 @@ DRAFT_IDS = sorted({*range(0, 2400, 2), *range(3065, 3072)})
 # A logit bias that changes the embedded model's greedy output on the tests' prompt (' and' banned,
 # "')" lifted, '.startswith' lowered: tokens of that output).
 BIAS = ((446, -100.0), (650, 1.5), (2232, -5.0))
+# min_tokens: the end token lifted to the top, banned (with the other end token) below the prompt's length
+# + 9 (ban_until here counts from the prompt's end; the test adds the prompt's length)
+MIN_TOKENS = dict(logit_bias=((3067, 50.0),), stop_ids=(3065, 3067), ban_until=9)
 
 
 @functools.cache
@@ -396,6 +400,8 @@ def _install_emulation(monkeypatch) -> None:
         (SamplingParams(temperature=0.8, seed=9, min_p=0.05, frequency_penalty=0.6, top_p=0.9), False),
         (SamplingParams(temperature=0.0, logit_bias=BIAS), False),
         (SamplingParams(temperature=0.7, top_k=20, seed=5, presence_penalty=1.0, logit_bias=BIAS), True),
+        (SamplingParams(temperature=0.0, **MIN_TOKENS), False),
+        (SamplingParams(temperature=0.8, seed=2, **MIN_TOKENS), False),
     ],
     ids=[
         "greedy",
@@ -406,6 +412,8 @@ def _install_emulation(monkeypatch) -> None:
         "seeded-penalized",
         "greedy-biased",
         "seeded-biased-draft-vocab",
+        "greedy-min-tokens",
+        "seeded-min-tokens",
     ],
 )
 def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
@@ -419,15 +427,17 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
     # prefill chunks of 10: the MTP's carried row crosses chunk boundaries (same chunking for both runners)
     rp, rs = (GPURunner(cfg, gw, 64, prefill_chunk=10, device="cpu") for _ in range(2))
+    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    if params.stop_ids:  # the ban's end counts from the prompt's end in the parametrisation
+        params = dataclasses.replace(params, ban_until=len(prompt) + params.ban_until)
     spec = GPUSpecDecoder(rs, params, tree)
     plain = GPUDecoder(rp, params, use_graph=False)
-    prompt = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
     # Greedy: the MTP path (prefill pairs, feed, draft steps) against the fp32 reference SpecDecoder: the
     # next draft step's logits within bf16 noise (a position off by one gives 3-20%), compared while the
     # two agree on the tokens (bf16 vs fp32 may part at a near-tie).
     ids = DRAFT_IDS if draft else None
     # (Penalised and biased runs skip it: their drafts are the adjusted logits' top-k; checked without.)
-    check_mtp = params.greedy and not params.penalized and not params.logit_bias
+    check_mtp = params.greedy and not params.penalized and not params.logit_bias and not params.stop_ids
     ref = SpecDecoder(cfg, w32(name), params, 64, "cpu", torch.float32, tree, ids) if check_mtp else None
     got = spec.prefill(prompt)
     compared = 0
@@ -438,7 +448,7 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
         counts, L = rs.counts.clone(), rs.length  # the committed history before the event
         out = spec.step()
         got += out
-        if params.penalized or params.logit_bias:  # every node's choice: its logits, history + its path
+        if params.penalized or params.logit_bias or params.stop_ids:  # every node's choice: its logits, path
             for i in range(eng.tb.n_nodes):
                 history = TokenHistory.of(counts, rs.prompt_mask.bool())
                 history = history.with_tokens(int(eng.tokens[j]) for j in path_nodes[i].tolist() if j >= 0)
@@ -462,6 +472,9 @@ def test_emulated_tree_decoding_equals_plain(monkeypatch, params, draft, name):
     while rp.length < rs.length:
         want += plain.step()
     assert got[: len(want)] == want
+    if params.stop_ids:  # no stop token below the ban's end, the lifted end token from there on
+        k = params.ban_until - len(prompt)
+        assert not set(want[:k]) & set(params.stop_ids) and want[k] == 3067
     # The MTP must draft well (the embedded model was trained with it), and siblings must get accepted
     # sometimes (kv_remap moves rows only then).
     mean = sum(spec.stats.accepted) / spec.stats.events

@@ -388,3 +388,28 @@ def test_penalized_tree_equals_plain(variant, params):
     assert not banned & set(eng.cand.flatten().tolist())  # the drafter proposes under the bias
     if params.greedy:
         assert sum(accepted) / len(accepted) > 0.3, "penalised drafts are rarely accepted"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=6)],
+    ids=["greedy", "seeded"],
+)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_min_tokens_tree_equals_plain(variant, params):
+    """min_tokens: the end token lifted to the top (+50) is banned below each prompt's 20th new token;
+    verify rows on either side of that position, from CUDA graphs with adaptive plain steps mixed in, give
+    plain decoding's tokens: none of the stop tokens before the 20th, the lifted one at it (greedy)."""
+    cfg, gw, _ = packed(variant)
+    eos = (3065, 3067)
+    eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
+    pattern = [True, True, False, True]
+    for i, p in enumerate(prompts(variant)[:8]):
+        ban = dataclasses.replace(params, logit_bias=((3067, 50.0),), stop_ids=eos, ban_until=len(p) + 20)
+        dec = GPUSpecDecoder(eng, ban, use_graph=True, adaptive=ScriptedAdaptive(pattern))
+        want = plain_tokens(variant, p, 32, ban)
+        got = spec_tokens(dec, p, 32)
+        assert got[: len(want)] == want[: len(got)], (
+            f"prompt {i}: first difference at {first_diff(got, want)}"
+        )
+        assert not set(want[:20]) & set(eos) and (want[20] == 3067 or not params.greedy)

@@ -156,6 +156,8 @@ def test_sampling_launchers(stand_ins):
         torch.zeros(T, E, dtype=torch.int32),
         torch.zeros(R, dtype=torch.int32),
         torch.zeros(V, **f32),
+        torch.zeros(V, dtype=torch.uint8),
+        torch.zeros(T, dtype=torch.int64),
     )
     count = torch.zeros(V, dtype=torch.int32)
     sample_tokens(*rows, min_p=torch.zeros(T), penalties=pen, count_out=count)

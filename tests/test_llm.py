@@ -44,6 +44,8 @@ def test_tiny_temperatures_are_greedy(llm):
         (dict(logit_bias={5: "x"}), "must be a number"),
         (dict(logit_bias=[5]), "must map token ids"),
         (dict(ignore_eos=1), "ignore_eos must be true or false"),
+        (dict(min_tokens=5), r"min_tokens must lie in \[0, max_tokens = 4\]"),
+        (dict(min_tokens=-1), "min_tokens must lie in"),
     ],
     ids=[
         "max-tokens-float",
@@ -65,6 +67,8 @@ def test_tiny_temperatures_are_greedy(llm):
         "bias-str",
         "bias-list",
         "ignore-eos-int",
+        "min-tokens-over-max",
+        "min-tokens-negative",
     ],
 )
 def test_bad_arguments_are_value_errors(llm, kwargs, words):
@@ -135,3 +139,24 @@ def test_logit_bias_and_ignore_eos(llm):
     kw = dict(max_tokens=6, temperature=0.9, seed=2, logit_bias={eos: 100}, ignore_eos=True)
     sampled = llm.generate("hello", **kw)
     assert sampled.token_ids == [eos] * 6  # +100: every sample the end token
+
+
+def test_min_tokens(llm):
+    """min_tokens: an end token lifted to the top cannot come before min_tokens tokens (nor a stop token id),
+    then ends the request; ignore_eos leaves only the stop token ids banned."""
+    eos = llm.tokenizer.eos_token_ids[0]
+    kw = dict(max_tokens=8, temperature=0, logit_bias={eos: 100})
+    r = llm.generate("hello", min_tokens=3, **kw)
+    assert len(r.token_ids) == 3 and eos not in r.token_ids and r.finish_reason == "stop"
+    seeded = llm.generate("hello", min_tokens=5, **{**kw, "temperature": 0.9, "seed": 4})
+    assert len(seeded.token_ids) == 5 and seeded.finish_reason == "stop"
+    free = llm.generate("hello", max_tokens=8, temperature=0).token_ids
+    lifted = {eos: 100, free[1]: 50}
+    stop = llm.generate("hello", max_tokens=8, temperature=0, logit_bias=lifted, stop_token_ids=[free[1]])
+    assert stop.token_ids == []  # the end token first
+    late = llm.generate(
+        "hello", max_tokens=8, temperature=0, logit_bias=lifted, stop_token_ids=[free[1]], min_tokens=2
+    )
+    assert len(late.token_ids) == 2 and not {eos, free[1]} & set(late.token_ids)
+    kept = llm.generate("hello", min_tokens=4, ignore_eos=True, **kw)
+    assert kept.token_ids == [eos] * 8  # under ignore_eos the end token is no stop token: not banned

@@ -124,6 +124,19 @@ def test_logit_bias_comes_before_the_penalties():
     assert {sample(logits, lift, p) for p in range(50)} == {1}
 
 
+def test_min_tokens_bans_the_stop_tokens_below_a_position():
+    """min_tokens: the stop tokens are -inf while sampling positions below ban_until (whatever the bias
+    says: the ban comes first), then sampled as usual."""
+    logits = torch.tensor([1.0, 5.0, 0.5, 4.0])
+    params = SamplingParams(temperature=0.0, stop_ids=(1, 3), ban_until=10, logit_bias=((3, 9.0),))
+    assert [params.bans(p) for p in (0, 9, 10, 11)] == [True, True, False, False]
+    assert sample(logits, params, 9) == 0 and sample(logits, params, 10) == 3
+    sampled = SamplingParams(temperature=2.0, seed=1, stop_ids=(1,), ban_until=100)
+    assert 1 not in {sample(logits, sampled, p) for p in range(100)}
+    assert 1 in {sample(logits, sampled, p) for p in range(100, 200)}
+    assert not SamplingParams(ban_until=10).bans(0)  # no stop tokens: nothing banned
+
+
 def test_min_p_keeps_tokens_near_the_best():
     logits = torch.tensor([2.0, 1.5, 0.0, -1.0, 2.0 + math.log(0.3) + 1e-3])
     params = SamplingParams(temperature=1.0, min_p=0.3)

@@ -341,3 +341,40 @@ def test_logit_bias_matches_cpu_sampler(V):
         changed = (want != unbiased).tolist()
         assert changed == [t != 1 for t in range(T)], changed  # the bias moved every flagged row
         assert not set(want.tolist()) & set(best.tolist()) - {int(best[1])}  # banned (row 1: unbiased)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [3001, 248320], ids=lambda v: f"V{v}")
+def test_min_tokens_ban_matches_cpu_sampler(V):
+    """min_tokens: a row sampling a position below its ban_until sets the stop tokens' logits to -inf before
+    the bias and the penalties; at or above it they are sampled as usual. The stop tokens are every row's
+    best, so banned rows must pick another, unbanned greedy rows pick theirs; the CPU sampler's tokens."""
+    gen = torch.Generator().manual_seed(V + 1)
+    T = 8
+    logits = torch.randn(T, V, generator=gen) * 3
+    best = logits.argmax(1)
+    stop_mask = torch.zeros(V, dtype=torch.uint8)
+    stop_mask[best] = 1
+    positions = torch.tensor([10, 11, 19, 19, 20, 21, 20, 5])
+    ban_until = torch.full((T,), 20)
+    ban_until[7] = 0  # a row whose request has no ban left
+    temps = torch.tensor([0.0, 0.8, 0.8, 0.0, 0.0, 0.8, 0.7, 0.0])
+    ks = torch.tensor([0, 0, 20, 0, 0, 20, 0, 0], dtype=torch.int32)
+    ps = torch.ones(T)
+    pen = torch.tensor([[1.0, 0.0, 0.0, 1.0]] * T)  # the bias flag too: the ban comes first
+    pen[3] = torch.tensor([1.3, 0.2, 0.5, 1.0])
+    bias = torch.zeros(V)
+    bias[best[:4]] = 5.0  # lifted stop tokens stay banned
+    counts = torch.zeros(V, dtype=torch.int32)
+    prompt = torch.zeros(V, dtype=torch.uint8)
+    ban = dict(bias=bias, stop_mask=stop_mask, ban_until=ban_until)
+    penalties = Penalties(pen, counts, prompt, **ban)
+    dev = Penalties(*(x.to(DEV) for x in (pen, counts, prompt)), **{k: v.to(DEV) for k, v in ban.items()})
+    rows = (logits, temps, ks, ps, torch.arange(T) + 7, positions)
+    got = sample_tokens(logits.to(DEV), *to_dev(rows[1:]), penalties=dev)
+    want = sample_tokens_ref(*rows, penalties=penalties)
+    assert torch.equal(got.cpu(), want)
+    banned = (positions < ban_until).tolist()
+    assert banned == [True, True, True, True, False, False, False, False]
+    assert all(not stop_mask[int(want[t])] for t in range(T) if banned[t])
+    assert [int(want[t]) == int(best[t]) for t in (4, 7)] == [True, True]  # greedy, no ban: the best

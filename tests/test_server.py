@@ -466,6 +466,10 @@ def test_logit_bias_is_the_engines(client, llm):
         model=llm.model_name, prompt="Hi", logit_bias=eos, extra_body={"ignore_eos": True}, **kw
     )
     assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 8
+    late = client.completions.create(
+        model=llm.model_name, prompt="Hi", logit_bias=eos, extra_body={"min_tokens": 5}, **kw
+    )  # vLLM's min_tokens: no end token before the 5th
+    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 5
     streamed = client.chat.completions.create(
         model=llm.model_name,
         messages=[{"role": "user", "content": "Hi"}],

@@ -105,6 +105,15 @@ BAD = [
     ("stop-ids-str", CHAT, {"messages": USER, "stop_token_ids": ["a"]}, 422, "stop_token_ids[0]", "integer"),
     ("ignore-eos-str", COMP, {"prompt": "a", "ignore_eos": "yes"}, 422, "ignore_eos", ""),
     (
+        "min-tokens-over",
+        COMP,
+        {"prompt": "a", "max_tokens": 3, "min_tokens": 4},
+        400,
+        "min_tokens",
+        "exceeds",
+    ),
+    ("min-tokens-negative", CHAT, {"messages": USER, "min_tokens": -1}, 422, "min_tokens", ""),
+    (
         "continue-and-open",
         CHAT,
         {"messages": USER, "continue_final_message": True, "add_generation_prompt": True},

@@ -199,6 +199,27 @@ def test_embedded_model_penalized_tree_equals_plain(kw):
     assert changed  # the bias changes the output
 
 
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=0), dict(temperature=0.8, seed=3)], ids=["greedy", "sampled"]
+)
+def test_embedded_model_min_tokens_tree_equals_plain(kw):
+    """min_tokens under speculation: the end token lifted so far that it would end the request early is
+    banned below the request's 12th token, node by node of each tree by its position (the drafter proposes
+    it anyway: it does not apply the ban); tree decoding still equals plain decoding."""
+    from lumo.engine.llm import LLM, embedded_model_path
+
+    if not (embedded_model_path() / "config.json").exists():
+        pytest.skip("the embedded model is not in lumo/assets (run bench/train_tiny.py)")
+    plain, fast = LLM(device="cpu", spec="off"), LLM(device="cpu", spec="tree")
+    kw = {**kw, "max_tokens": 40, "logit_bias": {plain.tokenizer.eos_token_ids[0]: 20.0}}
+    for prompt in EMBEDDED_PROMPTS[:2]:
+        assert len(plain.generate(prompt, **kw).token_ids) < 6  # the end token early
+        want = plain.generate(prompt, min_tokens=12, **kw)
+        assert len(want.token_ids) == 12 if kw["temperature"] == 0 else len(want.token_ids) >= 12
+        assert fast.generate(prompt, min_tokens=12, **kw).token_ids == want.token_ids
+        assert fast.last_decoder.stats.events > 1
+
+
 def test_auto_spec_is_tree_only_on_the_kernels(tmp_path):
     """spec="auto" (the default) picks tree speculation on the kernels backend when the checkpoint has an
     MTP head; on the CPU (torch backend) it decodes plainly, and a checkpoint without MTP never fails."""

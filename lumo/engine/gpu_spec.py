@@ -134,11 +134,13 @@ class GPUSpecEngine:
         self.seed = torch.zeros(R, dtype=i64, device=dev)
         self.min_p = torch.full((R,), -float("inf"), dtype=f32, device=dev)
         self.penalty = torch.zeros(R, 4, dtype=f32, device=dev)
+        self.ban_until = torch.zeros(R, dtype=i64, device=dev)  # the runner's, for every row
         # A verify row's penalties see the committed history (the runner's) plus its path's drafted tokens;
         # its logit bias is the request's (the runner's).
         self.path = tb.path_nodes().to(dev)  # [R, D] node ids below the root
         pen = (runner.counts, runner.prompt_mask)
-        self.penalties = Penalties(self.penalty, *pen, self.path, self.tokens, runner.logit_bias)
+        ban = dict(stop_mask=runner.stop_mask, ban_until=self.ban_until)
+        self.penalties = Penalties(self.penalty, *pen, self.path, self.tokens, runner.logit_bias, **ban)
         # The drafter's candidates under the same bias and penalties (its history: the spine drafted so far).
         self.draft_penalties = Penalties(self.penalty[0:1], *pen, bias=runner.logit_bias)
 
@@ -218,6 +220,7 @@ class GPUSpecEngine:
         self.seed.fill_(params.seed)
         self.min_p.copy_(self.runner.min_p.expand(self.R))
         self.penalty.copy_(self.runner.penalty.expand(self.R, 4))
+        self.ban_until.copy_(self.runner.ban_until.expand(self.R))
 
     def extra_bytes(self) -> int:
         """GPU memory tree decoding adds to plain decoding: MTP weights and cache, tree buffers."""

@@ -8,7 +8,7 @@ import operator
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -246,8 +246,9 @@ class LLM:
         presence_penalty, logit_bias (see sampling_params), stop (strings), stop_token_ids (tokens that end
         the request like an end-of-sequence token: not part of the result), ignore_eos (end-of-sequence
         tokens are generated like any other), include_stop_str_in_output (the text ends after the stop
-        string, not before it), skip_special_tokens (default True: special tokens add no text; vLLM's
-        four options), logprobs (None:
+        string, not before it), skip_special_tokens (default True: special tokens add no text),
+        min_tokens (end-of-sequence and stop_token_ids tokens are not sampled before that many tokens;
+        stop strings still end the request; vLLM's five options), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
         ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
@@ -422,10 +423,13 @@ class LLM:
         ignore_eos: bool = False,
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
         **shaping,  # min_p, the penalties and logit_bias (sampling_params)
     ) -> Iterator[StreamChunk]:
         if _integer(max_tokens, "max_tokens") < 1:
             raise ValueError("max_tokens must be at least 1")
+        if not 0 <= _integer(min_tokens, "min_tokens") <= max_tokens:
+            raise ValueError(f"min_tokens must lie in [0, max_tokens = {max_tokens}], got {min_tokens}")
         ending = self._ending(
             stop, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens
         )
@@ -437,6 +441,9 @@ class LLM:
             )
         max_tokens = min(max_tokens, self.max_model_len - n)
         params = self.sampling_params(temperature, top_k, top_p, seed, **shaping)
+        if min_tokens and ending.stop_token_ids:  # the stop tokens banned for the first min_tokens
+            stops = tuple(sorted(ending.stop_token_ids))
+            params = replace(params, stop_ids=stops, ban_until=n + min_tokens)
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         self.last_decoder = None  # until this request's decoder exists (no stale stats)
         return self._run(prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs)

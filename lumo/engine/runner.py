@@ -118,11 +118,17 @@ class GPURunner:
         # [1, 4] repetition, frequency, presence penalties, logit bias on (Penalties.row)
         self.penalty = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=f32, device=dev)
         self.logit_bias = torch.zeros(V, dtype=f32, device=dev)  # [V] the request's (set_sampling)
+        # min_tokens: the stop tokens banned while sampling positions below ban_until (set_sampling)
+        self.stop_mask = torch.zeros(V, dtype=torch.uint8, device=dev)
+        self.ban_until = torch.zeros(1, dtype=i64, device=dev)
         # The request's token history (the sampling penalties'; begin_history): every sample the step
         # emits is added to counts by the sampler itself, an event's tokens by tree_accept.
         self.counts = torch.zeros(V, dtype=i32, device=dev)  # [V] generated tokens
         self.prompt_mask = torch.zeros(V, dtype=torch.uint8, device=dev)  # [V] 1: in the prompt
-        self.penalties = Penalties(self.penalty, self.counts, self.prompt_mask, bias=self.logit_bias)
+        self.penalties = Penalties(
+            self.penalty, self.counts, self.prompt_mask, bias=self.logit_bias, stop_mask=self.stop_mask,
+            ban_until=self.ban_until,
+        )  # fmt: skip
         self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
 
         # ---- static activations of one decode row ----
@@ -177,6 +183,10 @@ class GPURunner:
         self.penalty.copy_(torch.tensor([Penalties.row(params)], dtype=torch.float32))
         if params.logit_bias:
             self.logit_bias.copy_(bias_vector(params.logit_bias, self.logit_bias.numel()))
+        self.ban_until.fill_(params.ban_until if params.stop_ids else 0)
+        if params.stop_ids:
+            self.stop_mask.zero_()
+            self.stop_mask[torch.tensor(params.stop_ids, device=self.device)] = 1
 
     @torch.inference_mode()
     def begin_history(self, prompt_ids: Sequence[int]) -> None:

@@ -6,12 +6,13 @@ speculative tree node at the same logical position therefore draw the same noise
 emits the same tokens with and without speculation (DESIGN.md, Exactness). The GPU sampler implements
 the same hash.
 
-Order of the operations on a row (vLLM's): the raw logits, + logit_bias, the penalties (repetition over the
-prompt and the output, then frequency and presence over the output), greedy argmax or: / temperature,
-min-p, top-k, top-p, Gumbel-max. The penalties read the tokens generated so far (`TokenHistory`); a tree
-node's history is the committed one plus the drafted tokens on its path, which is what plain decoding has
-seen when it samples at that position, so penalised decoding stays exact under speculation too. The bias
-is the same at every position.
+Order of the operations on a row (vLLM's): the raw logits, the stop tokens banned below min_tokens, +
+logit_bias, the penalties (repetition over the prompt and the output, then frequency and presence over the
+output), greedy argmax or: / temperature, min-p, top-k, top-p, Gumbel-max. The penalties read the tokens
+generated so far (`TokenHistory`); a tree node's history is the committed one plus the drafted tokens on
+its path, which is what plain decoding has seen when it samples at that position, so penalised decoding
+stays exact under speculation too. The bias is the same at every position, and the ban depends on the
+position alone.
 """
 
 from __future__ import annotations
@@ -41,10 +42,18 @@ class SamplingParams:
     # OpenAI's logit_bias: (token id, value) pairs, ids ascending and distinct, each value added to that
     # token's raw logit before the penalties (bias_vector; LLM.sampling_params checks the ids and values).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: the stop tokens (end-of-sequence and stop_token_ids) are banned while sampling
+    # positions below ban_until (the prompt's length + min_tokens: the request's first min_tokens tokens)
+    stop_ids: tuple[int, ...] = ()
+    ban_until: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    def bans(self, position: int) -> bool:
+        """The stop tokens are banned at this absolute position."""
+        return bool(self.stop_ids) and position < self.ban_until
 
     @property
     def penalized(self) -> bool:
@@ -175,7 +184,10 @@ def sample(
     logits: torch.Tensor, params: SamplingParams, position: int, history: TokenHistory | None = None
 ) -> int:
     """One token from [V] logits for absolute position `position` (Gumbel-max; greedy = argmax), after the
-    logit bias and the penalties when `params` has any (penalties need `history`)."""
+    stop-token ban (min_tokens), the logit bias and the penalties when `params` has any (penalties need
+    `history`)."""
+    if params.bans(position):
+        logits = logits.float().index_fill(0, torch.tensor(params.stop_ids), float("-inf"))
     if params.logit_bias or params.penalized:
         logits = adjust(logits, params, history)
     if params.greedy:

@@ -9,7 +9,9 @@
 //            keeps x >= x[k-1] (k clamped to C), top-p keeps tokens whose exclusive cumulative softmax
 //            mass is < top_p (first always kept; the softmax denominator covers all V unless top-k or
 //            min-p is on: then the kept candidates), then argmax of x + g over the kept candidates.
-// Logit bias and penalties (lumo.engine.sampling.adjust): a row with its bias flag set first adds bias[i]
+// min_tokens (lumo.engine.sampling.sample): a row sampling a position below ban_until[t] first sets the stop
+// tokens' logits (stop_mask[i] != 0) to -inf.
+// Logit bias and penalties (lumo.engine.sampling.adjust): a row with its bias flag set then adds bias[i]
 // (every i: x + 0 where nothing is biased, as the CPU sampler adds its vector); a row is penalised when
 // repetition != 1, frequency != 0 or presence != 0: then each logit becomes, with c = counts[i] + how often
 // i is among the row's path tokens and seen = prompt[i] or c > 0,
@@ -201,6 +203,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                    const float* __restrict__ min_p,         // [T] log threshold, -inf: off; or null
                    const float* __restrict__ penalty,       // [T, 4] repetition, frequency, presence, bias on
                    const float* __restrict__ bias,          // [V] logit bias, or null
+                   const unsigned char* __restrict__ stop_mask,  // [V] 1: a stop token (min_tokens), or null
+                   const long long* __restrict__ ban_until,      // [T] stop tokens banned below it, or null
                    const int* __restrict__ counts,          // [V] generated-token histogram
                    const unsigned char* __restrict__ prompt,  // [V] 1: in the prompt
                    const int* __restrict__ path,            // [T, E] path node ids (-1: none), or null
@@ -218,7 +222,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   __shared__ int ptok[PATH_MAX];
   const int b = blockIdx.x, t = blockIdx.y;
   const Mode md = row_mode(temperature, top_k, top_p, min_p, t, V);
-  const Penalty pen = row_penalty(penalty, bias, t);
+  Penalty pen = row_penalty(penalty, bias, t);
+  pen.ban = row_bans(stop_mask, ban_until, t, position[t]);
   const int np = path == nullptr ? 0 : E;
   if (pen.on) {
     for (int e = threadIdx.x; e < np; e += THREADS) {
@@ -230,6 +235,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
   const logit_t* lrow = logits + (size_t)t * V;
   auto row = [&](int i) {
     float x = logit_f32(lrow[i]);
+    if (pen.ban && stop_mask[i]) x = -INFINITY;
     if (pen.bias) x = __fadd_rn(x, bias[i]);
     if (!pen.on) return x;
     int c = counts[i];

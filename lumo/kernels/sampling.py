@@ -54,6 +54,8 @@ class Penalties:
     path: torch.Tensor | None = None  # [T, E] int32: node ids of each row's path below the root, -1 padded
     node_tokens: torch.Tensor | None = None  # [R] int32: the token of each node (with path)
     bias: torch.Tensor | None = None  # [V] f32: the logit bias of the rows whose flag is set (None: none)
+    stop_mask: torch.Tensor | None = None  # [V] uint8: 1 for the stop tokens min_tokens bans (None: none)
+    ban_until: torch.Tensor | None = None  # [T] int64: row t bans them at positions below ban_until[t]
 
     @staticmethod
     def row(params: SamplingParams) -> list[float]:
@@ -62,14 +64,24 @@ class Penalties:
         return [params.repetition_penalty, params.frequency_penalty, params.presence_penalty, bias]
 
     def settings(self, row: int) -> SamplingParams:
-        """Row `row`'s bias and penalties as SamplingParams fields (the references' view), sampling unset."""
+        """Row `row`'s ban, bias and penalties as SamplingParams fields (the references' view), sampling
+        unset."""
         rep, freq, pres, on = self.params[row].tolist()
         bias = ()
         if on and self.bias is not None:
             vec = self.bias.cpu()
             bias = tuple((i, float(vec[i])) for i in torch.nonzero(vec).flatten().tolist())
+        stops, until = (), 0
+        if self.stop_mask is not None and self.ban_until is not None:
+            stops = tuple(torch.nonzero(self.stop_mask.cpu()).flatten().tolist())
+            until = int(self.ban_until[row])
         return SamplingParams(
-            repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres, logit_bias=bias
+            repetition_penalty=rep,
+            frequency_penalty=freq,
+            presence_penalty=pres,
+            logit_bias=bias,
+            stop_ids=stops,
+            ban_until=until,
         )
 
     def history(self, row: int | None = None, extra: Iterable[int] = ()) -> TokenHistory:
@@ -110,9 +122,9 @@ def sample_tokens(
 
     temperature [T] f32 (<= 0: greedy), top_k [T] int32 (0: off), top_p [T] f32 (1: off), seed [T] int64,
     position [T] int64 (absolute position of the token being sampled), min_p [T] f32 (log(min_p), -inf:
-    off; SamplingParams.min_p_threshold; None: off), penalties (the logit bias and the penalties; None:
-    off), count_out [V] int32: a histogram each row's token is added to (the runner's: the token its step
-    emits).
+    off; SamplingParams.min_p_threshold; None: off), penalties (min_tokens' stop-token ban, the logit bias
+    and the penalties; None: off), count_out [V] int32: a histogram each row's token is added to (the
+    runner's: the token its step emits).
     """
     if logits.dim() != 2:
         raise ValueError(f"sample_tokens: logits must be [T, V], got {list(logits.shape)}")
@@ -130,12 +142,17 @@ def sample_tokens(
     ):
         if x is not None:
             _check(x, dt, (T,), name, dev)
-    pen_args: list = [_NULL] * 6 + [0]
+    pen_args: list = [_NULL] * 8 + [0]
     if penalties is not None:
         pe = penalties
         _check(pe.params, torch.float32, (T, 4), "penalties.params", dev)
         if pe.bias is not None:
             _check(pe.bias, torch.float32, (V,), "penalties.bias", dev)
+        if (pe.stop_mask is None) != (pe.ban_until is None):
+            raise ValueError("sample_tokens: penalties.stop_mask and penalties.ban_until go together")
+        if pe.stop_mask is not None:
+            _check(pe.stop_mask, torch.uint8, (V,), "penalties.stop_mask", dev)
+            _check(pe.ban_until, torch.int64, (T,), "penalties.ban_until", dev)
         _check(pe.counts, torch.int32, (V,), "penalties.counts", dev)
         _check(pe.prompt, torch.uint8, (V,), "penalties.prompt", dev)
         E = 0
@@ -145,7 +162,17 @@ def sample_tokens(
             if not 0 <= E <= PATH_MAX or pe.node_tokens is None:
                 raise ValueError(f"sample_tokens: a path of at most {PATH_MAX} nodes with node_tokens")
             _check(pe.node_tokens, torch.int32, (pe.node_tokens.shape[0],), "penalties.node_tokens", dev)
-        pen_args = [pe.params, _opt(pe.bias), pe.counts, pe.prompt, _opt(pe.path), _opt(pe.node_tokens), E]
+        ban = [_opt(pe.stop_mask), _opt(pe.ban_until)]
+        pen_args = [
+            pe.params,
+            _opt(pe.bias),
+            *ban,
+            pe.counts,
+            pe.prompt,
+            _opt(pe.path),
+            _opt(pe.node_tokens),
+            E,
+        ]
     if count_out is not None:
         _check(count_out, torch.int32, (V,), "count_out", dev)
     nb = -(-V // SPAN)

@@ -85,13 +85,21 @@ class _Common(BaseModel):
     # vLLM's output options: end-of-sequence tokens generated like others (benchmark clients), tokens that
     # end a choice like one, the stop string kept in the text, special tokens' text shown
     ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = Field(default=None, ge=0)  # before them no end token or stop_token_ids
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
-        """A 400 for values lumo cannot honour (the endpoints' own fields; every shared one is honoured)."""
+        """A 400 for values lumo cannot honour or that contradict each other."""
+        limit = self.max_new_tokens()
+        if self.min_tokens and limit is not None and self.min_tokens > limit:
+            raise APIError(400, f"min_tokens {self.min_tokens} exceeds max_tokens {limit}", "min_tokens")
+
+    def max_new_tokens(self) -> int | None:
+        """The request's limit on generated tokens (None: the default)."""
+        return self.max_tokens
 
     def token_settings(self, vocab_size: Callable[[], int]) -> dict[str, Any]:
         """The settings that name token ids, checked against the vocabulary (a 400 naming the field):
@@ -152,6 +160,7 @@ class _Common(BaseModel):
             "presence_penalty": self.presence_penalty,
             "stop": self.stop_list(),
             "ignore_eos": bool(self.ignore_eos),
+            "min_tokens": self.min_tokens or 0,
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "skip_special_tokens": self.skip_special_tokens is not False,
             "logprobs": self.logprobs_k(),
