@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
         help="add VALUE to token ID's logit (repeatable; -100 bans it)",
     )  # fmt: skip
     g.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
+    g.add_argument("--stop-token-id", type=int, action="append", default=None, metavar="ID",
+                   help="a token that ends the output like end-of-sequence (repeatable)")  # fmt: skip
+    g.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no end-of-sequence / stop token before N tokens")  # fmt: skip
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s, positional=True)
@@ -214,6 +218,8 @@ def _generate(args: argparse.Namespace) -> int:
         logit_bias=dict(args.logit_bias) if args.logit_bias else None,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        stop_token_ids=args.stop_token_id,
+        min_tokens=args.min_tokens,
     ):
         t_first = t_first or time.perf_counter()
         n += len(chunk.token_ids)

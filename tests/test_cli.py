@@ -45,6 +45,12 @@ def test_generate_chat_stop_and_spec(tmp_path):
     assert ended.returncode == 0 and "0 tokens (stop)" in ended.stderr, ended.stderr
     kept = lumo(*base, "--prompt", "hello", "--logit-bias", f"{eos}=100", "--ignore-eos")
     assert kept.returncode == 0 and "12 tokens (length)" in kept.stderr, kept.stderr
+    late = lumo(*base, "--prompt", "hello", "--logit-bias", f"{eos}=100", "--min-tokens", "5")
+    assert late.returncode == 0 and "5 tokens (stop)" in late.stderr, late.stderr
+    stopped = lumo(
+        *base, "--prompt", "hello", "--stop-token-id", eos, "--logit-bias", f"{eos}=100", "--ignore-eos"
+    )
+    assert stopped.returncode == 0 and "0 tokens (stop)" in stopped.stderr, stopped.stderr
 
 
 @pytest.mark.parametrize(
@@ -138,6 +144,8 @@ def test_quantize_round_trip(tmp_path):
         (["--spec", "tree"], "MTP head"),
         (["--logit-bias", "13"], "TOKEN_ID=VALUE"),
         (["--logit-bias", "99999999=1"], "outside the vocabulary"),
+        (["--min-tokens", "300"], "min_tokens must lie in"),
+        (["--stop-token-id", "-3"], "stop_token_ids [-3] lie outside"),
     ],
 )
 def test_bad_settings_fail_at_start(tmp_path, args, words):
