@@ -241,14 +241,22 @@ class Tokenizer:
         """Render `messages` to the prompt text; extra kwargs (e.g. enable_thinking) reach the template.
         continue_final_message: the text ends where the last message's content does (no end-of-turn
         after it), so the model continues that message (a prefilled reply); not with add_generation_prompt.
+        The content is rendered with a marker after it and the text cut there (however the template
+        renders it; trailing whitespace and an empty content stay as given); a template that drops or
+        repeats the marker falls back to the content's last occurrence in the plain rendering.
         """
         if continue_final_message:
             if add_generation_prompt:
                 raise TokenizerError("continue_final_message and add_generation_prompt exclude each other")
             if not messages or not isinstance(messages[-1].get("content"), str):
                 raise TokenizerError("continue_final_message needs a last message with text content")
-            text = self.apply_chat_template(messages, tools, False, **kwargs)
-            return _cut_after_final(text, messages[-1]["content"])
+            final = messages[-1]["content"]
+            marked = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARK}]
+            text = self.apply_chat_template(marked, tools, False, **kwargs)
+            at = text.find(_CONTINUE_MARK)
+            if at >= 0 and text.count(_CONTINUE_MARK) == 1:  # where the (rendered) content ended
+                return text[:at]
+            return _cut_after_final(self.apply_chat_template(messages, tools, False, **kwargs), final)
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
         source = self._templates.get(name)
         if source is None:
@@ -264,6 +272,9 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise TokenizerError(f"chat template error: {e}") from None
+
+
+_CONTINUE_MARK = "\ue000lumo:continue\ue000"  # private-use characters: no template or text has them
 
 
 def _cut_after_final(text: str, final: str) -> str:
@@ -295,10 +306,14 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] = (),
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
         self._stop = [s for s in (stop or []) if s]
         self._include_stop = include_stop
+        # vLLM's min_tokens: stop strings are looked for only once that many tokens were added (in the text
+        # from then on: text emitted before cannot be held back)
+        self._min_tokens, self._added = min_tokens, 0
         self._max_hold = max((len(s) for s in self._stop), default=1) - 1  # longest partial stop kept back
         self._skip = skip_special_tokens
         # a few prompt tokens give the first generated token its left context
@@ -318,6 +333,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.append(int(token_id))
+        self._added += 1
         self._pending += self._decode_new(final=False)
         return self._emit(final=False)
 
@@ -342,6 +358,10 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         text = self._pending
+        if self._added < self._min_tokens:
+            self._pending = ""
+            self._out.append(text)
+            return text
         # the first stop string in the text (the longest of those starting there)
         cut, end = min(((i, -len(s)) for s in self._stop if (i := text.find(s)) >= 0), default=(-1, 0))
         if cut >= 0:

@@ -160,3 +160,13 @@ def test_min_tokens(llm):
     assert len(late.token_ids) == 2 and not {eos, free[1]} & set(late.token_ids)
     kept = llm.generate("hello", min_tokens=4, ignore_eos=True, **kw)
     assert kept.token_ids == [eos] * 8  # under ignore_eos the end token is no stop token: not banned
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    """A stop string in the first min_tokens tokens' text does not end the request (vLLM's min_tokens)."""
+    plain = llm.generate("hello", max_tokens=8, temperature=0, ignore_eos=True)
+    stop = next(c for c in plain.text if c != "\ufffd")  # the first character the output shows
+    early = llm.generate("hello", max_tokens=8, temperature=0, ignore_eos=True, stop=[stop])
+    late = llm.generate("hello", max_tokens=8, temperature=0, ignore_eos=True, stop=[stop], min_tokens=6)
+    assert len(early.token_ids) < 6 and len(late.token_ids) >= 6
+    assert late.token_ids[: len(early.token_ids)] == early.token_ids

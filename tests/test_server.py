@@ -484,6 +484,15 @@ def test_logit_bias_is_the_engines(client, llm):
     assert [c.finish_reason for e in events for c in e.choices if c.finish_reason] == ["length"]
 
 
+def test_reasoning_opened_by_a_continued_message():
+    """The output starts as reasoning when the template ends the prompt with <think>, or when the message
+    continue_final_message continues opened <think> without closing it."""
+    assert opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\nSure", "Sure")
+    assert opens_reasoning("<|im_start|>assistant\n<think>\nThe user says hi", "<think>\nThe user says hi")
+    assert not opens_reasoning("x<think>a</think>b", "<think>a</think>b")
+
+
 def test_tokenize_and_detokenize(server, llm):
     """vLLM's /tokenize (a prompt; chat messages as the chat endpoint renders them) and /detokenize."""
     tok = llm.tokenizer

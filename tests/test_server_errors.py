@@ -113,6 +113,9 @@ BAD = [
         "exceeds",
     ),
     ("min-tokens-negative", CHAT, {"messages": USER, "min_tokens": -1}, 422, "min_tokens", ""),
+    ("min-tokens-default-limit", COMP, {"prompt": "Hi", "min_tokens": 20}, 400, "min_tokens", "16 tokens"),
+    ("min-tokens-streamed", COMP, {"prompt": "Hi", "min_tokens": 20, "stream": True}, 400, "min_tokens", ""),
+    ("min-tokens-context", CHAT, {"messages": USER, "min_tokens": 5000}, 400, "min_tokens", "exceeds"),
     (
         "continue-and-open",
         CHAT,

@@ -266,11 +266,10 @@ def test_chat_continue_final_message(tok):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure, here is"}]
     out = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
     assert out == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nSure, here is"
-    padded = [msgs[0], {"role": "assistant", "content": "  Sure, here is \n"}]
-    assert tok.apply_chat_template(padded, add_generation_prompt=False, continue_final_message=True) in (
-        out,
-        out.replace("Sure, here is", "  Sure, here is \n"),
-    )
+    for content in ("  Sure, here is \n", "", "\n", "<think>\nhmm"):  # as given, whitespace and all
+        m = [msgs[0], {"role": "assistant", "content": content}]
+        want = out.replace("Sure, here is", content)
+        assert tok.apply_chat_template(m, add_generation_prompt=False, continue_final_message=True) == want
     with pytest.raises(TokenizerError, match="exclude each other"):
         tok.apply_chat_template(msgs, continue_final_message=True)
     with pytest.raises(TokenizerError, match="text content"):
@@ -428,3 +427,18 @@ def test_include_stop_keeps_the_stop_string(tok):
             continue
         tail = inc.text[len(det.text) :]
         assert inc.text.startswith(det.text) and tail in stops and text.startswith(inc.text)
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    """min_tokens (vLLM's): stop strings are looked for only from the min_tokens-th token on: a stop in
+    the text of earlier tokens passes, one after it still stops."""
+    text = "ab END cd END ef"
+    ids = tok.encode(text)
+    at = next(k for k in range(1, len(ids) + 1) if "END" in tok.decode(ids[:k]))  # the first END's token
+    for m, want in ((0, "ab "), (at + 1, None)):
+        det = IncrementalDetokenizer(tok, stop=["END"], min_tokens=m)
+        out = "".join(det.add(i) for i in ids) + det.finish()
+        if want is not None:
+            assert out == want and det.stopped
+        else:  # the first END went out; the second stops
+            assert det.stopped and out.startswith(tok.decode(ids[:at])) and out.count("END") == 1

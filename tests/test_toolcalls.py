@@ -393,32 +393,36 @@ def test_xml_call_streams_its_arguments():
         assert _run(pieces, False, True, raw=True) == ("", "", [("get_weather", want)])
 
 
-def _xml_reference(body: str) -> dict:
+def _xml_reference(body: str) -> tuple[dict, bool]:
     """The XML form's arguments by regular expressions over the whole body (the parser's specification):
-    a parameter's value runs to `</parameter>`, the next `<parameter=` or the end of the function."""
+    a parameter's value runs to `</parameter>`, the next `<parameter=` or the end of the function; and
+    whether every parameter name came once."""
     import re
 
     from lumo.server.toolparse import _typed_value
 
     fn = re.match(r"\s*<function=([^>\n]+)>(.*?)(?:</function>.*)?\Z", body, re.S)
     props = TOOLS[0]["function"]["parameters"]["properties"]
-    args = {}
+    args, n = {}, 0
     for m in re.finditer(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", fn.group(2), re.S):
         value = m.group(2)
         value = value[1:] if value.startswith("\n") else value
         value = value[:-1] if value.endswith("\n") else value
         args[m.group(1).strip()] = _typed_value(value, props.get(m.group(1).strip()))
-    return args
+        n += 1
+    return args, n == len(args)
 
 
 def test_xml_arguments_match_the_whole_body_parse():
     """Random XML bodies (values with newlines, angle brackets, tag look-alikes, empty values, unclosed
     parameters, typed and untyped parameters), fed whole, character by character and in random pieces:
-    the streamed arguments are the whole-body parse's."""
+    the streamed arguments are the whole-body parse's: the same text (json.dumps of it) where no parameter
+    came twice."""
     import random
 
     rng = random.Random(5)
     atoms = ["a", "x y", "\n", "\n\n", "<", ">", "</", "</par", "<parameter", "<p>", "1", "[2]", '"q"', "é"]
+    atoms += ["</function>", "<parameter=b</function>", "</func", '"\\']
     for _ in range(300):
         body = "<function=get_weather>"
         for _ in range(rng.randint(0, 4)):
@@ -429,10 +433,13 @@ def test_xml_arguments_match_the_whole_body_parse():
             body += f"\n<parameter={key}>{value}" + rng.choice(["</parameter>", "", "\n</parameter>"])
         body += rng.choice(["\n</function>\n", "\n</function>", "", "\n"])
         text = "<tool_call>\n" + body + rng.choice(["</tool_call>", ""])
-        want = _xml_reference(body)
+        want, unique = _xml_reference(body)
         splits = [[text], list(text)]
         cuts = sorted(rng.sample(range(len(text) + 1), min(4, len(text))))
         splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)])
         for pieces in splits:
             content, _, calls = _run(pieces, False, True)
             assert content == "" and calls == [("get_weather", want)], (body, pieces)
+            if unique:
+                raw = _run(pieces, False, True, raw=True)[2]
+                assert raw == [("get_weather", json.dumps(want, ensure_ascii=False))], (body, pieces)

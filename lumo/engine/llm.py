@@ -247,8 +247,8 @@ class LLM:
         the request like an end-of-sequence token: not part of the result), ignore_eos (end-of-sequence
         tokens are generated like any other), include_stop_str_in_output (the text ends after the stop
         string, not before it), skip_special_tokens (default True: special tokens add no text),
-        min_tokens (end-of-sequence and stop_token_ids tokens are not sampled before that many tokens;
-        stop strings still end the request; vLLM's five options), logprobs (None:
+        min_tokens (end-of-sequence and stop_token_ids tokens are not sampled before that many tokens,
+        stop strings not looked for; vLLM's five options), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
         ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
@@ -433,6 +433,7 @@ class LLM:
         ending = self._ending(
             stop, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens
         )
+        ending = replace(ending, min_tokens=min_tokens)
         n = len(prompt_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(
@@ -491,6 +492,7 @@ class LLM:
             skip_special_tokens=ending.skip_special_tokens,
             prompt_ids=prompt_ids[-8:],
             include_stop=ending.include_stop_str_in_output,
+            min_tokens=ending.min_tokens,
         )
         eos = ending.stop_token_ids
         n = 0
@@ -532,6 +534,7 @@ class Ending:
     stop_token_ids: frozenset[int]  # end-of-sequence tokens (unless ignore_eos) and stop_token_ids
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # stop strings are looked for from this many tokens on (vLLM's min_tokens)
 
 
 def _generation_defaults(path: Path) -> dict:

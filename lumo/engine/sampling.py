@@ -187,7 +187,8 @@ def sample(
     stop-token ban (min_tokens), the logit bias and the penalties when `params` has any (penalties need
     `history`)."""
     if params.bans(position):
-        logits = logits.float().index_fill(0, torch.tensor(params.stop_ids), float("-inf"))
+        stops = torch.tensor(params.stop_ids, device=logits.device)
+        logits = logits.float().index_fill(0, stops, float("-inf"))
     if params.logit_bias or params.penalized:
         logits = adjust(logits, params, history)
     if params.greedy:

@@ -21,7 +21,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..tokenizer import IncrementalDetokenizer, TokenizerError
-from .chat import delta_json, finish_reason, message_json, opens_reasoning, render_prompt
+from .chat import continued_text, delta_json, finish_reason, message_json, opens_reasoning, render_prompt
 from .errors import APIError, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
@@ -56,6 +56,14 @@ def _usage(n_prompt: int, n_gen: int, cached: int) -> dict[str, Any]:
         "total_tokens": n_prompt + n_gen,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def _check_min_tokens(body: Any, budget: int) -> None:
+    """min_tokens within the tokens the request may generate (the default limit or the context's room
+    included), as a 400 naming it rather than the engine's error."""
+    if body.min_tokens and body.min_tokens > budget:
+        msg = f"min_tokens {body.min_tokens} exceeds the {budget} tokens this request may generate"
+        raise APIError(400, msg, "min_tokens")
 
 
 def _engine_error(exc: Exception) -> APIError:
@@ -326,6 +334,7 @@ class _Server:
                     raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", param)
                 ids = list(prompt)
             budget = self._budget(len(ids), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
+            _check_min_tokens(body, budget)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tok.decode(ids)
@@ -405,13 +414,17 @@ class _Server:
         prompt = render_prompt(tok, body)
         prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
+        _check_min_tokens(body, max_tokens)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        continued = continued_text(body)
 
         def start(j: int) -> tuple[Job, ChatOutputParser]:
             """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
             job = self._submit(prompt_ids, max_tokens, {**body.sampling(j), **by_id})
             parser = ChatOutputParser(
-                in_reasoning=opens_reasoning(prompt), parse_tools=body.parse_tools, tools=tools
+                in_reasoning=opens_reasoning(prompt, continued),
+                parse_tools=body.parse_tools,
+                tools=tools,
             )
             return job, parser
 

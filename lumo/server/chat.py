@@ -8,7 +8,7 @@ from typing import Any
 from ..tokenizer import TokenizerError
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from .toolparse import THINK_OPEN, ParsedDelta, ToolCall, ToolCallPiece
+from .toolparse import THINK_CLOSE, THINK_OPEN, ParsedDelta, ToolCall, ToolCallPiece
 
 
 def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
@@ -93,9 +93,19 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
         raise APIError(400, str(e), "messages") from None
 
 
-def opens_reasoning(prompt: str) -> bool:
-    """The template ended the prompt inside `<think>`: the output starts as reasoning."""
-    return prompt.rstrip().endswith(THINK_OPEN)
+def opens_reasoning(prompt: str, continued: str | None = None) -> bool:
+    """The output starts as reasoning: the template ended the prompt with `<think>`, or the message the
+    output continues (continue_final_message: its text) opened `<think>` and did not close it."""
+    if prompt.rstrip().endswith(THINK_OPEN):
+        return True
+    return continued is not None and continued.rfind(THINK_OPEN) > continued.rfind(THINK_CLOSE)
+
+
+def continued_text(req: ChatCompletionRequest) -> str | None:
+    """The text of the message a continue_final_message request continues (None: none)."""
+    if not req.continue_final_message:
+        return None
+    return template_message(len(req.messages) - 1, req.messages[-1])["content"]
 
 
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:

@@ -328,7 +328,8 @@ class _XmlArguments:
     and returned in pieces: json.dumps of {parameter: value} as the whole body would give it (value types
     from the tool's schema, strings where it has none; the one newline the template puts on each side of
     a value dropped; a parameter ends at `</parameter>`, the next `<parameter=`, `</function>` or the end;
-    text between parameters and after `</function>` ignored)."""
+    text between parameters and after `</function>` ignored). A parameter given twice appears twice (what
+    went out cannot be taken back): JSON parsers keep the last, as the whole-body dict does."""
 
     def __init__(self, props: dict[str, Any]) -> None:
         self.props = props
@@ -356,15 +357,15 @@ class _XmlArguments:
     def _parameter(self, out: list[str], final: bool) -> bool:
         """Between parameters: open the next one (True) or wait for more text."""
         i, j = self.buf.find(_PARAM), self.buf.find(_FUNCTION_CLOSE)
-        if j >= 0 and (i < 0 or j < i):
+        start = i + len(_PARAM)
+        k, nl = (self.buf.find(">", start), self.buf.find("\n", start)) if i >= 0 else (-1, -1)
+        if j >= 0 and (i < 0 or j < i or k < 0 or k > j):  # the function ends (inside a tag too)
             self.done, self.buf = True, ""
             return False
         if i < 0:
             keep = 0 if final else _partial_tag_len(self.buf, (_PARAM, _FUNCTION_CLOSE))
             self.buf = self.buf[len(self.buf) - keep :]
             return False
-        start = i + len(_PARAM)
-        k, nl = self.buf.find(">", start), self.buf.find("\n", start)
         if (0 <= nl and (k < 0 or nl < k)) or k == start:  # not a parameter tag: skip it
             self.buf = self.buf[start:]
             return True
