@@ -12,16 +12,11 @@ import pytest
 pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
 
 import json
-import threading
-import time
-from dataclasses import dataclass, field
 
 import httpx
 import openai
-import uvicorn
 
-from lumo.server.app import create_app
-from lumo.server.testing import free_port
+from lumo.server.testing import ScriptedLLM, serve_in_thread
 from lumo.server.toolparse import ChatOutputParser, ParsedDelta, parse_tool_call
 
 TOOLS = [
@@ -256,30 +251,6 @@ def test_parse_tool_call_rejects_non_calls():
 # HTTP, with a scripted engine behind the real app
 
 
-@dataclass
-class _Chunk:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-
-
-@dataclass
-class ScriptedLLM:
-    """Stands in for lumo.engine.llm.LLM: real tokenizer and template, scripted output in 3-char chunks."""
-
-    tokenizer: object
-    output: str
-    model_name: str = "scripted"
-    max_model_len: int = 4096
-    prompts: list[list[int]] = field(default_factory=list)
-
-    def generate_stream(self, prompt, max_tokens=256, **kw):
-        self.prompts.append(list(prompt))
-        pieces = [self.output[i : i + 3] for i in range(0, len(self.output), 3)]
-        for i, piece in enumerate(pieces):
-            yield _Chunk(piece, [7], "stop" if i == len(pieces) - 1 else None)
-
-
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     from lumo.testing import make_tokenizer_files
@@ -294,17 +265,8 @@ def scripted(tmp_path_factory):
         + XML_CALL.replace("New York", "Oslo")
     )
     llm = ScriptedLLM(Tokenizer.from_dir(d), output)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield llm, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_in_thread(llm) as url:
+        yield llm, url
 
 
 def test_http_tool_calls_streamed_and_not(scripted):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine worker.
 
-POST /v1/completions, POST /v1/chat/completions (both also as SSE with `stream: true`), GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (each also as SSE with `stream: true`),
+GET /v1/models,
 GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize (vLLM's). See docs/server.md.
 """
 
@@ -26,12 +27,14 @@ from .errors import APIError, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import ResponseBuilder, ResponsesRequest, response_head, response_usage
 from .toolparse import ChatOutputParser
 from .worker import EngineWorker, Job
 
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/models",
     "/health",
     "/metrics",
@@ -47,6 +50,11 @@ DISCONNECT_POLL_S = 0.2
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _event(obj: dict[str, Any]) -> str:
+    """A Responses API server-sent event: its type as the SSE event name, the object as data."""
+    return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 def _usage(n_prompt: int, n_gen: int, cached: int) -> dict[str, Any]:
@@ -454,6 +462,76 @@ class _Server:
             n_gen, cached = n_gen + n_tok, cached if j else job.cached_tokens  # the prompt's, from choice 0
         return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached)}
 
+    # ---- /v1/responses ----
+    async def responses(self, body: ResponsesRequest, request: Request) -> Any:
+        """OpenAI's Responses API over the chat machinery (lumo/server/responses.py)."""
+        self._check_model(body.model)
+        chat = body.to_chat()
+        chat.check_supported()
+        by_id = chat.token_settings(self._vocab_size)
+        tok = self.llm.tokenizer
+        prompt = render_prompt(tok, chat)
+        prompt_ids = await self._encode(prompt, "input")
+        max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+        job = self._submit(prompt_ids, max_tokens, {**chat.sampling(0), **by_id})
+        parser = ChatOutputParser(
+            in_reasoning=opens_reasoning(prompt), parse_tools=chat.parse_tools, tools=tools
+        )
+        build = ResponseBuilder(response_head(body, self.served_name))
+
+        def usage(n_gen: int, reasoning: str) -> dict[str, Any]:
+            n_reasoning = len(tok.encode(reasoning)) if reasoning else 0
+            return response_usage(len(prompt_ids), n_gen, job.cached_tokens, n_reasoning)
+
+        def ending(reason: str | None) -> tuple[str, str | None]:
+            return ("incomplete", "max_output_tokens") if reason == "length" else ("completed", None)
+
+        if not body.stream:
+            text, n_gen, reason, _ = await self._collect(job, request)
+            parsed = parser.feed(text)
+            parsed.extend(parser.finish())
+            build.feed(parsed)
+            build.finish()
+            status, why = ending(reason)
+            return build.response(status, usage(n_gen, parsed.reasoning), why)
+
+        async def events() -> AsyncIterator[str]:
+            yield _event(build.event("response.created", response=build.response("in_progress")))
+            yield _event(build.event("response.in_progress", response=build.response("in_progress")))
+            n_gen, reason, reasoning = 0, None, ""
+            async for chunk in job.events():
+                n_gen += len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                d = parser.feed(chunk.text)
+                if chunk.finish_reason is not None:
+                    d.extend(parser.finish())
+                reasoning += d.reasoning
+                for e in build.feed(d):
+                    yield _event(e)
+            if reason is None:
+                d = parser.finish()
+                reasoning += d.reasoning
+                for e in build.feed(d):
+                    yield _event(e)
+            for e in build.finish():
+                yield _event(e)
+            status, why = ending(reason)
+            final = build.response(status, usage(n_gen, reasoning), why)
+            yield _event(build.event(f"response.{status}", response=final))
+
+        async def guarded() -> AsyncIterator[str]:
+            try:
+                async for e in events():
+                    yield e
+            except Exception as exc:
+                err = _engine_error(exc)
+                yield _event(build.event("error", code=err.code, message=err.message, param=err.param))
+            finally:
+                job.cancel()
+
+        return self._streaming(guarded())
+
     async def _stream_chat(
         self,
         start: Callable[[int], tuple[Job, ChatOutputParser]],
@@ -550,6 +628,7 @@ def create_app(llm: Any, model_name: str | None = None, max_queue: int = 64) -> 
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
+    app.add_api_route("/v1/responses", server.responses, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app

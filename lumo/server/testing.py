@@ -1,4 +1,5 @@
-"""Start `lumo serve` in a subprocess on a free loopback port, for tests and benchmarks."""
+"""Start `lumo serve` in a subprocess on a free loopback port, for tests and benchmarks; or the app in a
+thread over a scripted engine (tests of what random-weight models never emit: tool calls, reasoning)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,3 +83,53 @@ def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"lumo serve did not become healthy in {timeout_s:.0f} s:\n{server.log()}")
+
+
+@dataclass
+class ScriptedChunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class ScriptedLLM:
+    """Stands in for lumo.engine.llm.LLM: a real tokenizer and template, a scripted output in 3-character
+    chunks (one token each); the prompts it was given in `prompts`."""
+
+    tokenizer: Any
+    output: str
+    model_name: str = "scripted"
+    max_model_len: int = 4096
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def generate_stream(self, prompt, max_tokens=256, **kw):
+        self.prompts.append(list(prompt))
+        pieces = [self.output[i : i + 3] for i in range(0, len(self.output), 3)]
+        for i, piece in enumerate(pieces):
+            yield ScriptedChunk(piece, [7], "stop" if i == len(pieces) - 1 else None)
+
+
+@contextmanager
+def serve_in_thread(llm: Any, timeout_s: float = 20.0) -> Iterator[str]:
+    """The app over `llm` (an LLM or a ScriptedLLM) served by uvicorn in a thread; yields its base URL."""
+    import threading
+
+    import uvicorn
+
+    from .app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        raise RuntimeError("the app did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -1,0 +1,291 @@
+"""OpenAI's Responses API (POST /v1/responses) over the chat machinery.
+
+The request's `input` items become chat messages that the model's own template renders (`instructions` a
+system message first; `function_call` items the assistant's tool calls; `function_call_output` items tool
+results; `reasoning` items the next assistant message's reasoning), sampled like a chat completion; the
+output parser's reasoning, text and tool-call pieces become output items: a `reasoning` item, a `message`
+with one `output_text` part, `function_call` items. Streamed, each item is opened, filled by deltas and
+closed in turn (`response.output_item.added`, `...output_text.delta` / `...reasoning_text.delta` /
+`...function_call_arguments.delta`, `...done`), between `response.created` and `response.completed` (or
+`response.incomplete` when `max_output_tokens` cut it), whose response holds exactly the streamed items.
+lumo keeps no responses: `previous_response_id` is refused (send the conversation as `input`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import APIError
+from .protocol import ChatCompletionRequest
+from .toolparse import ParsedDelta
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(BaseModel):
+    """The fields lumo honours; the API's others (store, metadata, user, truncation, reasoning, ...) are
+    accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # lumo/vLLM extension, as in the chat API
+    seed: int | None = None
+    stream: bool | None = False
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def to_chat(self) -> ChatCompletionRequest:
+        """The equivalent chat request (a 400 naming the field for what lumo cannot serve)."""
+        if self.previous_response_id:
+            msg = "previous_response_id is not supported: lumo keeps no responses (send the whole input)"
+            raise APIError(400, msg, "previous_response_id")
+        fmt = (self.text or {}).get("format") or {}
+        if fmt.get("type", "text") != "text":
+            raise APIError(400, f"text.format {fmt.get('type')!r} is not supported (only 'text')", "text")
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        messages += _messages(self.input)
+        if not messages:
+            raise APIError(400, "input must not be empty", "input")
+        body = {
+            "messages": messages,
+            "tools": [_chat_tool(i, t) for i, t in enumerate(self.tools or [])] or None,
+            "tool_choice": _chat_tool_choice(self.tool_choice),
+            "max_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+        }
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise APIError(400, f"input: {where}: {err['msg']}", "input") from None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's text: a string, or its text parts joined (other parts: a 400)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of parts", where)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(
+                400, f"content part type {kind!r} is not supported (text only)", f"{where}.content[{j}]"
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input's items as chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    reasoning = None  # a reasoning item's text, for the assistant message that follows it
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise APIError(400, f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(
+                    400, f"{where}.role {role!r} is not user, assistant, system or developer", where
+                )
+            msg = {"role": role, "content": _text_of(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function"}
+            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":  # the calls' own assistant message
+                last = {"role": "assistant", "content": None}
+                if reasoning is not None:
+                    last["reasoning_content"], reasoning = reasoning, None
+                out.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_of(output, where)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        else:
+            raise APIError(400, f"input item type {kind!r} is not supported", where)
+    return out
+
+
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool (flat: name, description, parameters) as a chat tool."""
+    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise APIError(
+            400, f"tool type {tool.get('type')!r} is not supported (function tools only)", f"tools[{i}]"
+        )
+    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise APIError(400, f"tool_choice type {choice.get('type')!r} is not supported", "tool_choice")
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """A response's output items from the chat parser's deltas, in order, and the streamed events that
+    open, fill and close them: `feed(delta)` and `finish()` (closes the last item) return the events."""
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self.head = head  # the response object's fields that do not depend on the output
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being filled: always the last one
+        self.seq = 0
+
+    def response(self, status: str, usage: dict[str, Any] | None = None, reason: str | None = None) -> dict:
+        out = {**self.head, "status": status, "output": _copy(self.items), "usage": usage}
+        out["incomplete_details"] = {"reason": reason} if reason else None
+        return out
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def feed(self, d: ParsedDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if d.reasoning:
+            events += self._text("reasoning", d.reasoning)
+        if d.content:
+            events += self._text("message", d.content)
+        for piece in d.tool_calls:
+            if piece.id is not None:  # a new call: its own item
+                events += self._close()
+                item = {"type": "function_call", "id": new_id("fc"), "call_id": piece.id, "name": piece.name}
+                events += self._add({**item, "arguments": "", "status": "in_progress"})
+            if piece.arguments:
+                self.open["arguments"] += piece.arguments
+                events.append(self._on_open("response.function_call_arguments.delta", delta=piece.arguments))
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._close()
+
+    def _on_open(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """An event about the open item."""
+        return self.event(kind, item_id=self.open["id"], output_index=len(self.items) - 1, **fields)
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self.open = item
+        return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=_copy(item))]
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """Text for a reasoning or message item: the open one, or a new one (the open item closed)."""
+        events: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            if kind == "reasoning":
+                item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                item = {"type": "message", "id": new_id("msg"), "role": "assistant", "content": []}
+                part = {"type": "output_text", "text": "", "annotations": []}
+            events += self._add({**item, "status": "in_progress"})
+            self.open["content"].append(part)
+            events.append(self._on_open("response.content_part.added", content_index=0, part=_copy(part)))
+        self.open["content"][0]["text"] += text
+        if kind == "reasoning":
+            events.append(self._on_open("response.reasoning_text.delta", content_index=0, delta=text))
+        else:
+            events.append(
+                self._on_open("response.output_text.delta", content_index=0, delta=text, logprobs=[])
+            )
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        item = self.open
+        if item is None:
+            return []
+        item["status"] = "completed"
+        if item["type"] == "function_call":
+            events = [self._on_open("response.function_call_arguments.done", arguments=item["arguments"])]
+        else:
+            part = item["content"][0]
+            if item["type"] == "reasoning":
+                events = [self._on_open("response.reasoning_text.done", content_index=0, text=part["text"])]
+            else:
+                done = dict(content_index=0, text=part["text"], logprobs=[])
+                events = [self._on_open("response.output_text.done", **done)]
+            events.append(self._on_open("response.content_part.done", content_index=0, part=_copy(part)))
+        events.append(
+            self.event("response.output_item.done", output_index=len(self.items) - 1, item=_copy(item))
+        )
+        self.open = None
+        return events
+
+
+def _copy(x: Any) -> Any:
+    """A deep copy of JSON data (events must not change as the items they describe grow)."""
+    return json.loads(json.dumps(x))
+
+
+def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
+    """The response object's fields that do not depend on the output."""
+    return {
+        "id": new_id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "model": served_name,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": None,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tool_choice": body.tool_choice or "auto",
+        "tools": body.tools or [],
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": body.metadata or {},
+        "error": None,
+    }
+
+
+def response_usage(n_prompt: int, n_gen: int, cached: int, reasoning: int) -> dict[str, Any]:
+    """usage; reasoning: the reasoning text's length in tokens (encoded again: the engine does not tell
+    which generated tokens were reasoning)."""
+    return {
+        "input_tokens": n_prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": n_gen,
+        "output_tokens_details": {"reasoning_tokens": min(reasoning, n_gen)},
+        "total_tokens": n_prompt + n_gen,
+    }

@@ -1,0 +1,182 @@
+"""OpenAI's Responses API (POST /v1/responses) through the official client.
+
+Text: the tiny random checkpoint served in a subprocess, each response compared with the same request through
+/v1/chat/completions (the Responses endpoint is the chat machinery with other shapes). Tool calls and
+reasoning: a scripted engine behind the real app (random-weight models never emit them).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
+
+import json
+
+import httpx
+import openai
+
+from lumo.server.testing import ScriptedLLM, serve_in_thread, serve_subprocess
+from lumo.testing import make_tiny_checkpoint, make_tokenizer_files
+from lumo.tokenizer import Tokenizer
+
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_hidden_layers=4, mtp_num_hidden_layers=0)
+    with serve_subprocess(ckpt, "--device", "cpu", env={"OMP_NUM_THREADS": "1"}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    make_tokenizer_files(d)
+    output = (
+        "<think>\nNeed weather.\n</think>\n\nChecking."
+        + XML_CALL
+        + "\n"
+        + XML_CALL.replace("New York", "Oslo")
+    )
+    llm = ScriptedLLM(Tokenizer.from_dir(d), output)
+    with serve_in_thread(llm) as url:
+        yield llm, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_text_is_the_chat_endpoints(client):
+    """A string input, instructions, max_output_tokens, greedy: the chat endpoint's text and token counts;
+    cut by max_output_tokens: status incomplete."""
+    model = _model(client)
+    r = client.responses.create(
+        model=model, input="Hello, how are you?", instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello, how are you?"},
+    ]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.id.startswith("resp_") and r.model == model and r.object == "response"
+    if chat.choices[0].finish_reason == "length":
+        assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert r.status == "completed"
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hello, how are you?"}]}]
+    again = client.responses.create(
+        model=model, input=items, instructions="Be brief.", max_output_tokens=8, temperature=0
+    )
+    assert again.output_text == r.output_text  # a message item with text parts: the same prompt
+
+
+def test_streamed_text(client):
+    """Streamed: created, in_progress, the message item opened, its text deltas, closed, completed (or
+    incomplete); the deltas are the final response's text; sequence numbers count from 0."""
+    model = _model(client)
+    kw = dict(model=model, input="Once upon a time", max_output_tokens=10, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == final.output_text == whole.output_text
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+
+
+def test_tool_calls_and_reasoning(scripted):
+    """Reasoning, a message and two function calls as output items, streamed and not; tool definitions
+    reach the template; function_call / function_call_output input items render as a tool turn."""
+    llm, client = scripted
+    r = client.responses.create(model="scripted", input="Weather in New York and Oslo?", tools=[TOOL])
+    assert "get_weather" in llm.tokenizer.decode(llm.prompts[-1])  # the template saw the tool
+    assert [o.type for o in r.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert r.output[0].content[0].text == "\nNeed weather.\n" and r.output_text == "Checking."
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [json.loads(c.arguments) for c in calls] == [
+        {"city": "New York", "days": 3},
+        {"city": "Oslo", "days": 3},
+    ]
+    assert all(c.call_id.startswith("call_") and c.name == "get_weather" for c in calls)
+
+    events = list(client.responses.create(model="scripted", input="Weather?", tools=[TOOL], stream=True))
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call", "function_call"]
+    args = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            args[e.output_index] = args.get(e.output_index, "") + e.delta
+    assert [args[i] for i in (2, 3)] == [c.arguments for c in final.output[2:]]
+    assert (
+        "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "\nNeed weather.\n"
+    )
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    done = [e.output_index for e in events if e.type == "response.output_item.done"]
+    assert added == done == [0, 1, 2, 3]
+
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+    ]
+    client.responses.create(model="scripted", input=history, tools=[TOOL])
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert "sunny, 21 C" in prompt and prompt.index("Oslo") < prompt.index("sunny, 21 C")
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+        ({"input": "a", "tools": [{"type": "web_search"}]}, "tools[0]", "function tools only"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0]",
+            "text only",
+        ),
+        ({"input": "a", "text": {"format": {"type": "json_schema"}}}, "text", "json_schema"),
+        ({"input": []}, "input", "empty"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "item_reference"),
+        ({"input": [{"role": "robot", "content": "a"}]}, "input[0]", "robot"),
+        ({"input": "a", "max_output_tokens": 0}, "max_output_tokens", ""),
+        ({}, "input", ""),
+    ],
+)
+def test_bad_requests(server, body, param, words):
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert r.status_code in (400, 422), r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
