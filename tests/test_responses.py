@@ -15,6 +15,8 @@ import json
 
 import httpx
 import openai
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from lumo.server.testing import ScriptedLLM, serve_in_thread, serve_subprocess
 from lumo.testing import make_tiny_checkpoint, make_tokenizer_files
@@ -67,6 +69,46 @@ def _model(client) -> str:
     return client.models.list().data[0].id
 
 
+EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def _raw_events(url: str, body: dict) -> list[dict]:
+    """A streamed response's events as sent: each SSE `event:` name is its data's type, and every event
+    (and each response object in them) validates against the official SDK's models."""
+    events = []
+    with httpx.stream("POST", url + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: ") :]
+            elif line.startswith("data: "):
+                obj = json.loads(line[len("data: ") :])
+                assert obj["type"] == name
+                EVENT.validate_python(obj)
+                if "response" in obj:
+                    Response.model_validate(obj["response"])
+                events.append(obj)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def _check_item_order(events: list[dict]) -> None:
+    """Each item in turn: added, (part added, deltas, text done, part done | argument deltas, done), done."""
+    open_index = None
+    for e in events:
+        kind = e["type"]
+        if kind == "response.output_item.added":
+            assert open_index is None
+            open_index = e["output_index"]
+        elif kind == "response.output_item.done":
+            assert open_index == e["output_index"]
+            open_index = None
+        elif "output_index" in e:
+            assert open_index == e["output_index"], kind
+    assert open_index is None
+
+
 def test_text_is_the_chat_endpoints(client):
     """A string input, instructions, max_output_tokens, greedy: the chat endpoint's text and token counts;
     cut by max_output_tokens: status incomplete."""
@@ -94,7 +136,7 @@ def test_text_is_the_chat_endpoints(client):
     assert again.output_text == r.output_text  # a message item with text parts: the same prompt
 
 
-def test_streamed_text(client):
+def test_streamed_text(client, server):
     """Streamed: created, in_progress, the message item opened, its text deltas, closed, completed (or
     incomplete); the deltas are the final response's text; sequence numbers count from 0."""
     model = _model(client)
@@ -109,6 +151,8 @@ def test_streamed_text(client):
     final = events[-1].response
     assert deltas == final.output_text == whole.output_text
     assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+    _check_item_order(_raw_events(server.url, kw))
+    Response.model_validate(httpx.post(server.url + "/v1/responses", json=kw, timeout=60).json())
 
 
 def test_tool_calls_and_reasoning(scripted):
@@ -145,6 +189,12 @@ def test_tool_calls_and_reasoning(scripted):
     history = [
         {"role": "user", "content": "Weather in Oslo?"},
         {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "R1"}],
+        },
+        {
             "type": "function_call",
             "call_id": "call_1",
             "name": "get_weather",
@@ -154,13 +204,44 @@ def test_tool_calls_and_reasoning(scripted):
     ]
     client.responses.create(model="scripted", input=history, tools=[TOOL])
     prompt = llm.tokenizer.decode(llm.prompts[-1])
-    assert "sunny, 21 C" in prompt and prompt.index("Oslo") < prompt.index("sunny, 21 C")
+    user, result = prompt.index("Weather in Oslo?"), prompt.index("sunny, 21 C")
+    assert user < prompt.index("get_weather", user) < result  # the call, rendered between them
+    assert user < prompt.index("R1") < result  # the reasoning item: the calls' assistant turn
+
+
+def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
+    """One chunk with reasoning, text, a whole tool call and more text: the items come in the text's order
+    and the call's arguments are whole; an engine failure mid-stream ends with error and response.failed."""
+    d = tmp_path / "tok"
+    d.mkdir()
+    make_tokenizer_files(d)
+    text = "<think>\nR\n</think>\n\nChecking." + XML_CALL + "\nDone."
+    llm = ScriptedLLM(Tokenizer.from_dir(d), text, chunk=len(text))
+    with serve_in_thread(llm) as url:
+        body = {"model": "scripted", "input": "Weather?", "tools": [TOOL]}
+        events = _raw_events(url, body)
+        _check_item_order(events)
+        final = events[-1]["response"]
+        kinds = ["reasoning", "message", "function_call", "message"]
+        assert [o["type"] for o in final["output"]] == kinds
+        assert json.loads(final["output"][2]["arguments"]) == {"city": "New York", "days": 3}
+        texts = [o["content"][0]["text"] for o in final["output"] if o["type"] == "message"]
+        assert texts == ["Checking.", "Done."]
+        whole = httpx.post(url + "/v1/responses", json=body, timeout=30).json()
+        assert [o.type for o in Response.model_validate(whole).output] == kinds
+        llm.chunk, llm.fail_after = 5, 4
+        events = _raw_events(url, body)
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert events[-1]["response"]["status"] == "failed" and "scripted failure" in events[-2]["message"]
 
 
 @pytest.mark.parametrize(
     "body, param, words",
     [
         ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+        ({"input": "a", "conversation": "conv_1"}, "conversation", "not supported"),
+        ({"input": "a", "background": True}, "background", "not supported"),
+        ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
         ({"input": "a", "tools": [{"type": "web_search"}]}, "tools[0]", "function tools only"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},

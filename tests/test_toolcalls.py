@@ -215,6 +215,8 @@ def _run(pieces: list[str], in_reasoning: bool, parse_tools: bool, raw: bool = F
         total.extend(d)
     calls = total.calls()
     assert len(set(named)) == len(calls) == p.n_tool_calls
+    for kind in ("content", "reasoning"):  # the ordered parts hold the same text
+        assert "".join(v for k, v in total.parts if k == kind) == getattr(total, kind)
     if raw:
         return total.content, total.reasoning, [(c.name, c.arguments) for c in calls]
     return total.content, total.reasoning, [(c.name, json.loads(c.arguments)) for c in calls]
@@ -405,3 +407,16 @@ def test_xml_arguments_match_the_whole_body_parse():
             if unique:
                 raw = _run(pieces, False, True, raw=True)[2]
                 assert raw == [("get_weather", json.dumps(want, ensure_ascii=False))], (body, pieces)
+
+
+def test_parts_keep_the_text_order():
+    """ParsedDelta.parts: reasoning, content, a tool call and more content in the order of the text, fed
+    whole or in pieces (the Responses API's items follow it)."""
+    text = "<think>r</think>A" + XML_CALL + "\nB"
+    for pieces in ([text], list(text), [text[:30], text[30:]]):
+        p, total = ChatOutputParser(tools=TOOLS), ParsedDelta()
+        for x in pieces:
+            total.extend(p.feed(x))
+        total.extend(p.finish())
+        assert [k for k, _ in total.parts] == ["reasoning", "content", "tool", "content"]
+        assert [v for k, v in total.parts if k != "tool"] == ["r", "A", "B"]

@@ -472,35 +472,44 @@ class _Server:
         tok = self.llm.tokenizer
         prompt = render_prompt(tok, chat)
         prompt_ids = await self._encode(prompt, "input")
-        max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
+        try:
+            max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
+        except APIError as e:  # the chat field's name -> the Responses one
+            e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
+            raise
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
-        job = self._submit(prompt_ids, max_tokens, {**chat.sampling(0), **by_id})
         parser = ChatOutputParser(
             in_reasoning=opens_reasoning(prompt), parse_tools=chat.parse_tools, tools=tools
         )
         build = ResponseBuilder(response_head(body, self.served_name))
 
-        def usage(n_gen: int, reasoning: str) -> dict[str, Any]:
-            n_reasoning = len(tok.encode(reasoning)) if reasoning else 0
-            return response_usage(len(prompt_ids), n_gen, job.cached_tokens, n_reasoning)
+        def submit() -> Job:
+            return self._submit(prompt_ids, max_tokens, {**chat.sampling(0), **by_id})
 
-        def ending(reason: str | None) -> tuple[str, str | None]:
-            return ("incomplete", "max_output_tokens") if reason == "length" else ("completed", None)
+        def result(job: Job, n_gen: int, reason: str | None, reasoning: str) -> tuple[str, dict]:
+            """The terminal status and response after the last item closed."""
+            status, why = ("incomplete", "max_output_tokens") if reason == "length" else ("completed", None)
+            n_reasoning = len(tok.encode(reasoning)) if reasoning else 0
+            usage = response_usage(len(prompt_ids), n_gen, job.cached_tokens, n_reasoning)
+            return status, build.response(status, usage, why)
 
         if not body.stream:
+            job = submit()
             text, n_gen, reason, _ = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
             build.feed(parsed)
-            build.finish()
-            status, why = ending(reason)
-            return build.response(status, usage(n_gen, parsed.reasoning), why)
+            build.finish("incomplete" if reason == "length" else "completed")
+            return result(job, n_gen, reason, parsed.reasoning)[1]
+
+        jobs: list[Job] = []
 
         async def events() -> AsyncIterator[str]:
             yield _event(build.event("response.created", response=build.response("in_progress")))
             yield _event(build.event("response.in_progress", response=build.response("in_progress")))
+            jobs.append(submit())  # queued once the stream runs: a client gone before leaves nothing
             n_gen, reason, reasoning = 0, None, ""
-            async for chunk in job.events():
+            async for chunk in jobs[0].events():
                 n_gen += len(chunk.token_ids)
                 reason = chunk.finish_reason or reason
                 d = parser.feed(chunk.text)
@@ -514,21 +523,26 @@ class _Server:
                 reasoning += d.reasoning
                 for e in build.feed(d):
                     yield _event(e)
-            for e in build.finish():
+            for e in build.finish("incomplete" if reason == "length" else "completed"):
                 yield _event(e)
-            status, why = ending(reason)
-            final = build.response(status, usage(n_gen, reasoning), why)
+            status, final = result(jobs[0], n_gen, reason, reasoning)
             yield _event(build.event(f"response.{status}", response=final))
 
         async def guarded() -> AsyncIterator[str]:
+            """An engine error (or a full queue) ends the stream with `error` and `response.failed`."""
             try:
                 async for e in events():
                     yield e
             except Exception as exc:
                 err = _engine_error(exc)
-                yield _event(build.event("error", code=err.code, message=err.message, param=err.param))
+                code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
+                yield _event(build.event("error", code=code, message=err.message, param=err.param))
+                failed = build.response("failed")
+                failed["error"] = {"code": code, "message": err.message}
+                yield _event(build.event("response.failed", response=failed))
             finally:
-                job.cancel()
+                for job in jobs:
+                    job.cancel()
 
         return self._streaming(guarded())
 

@@ -45,14 +45,18 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     stream: bool | None = False
     previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    background: bool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
         """The equivalent chat request (a 400 naming the field for what lumo cannot serve)."""
-        if self.previous_response_id:
-            msg = "previous_response_id is not supported: lumo keeps no responses (send the whole input)"
-            raise APIError(400, msg, "previous_response_id")
+        for name in ("previous_response_id", "conversation", "prompt", "background"):
+            if getattr(self, name):
+                msg = f"{name} is not supported: lumo keeps no responses or prompts (send the whole input)"
+                raise APIError(400, msg, name)
         fmt = (self.text or {}).get("format") or {}
         if fmt.get("type", "text") != "text":
             raise APIError(400, f"text.format {fmt.get('type')!r} is not supported (only 'text')", "text")
@@ -114,7 +118,8 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 )
             msg = {"role": role, "content": _text_of(item.get("content"), where)}
             if role == "assistant" and reasoning is not None:
-                msg["reasoning_content"], reasoning = reasoning, None
+                msg["reasoning_content"] = reasoning
+            reasoning = None
             out.append(msg)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}
@@ -127,6 +132,7 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append(last)
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
+            reasoning = None  # reasoning belongs to the assistant turn right after it
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
@@ -180,23 +186,25 @@ class ResponseBuilder:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def feed(self, d: ParsedDelta) -> list[dict[str, Any]]:
+        """The delta's parts in the order they came: text to a reasoning or message item, a tool call's
+        first piece opens its item, later pieces add to its arguments."""
         events: list[dict[str, Any]] = []
-        if d.reasoning:
-            events += self._text("reasoning", d.reasoning)
-        if d.content:
-            events += self._text("message", d.content)
-        for piece in d.tool_calls:
-            if piece.id is not None:  # a new call: its own item
+        for kind, value in d.parts:
+            if kind != "tool":
+                events += self._text("reasoning" if kind == "reasoning" else "message", value)
+                continue
+            if value.id is not None:  # a new call: its own item
                 events += self._close()
-                item = {"type": "function_call", "id": new_id("fc"), "call_id": piece.id, "name": piece.name}
+                item = {"type": "function_call", "id": new_id("fc"), "call_id": value.id, "name": value.name}
                 events += self._add({**item, "arguments": "", "status": "in_progress"})
-            if piece.arguments:
-                self.open["arguments"] += piece.arguments
-                events.append(self._on_open("response.function_call_arguments.delta", delta=piece.arguments))
+            if value.arguments:
+                self.open["arguments"] += value.arguments
+                events.append(self._on_open("response.function_call_arguments.delta", delta=value.arguments))
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
-        return self._close()
+    def finish(self, status: str = "completed") -> list[dict[str, Any]]:
+        """Close the last item (`incomplete` when max_output_tokens cut the response)."""
+        return self._close(status)
 
     def _on_open(self, kind: str, **fields: Any) -> dict[str, Any]:
         """An event about the open item."""
@@ -230,11 +238,11 @@ class ResponseBuilder:
             )
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         item = self.open
         if item is None:
             return []
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "function_call":
             events = [self._on_open("response.function_call_arguments.done", arguments=item["arguments"])]
         else:
@@ -284,7 +292,7 @@ def response_usage(n_prompt: int, n_gen: int, cached: int, reasoning: int) -> di
     which generated tokens were reasoning)."""
     return {
         "input_tokens": n_prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": n_gen,
         "output_tokens_details": {"reasoning_tokens": min(reasoning, n_gen)},
         "total_tokens": n_prompt + n_gen,

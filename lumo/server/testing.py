@@ -94,19 +94,24 @@ class ScriptedChunk:
 
 @dataclass
 class ScriptedLLM:
-    """Stands in for lumo.engine.llm.LLM: a real tokenizer and template, a scripted output in 3-character
-    chunks (one token each); the prompts it was given in `prompts`."""
+    """Stands in for lumo.engine.llm.LLM: a real tokenizer and template, a scripted output in chunks of
+    `chunk` characters (one token each); the prompts it was given in `prompts`. fail_after: raise after
+    that many chunks (an engine failure mid-stream)."""
 
     tokenizer: Any
     output: str
     model_name: str = "scripted"
     max_model_len: int = 4096
     prompts: list[list[int]] = field(default_factory=list)
+    chunk: int = 3
+    fail_after: int | None = None
 
     def generate_stream(self, prompt, max_tokens=256, **kw):
         self.prompts.append(list(prompt))
-        pieces = [self.output[i : i + 3] for i in range(0, len(self.output), 3)]
+        pieces = [self.output[i : i + self.chunk] for i in range(0, len(self.output), self.chunk)]
         for i, piece in enumerate(pieces):
+            if i == self.fail_after:
+                raise RuntimeError("scripted failure")
             yield ScriptedChunk(piece, [7], "stop" if i == len(pieces) - 1 else None)
 
 

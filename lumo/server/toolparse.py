@@ -61,18 +61,38 @@ class ToolCallPiece:
 
 @dataclass
 class ParsedDelta:
+    """What became certain with some output text: its content, reasoning and tool-call pieces, and
+    `parts`, the same in the order they came in the text (("content" | "reasoning", text) or ("tool",
+    piece)): the Responses API's items follow it."""
+
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCallPiece] = field(default_factory=list)
+    parts: list[tuple[str, Any]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
     def extend(self, other: ParsedDelta) -> None:
-        self.content += other.content
-        self.reasoning += other.reasoning
-        for piece in other.tool_calls:
-            self.add_piece(piece)
+        add = {"content": self.add_content, "reasoning": self.add_reasoning, "tool": self.add_piece}
+        for kind, value in other.parts:
+            add[kind](value)
+
+    def add_content(self, text: str) -> None:
+        if text:
+            self.content += text
+            self._add_text("content", text)
+
+    def add_reasoning(self, text: str) -> None:
+        if text:
+            self.reasoning += text
+            self._add_text("reasoning", text)
+
+    def _add_text(self, kind: str, text: str) -> None:
+        if self.parts and self.parts[-1][0] == kind:
+            self.parts[-1] = (kind, self.parts[-1][1] + text)
+        else:
+            self.parts.append((kind, text))
 
     def add_piece(self, piece: ToolCallPiece) -> None:
         """Append a piece; one that continues the last piece's call joins it."""
@@ -80,7 +100,10 @@ class ParsedDelta:
         if last is not None and last.index == piece.index and piece.id is None:
             last.arguments += piece.arguments
         else:
-            self.tool_calls.append(ToolCallPiece(piece.index, piece.arguments, piece.name, piece.id))
+            last = ToolCallPiece(piece.index, piece.arguments, piece.name, piece.id)
+            self.tool_calls.append(last)
+        if not self.parts or self.parts[-1][1] is not last:
+            self.parts.append(("tool", last))
 
     def calls(self) -> list[ToolCall]:
         """The whole tool calls these pieces make (every call's first piece among them)."""
@@ -135,7 +158,7 @@ class ChatOutputParser:
         out = ParsedDelta()
         buf, self._buf = self._buf, ""
         if self._mode == _REASONING:
-            out.reasoning += buf
+            out.add_reasoning(buf)
         elif self._mode == _TOOL and self._xml is not None:
             self._end_xml_call(self._xml.feed(buf, final=True), out)
         elif self._mode == _TOOL:
@@ -155,10 +178,10 @@ class ChatOutputParser:
                 return self._tool_call_in_reasoning(buf, j, i, out)
             if i < 0:
                 keep = _partial_tag_len(buf, self._reasoning_tags)
-                out.reasoning += buf[: len(buf) - keep]
+                out.add_reasoning(buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 return False
-            out.reasoning += buf[:i]
+            out.add_reasoning(buf[:i])
             self._buf = buf[i + len(THINK_CLOSE) :]
             self._mode, self._at_start = _CONTENT, True
             return True
@@ -220,18 +243,18 @@ class ChatOutputParser:
         k = buf.find(TOOL_CLOSE, j)
         if k < 0 or (0 <= i < k):
             if i >= 0:  # </think> came first: reasoning text, up to and with the </think> handled next
-                out.reasoning += buf[:i]
+                out.add_reasoning(buf[:i])
                 self._buf = buf[i:]
                 return True
-            out.reasoning += buf[:j]
+            out.add_reasoning(buf[:j])
             self._buf = buf[j:]
             return False
         end = k + len(TOOL_CLOSE)
         call = parse_tool_call(buf[j + len(TOOL_OPEN) : k], self._schemas)
         if call is None:
-            out.reasoning += buf[:end]
+            out.add_reasoning(buf[:end])
         else:
-            out.reasoning += buf[:j]
+            out.add_reasoning(buf[:j])
             out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
             self.n_tool_calls += 1
         self._buf = buf[end:]
@@ -247,7 +270,7 @@ class ChatOutputParser:
         text = self._held_ws + text
         stripped = text.rstrip()
         self._held_ws = "" if boundary else text[len(stripped) :]
-        out.content += stripped
+        out.add_content(stripped)
 
     def _close_tool_call(self, body: str, out: ParsedDelta, closed: bool) -> None:
         call = parse_tool_call(body, self._schemas)
@@ -255,7 +278,7 @@ class ChatOutputParser:
         if call is None:
             raw = TOOL_OPEN + body + (TOOL_CLOSE if closed else "")
             self._at_start = False
-            out.content += self._held_ws + raw
+            out.add_content(self._held_ws + raw)
             self._held_ws = ""
             return
         self._held_ws = ""
