@@ -18,14 +18,14 @@ import openai
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from lumo.server.testing import ScriptedLLM, serve_in_thread, serve_subprocess
-from lumo.testing import make_tiny_checkpoint, make_tokenizer_files
-from lumo.tokenizer import Tokenizer
+from lumo.server.testing import ScriptedLLM, scripted_server, serve_in_thread, serve_subprocess
+from lumo.testing import make_tiny_checkpoint
 
 XML_CALL = (
     "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
 )
+THINK = "<think>\nNeed weather.\n</think>\n\nChecking."  # the scripted output's reasoning and text
 TOOL = {
     "type": "function",
     "name": "get_weather",
@@ -52,16 +52,8 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tok")
-    make_tokenizer_files(d)
-    output = (
-        "<think>\nNeed weather.\n</think>\n\nChecking."
-        + XML_CALL
-        + "\n"
-        + XML_CALL.replace("New York", "Oslo")
-    )
-    llm = ScriptedLLM(Tokenizer.from_dir(d), output)
-    with serve_in_thread(llm) as url:
+    calls = XML_CALL + "\n" + XML_CALL.replace("New York", "Oslo")
+    with scripted_server(tmp_path_factory.mktemp("tok"), THINK + calls) as (llm, url):
         yield llm, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
 
 
@@ -212,11 +204,8 @@ def test_tool_calls_and_reasoning(scripted):
 def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
     """One chunk with reasoning, text, a whole tool call and more text: the items come in the text's order
     and the call's arguments are whole; an engine failure mid-stream ends with error and response.failed."""
-    d = tmp_path / "tok"
-    d.mkdir()
-    make_tokenizer_files(d)
     text = "<think>\nR\n</think>\n\nChecking." + XML_CALL + "\nDone."
-    llm = ScriptedLLM(Tokenizer.from_dir(d), text, chunk=len(text))
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, text, chunk=len(text))
     with serve_in_thread(llm) as url:
         body = {"model": "scripted", "input": "Weather?", "tools": [TOOL]}
         events = _raw_events(url, body)

@@ -16,7 +16,7 @@ import json
 import httpx
 import openai
 
-from lumo.server.testing import ScriptedLLM, serve_in_thread
+from lumo.server.testing import scripted_server
 from lumo.server.toolparse import ChatOutputParser, ParsedDelta, parse_tool_call
 
 TOOLS = [
@@ -45,6 +45,7 @@ XML_CALL = (
     '<parameter=opts>\n{"a": [1, 2]}\n</parameter>\n<parameter=note>\n42\n</parameter>\n'
     "<parameter=extra>\nline 1\nline <2>\n</parameter>\n</function>\n</tool_call>"
 )
+THINK = "<think>\nNeed weather.\n</think>\n\nChecking."  # the scripted output's reasoning and text
 XML_ARGS = {
     "city": "New York",
     "days": 3,
@@ -255,20 +256,10 @@ def test_parse_tool_call_rejects_non_calls():
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    from lumo.testing import make_tokenizer_files
-    from lumo.tokenizer import Tokenizer
-
-    d = tmp_path_factory.mktemp("tok")
-    make_tokenizer_files(d)
-    output = (
-        "<think>\nNeed weather.\n</think>\n\nChecking."
-        + XML_CALL
-        + "\n"
-        + XML_CALL.replace("New York", "Oslo")
-    )
-    llm = ScriptedLLM(Tokenizer.from_dir(d), output)
-    with serve_in_thread(llm) as url:
-        yield llm, url
+    """The app over a scripted engine: reasoning, text, then two XML calls."""
+    calls = XML_CALL + "\n" + XML_CALL.replace("New York", "Oslo")
+    with scripted_server(tmp_path_factory.mktemp("tok"), THINK + calls) as served:
+        yield served
 
 
 def test_http_tool_calls_streamed_and_not(scripted):

@@ -106,6 +106,16 @@ class ScriptedLLM:
     chunk: int = 3
     fail_after: int | None = None
 
+    @classmethod
+    def with_test_tokenizer(cls, directory: str | os.PathLike, output: str, **kw: Any) -> ScriptedLLM:
+        """A scripted engine with lumo.testing's small tokenizer (and its chat template) written to
+        `directory`."""
+        from ..testing import make_tokenizer_files
+        from ..tokenizer import Tokenizer
+
+        make_tokenizer_files(Path(directory))
+        return cls(Tokenizer.from_dir(directory), output, **kw)
+
     def generate_stream(self, prompt, max_tokens=256, **kw):
         self.prompts.append(list(prompt))
         pieces = [self.output[i : i + self.chunk] for i in range(0, len(self.output), self.chunk)]
@@ -113,6 +123,16 @@ class ScriptedLLM:
             if i == self.fail_after:
                 raise RuntimeError("scripted failure")
             yield ScriptedChunk(piece, [7], "stop" if i == len(pieces) - 1 else None)
+
+
+@contextmanager
+def scripted_server(
+    directory: str | os.PathLike, output: str, **kw: Any
+) -> Iterator[tuple[ScriptedLLM, str]]:
+    """A ScriptedLLM (lumo.testing's tokenizer written to `directory`) served in a thread: (llm, URL)."""
+    llm = ScriptedLLM.with_test_tokenizer(directory, output, **kw)
+    with serve_in_thread(llm) as url:
+        yield llm, url
 
 
 @contextmanager
