@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, save_json, timed_requests
+from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, repeated_requests, save_json
 
 from lumo.benchmark import copy_bandwidth
 from lumo.engine.llm import embedded_model_path
@@ -93,13 +93,9 @@ def embedded(tokens: int, repeats: int) -> list[dict]:
         res, ref = {}, None
         for k in (None, 5):
             dec.logprobs = k
-            runs = []
-            for _ in range(repeats):
-                rate, got, _ = timed_requests(dec, prompts, tokens)
-                ref = ref or got
-                assert got == ref, "logprobs changed the tokens"
-                runs.append(rate)
-            res[k] = statistics.median(runs)
+            res[k], ref, _ = repeated_requests(
+                dec, prompts, tokens, repeats, ref, "logprobs changed the tokens"
+            )
         out.append({"mode": mode, "tok_s": res[None], "tok_s_logprobs5": res[5]})
         del dec
         torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ import argparse
 import statistics
 
 import torch
-from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, save_json, timed_requests
+from bench_spec import embedded_on_gpu, gpu_us_per_call, graphed_decoder, repeated_requests, save_json
 
 from lumo.benchmark import copy_bandwidth
 from lumo.engine.llm import embedded_model_path
@@ -100,15 +100,10 @@ def embedded(tokens: int, repeats: int) -> list[dict]:
         ref = None
         for mode in ("plain", "tree"):
             dec = graphed_decoder(cfg, gw, capacity, mode, params)
-            runs, accepted = [], []
-            for _ in range(repeats):
-                rate, got, acc = timed_requests(dec, prompts, tokens)
-                accepted += acc
-                ref = ref or got
-                assert got == ref, f"{mode} with penalties {name}: not plain decoding's tokens"
-                runs.append(rate)
+            what = f"{mode} with penalties {name}: not plain decoding's tokens"
+            rate, ref, accepted = repeated_requests(dec, prompts, tokens, repeats, ref, what)
             mean = sum(accepted) / len(accepted) if accepted else float("nan")
-            out.append({"penalties": name, "mode": mode, "tok_s": statistics.median(runs), "accepted": mean})
+            out.append({"penalties": name, "mode": mode, "tok_s": rate, "accepted": mean})
             del dec
             torch.cuda.empty_cache()
     return out

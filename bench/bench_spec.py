@@ -118,6 +118,19 @@ def timed_requests(dec, prompts: list[list[int]], new: int) -> tuple[float, list
     return n / secs, got, accepted
 
 
+def repeated_requests(dec, prompts, new: int, repeats: int, ref=None, what: str = "tokens changed"):
+    """timed_requests `repeats` times: (median tokens/s, the tokens, every run's accepted drafts). Every
+    run must give the same tokens, and `ref`'s when given (another mode's or setting's), else `what`."""
+    rates, accepted = [], []
+    for _ in range(repeats):
+        rate, got, acc = timed_requests(dec, prompts, new)
+        ref = ref or got
+        assert got == ref, what
+        rates.append(rate)
+        accepted += acc
+    return statistics.median(rates), ref, accepted
+
+
 def save_json(name: str, res: dict) -> None:
     """res, with the GPU's name, as JSON file `name` in $OUT (bench/results/ without it)."""
     dst = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / name

@@ -7,6 +7,7 @@ import importlib
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 _BENCH = str(Path(__file__).parents[1] / "bench")
@@ -46,3 +47,13 @@ def test_timed_requests_counts_tokens_and_acceptance(monkeypatch):
     assert rate > 0
     rate, got, accepted = bench_spec.timed_requests(Scripted(1, False), [[4]], 3)
     assert got == [[4, 5, 6]] and accepted == []  # a plain decoder: no stats, nothing accepted
+
+
+def test_repeated_requests_checks_every_run(monkeypatch):
+    """repeated_requests: the median rate, the tokens, every run's acceptance; a run (or a reference)
+    with other tokens is an error."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    rate, got, accepted = bench_spec.repeated_requests(Scripted(3, True), [[1, 2]], 5, 3)
+    assert rate > 0 and got == [[2, 3, 4, 5, 6]] and accepted == [2, 2] * 3
+    with pytest.raises(AssertionError, match="not the same"):
+        bench_spec.repeated_requests(Scripted(3, True), [[1, 2]], 5, 2, [[9]], "not the same")
