@@ -430,10 +430,8 @@ class LLM:
             raise ValueError("max_tokens must be at least 1")
         if not 0 <= _integer(min_tokens, "min_tokens") <= max_tokens:
             raise ValueError(f"min_tokens must lie in [0, max_tokens = {max_tokens}], got {min_tokens}")
-        ending = self._ending(
-            stop, stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens
-        )
-        ending = replace(ending, min_tokens=min_tokens)
+        flags = (ignore_eos, include_stop_str_in_output, skip_special_tokens)
+        ending = self._ending(stop, stop_token_ids, *flags, min_tokens)
         n = len(prompt_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(
@@ -449,7 +447,7 @@ class LLM:
         self.last_decoder = None  # until this request's decoder exists (no stale stats)
         return self._run(prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs)
 
-    def _ending(self, stop, stop_token_ids, ignore_eos, include_stop, skip_special) -> Ending:
+    def _ending(self, stop, stop_token_ids, ignore_eos, include_stop, skip_special, min_tokens) -> Ending:
         if not (
             stop is None
             or isinstance(stop, str)
@@ -471,7 +469,7 @@ class LLM:
             raise ValueError(f"stop_token_ids {bad} lie outside the vocabulary [0, {V})")
         eos = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return Ending(strings, eos | ids, include_stop, skip_special)
+        return Ending(strings, eos | ids, include_stop, skip_special, min_tokens)
 
     @torch.inference_mode()
     def _run(

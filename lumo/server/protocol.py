@@ -92,14 +92,8 @@ class _Common(BaseModel):
     user: str | None = None
 
     def check_supported(self) -> None:
-        """A 400 for values lumo cannot honour or that contradict each other."""
-        limit = self.max_new_tokens()
-        if self.min_tokens and limit is not None and self.min_tokens > limit:
-            raise APIError(400, f"min_tokens {self.min_tokens} exceeds max_tokens {limit}", "min_tokens")
-
-    def max_new_tokens(self) -> int | None:
-        """The request's limit on generated tokens (None: the default)."""
-        return self.max_tokens
+        """A 400 for values lumo cannot honour (the endpoints' own fields; min_tokens against the tokens a
+        request may generate is the app's check, which knows the prompt's length)."""
 
     def token_settings(self, vocab_size: Callable[[], int]) -> dict[str, Any]:
         """The settings that name token ids, checked against the vocabulary (a 400 naming the field):

@@ -61,17 +61,26 @@ class ToolCallPiece:
 
 @dataclass
 class ParsedDelta:
-    """What became certain with some output text: its content, reasoning and tool-call pieces, and
-    `parts`, the same in the order they came in the text (("content" | "reasoning", text) or ("tool",
-    piece)): the Responses API's items follow it."""
+    """What became certain with some output text: `parts` in the order they came in the text,
+    ("content" | "reasoning", text) or ("tool", piece) (the Responses API's items follow it); `content`,
+    `reasoning` and `tool_calls` are its parts of each kind."""
 
-    content: str = ""
-    reasoning: str = ""
-    tool_calls: list[ToolCallPiece] = field(default_factory=list)
     parts: list[tuple[str, Any]] = field(default_factory=list)
 
+    @property
+    def content(self) -> str:
+        return "".join(v for k, v in self.parts if k == "content")
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(v for k, v in self.parts if k == "reasoning")
+
+    @property
+    def tool_calls(self) -> list[ToolCallPiece]:
+        return [v for k, v in self.parts if k == "tool"]
+
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+        return bool(self.parts)
 
     def extend(self, other: ParsedDelta) -> None:
         add = {"content": self.add_content, "reasoning": self.add_reasoning, "tool": self.add_piece}
@@ -79,31 +88,26 @@ class ParsedDelta:
             add[kind](value)
 
     def add_content(self, text: str) -> None:
-        if text:
-            self.content += text
-            self._add_text("content", text)
+        self._add_text("content", text)
 
     def add_reasoning(self, text: str) -> None:
-        if text:
-            self.reasoning += text
-            self._add_text("reasoning", text)
+        self._add_text("reasoning", text)
 
     def _add_text(self, kind: str, text: str) -> None:
+        if not text:
+            return
         if self.parts and self.parts[-1][0] == kind:
             self.parts[-1] = (kind, self.parts[-1][1] + text)
         else:
             self.parts.append((kind, text))
 
     def add_piece(self, piece: ToolCallPiece) -> None:
-        """Append a piece; one that continues the last piece's call joins it."""
-        last = self.tool_calls[-1] if self.tool_calls else None
-        if last is not None and last.index == piece.index and piece.id is None:
+        """Append a piece; one that continues the last part's call joins it."""
+        kind, last = self.parts[-1] if self.parts else (None, None)
+        if kind == "tool" and last.index == piece.index and piece.id is None:
             last.arguments += piece.arguments
         else:
-            last = ToolCallPiece(piece.index, piece.arguments, piece.name, piece.id)
-            self.tool_calls.append(last)
-        if not self.parts or self.parts[-1][1] is not last:
-            self.parts.append(("tool", last))
+            self.parts.append(("tool", ToolCallPiece(piece.index, piece.arguments, piece.name, piece.id)))
 
     def calls(self) -> list[ToolCall]:
         """The whole tool calls these pieces make (every call's first piece among them)."""
