@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "__version__"]
+__all__ = ["LLM", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str):
@@ -13,4 +13,8 @@ def __getattr__(name: str):
         from .engine.llm import LLM
 
         return LLM
+    if name == "StructuredOutputs":
+        from .engine.grammar import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(name)

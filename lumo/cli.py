@@ -7,6 +7,7 @@ import argparse
 import re
 import sys
 import time
+from pathlib import Path
 
 from .config import DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
 
@@ -136,6 +137,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="a token that ends the output like end-of-sequence (repeatable)")  # fmt: skip
     g.add_argument("--min-tokens", type=int, default=0, metavar="N",
                    help="no end-of-sequence / stop token before N tokens")  # fmt: skip
+    so = g.add_mutually_exclusive_group()  # structured outputs (lumo.engine.grammar)
+    so.add_argument(
+        "--json-schema", metavar="SCHEMA", help="the output is JSON of this schema (text or @FILE)"
+    )
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", help="the output matches this regular expression")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    so.add_argument("--grammar", help="the output follows this Lark or GBNF grammar (text or @FILE)")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_args(s, positional=True)
@@ -197,7 +206,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _text_or_file(value: str | None) -> str | None:
+    """An option's value, or the text of the file it names as @FILE."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read {value[1:]}: {e.strerror}") from None
+
+
+def _structured(args: argparse.Namespace) -> dict | None:
+    """`lumo generate`'s structured-output option as LLM.generate's structured_outputs (None: none)."""
+    forms = {
+        "json": _text_or_file(args.json_schema),
+        "json_object": args.json_object or None,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": _text_or_file(args.grammar),
+    }
+    forms = {k: v for k, v in forms.items() if v is not None}
+    return forms or None
+
+
 def _generate(args: argparse.Namespace) -> int:
+    structured = _structured(args)
     llm = _llm(args)
     prompt = args.prompt
     if args.chat:
@@ -220,6 +253,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         stop_token_ids=args.stop_token_id,
         min_tokens=args.min_tokens,
+        structured_outputs=structured,
     ):
         t_first = t_first or time.perf_counter()
         n += len(chunk.token_ids)

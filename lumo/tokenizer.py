@@ -194,6 +194,10 @@ class Tokenizer:
     def token_to_id(self, s: str) -> int | None:
         return self._tok.token_to_id(s)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance reads: lumo.engine.grammar)."""
+        return self._tok.to_str()
+
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 

@@ -28,6 +28,32 @@ def test_generate_with_the_embedded_model():
     assert "32 tokens" in summary and "tokens/s" in summary and "lumo-tiny" in summary
 
 
+@pytest.mark.skipif(not (embedded_model_path() / "config.json").exists(), reason="no embedded model")
+def test_generate_structured(tmp_path):
+    """--json-schema (inline and @FILE) and --choice: the output follows them, plain and speculative alike."""
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    (tmp_path / "s.json").write_text(schema)
+    base = [
+        "generate",
+        "--prompt",
+        "Some JSON:",
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    a = lumo(*base, "--json-schema", schema)
+    b = lumo(*base, "--json-schema", f"@{tmp_path / 's.json'}", "--spec", "tree")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and a.stdout.startswith('{"n":')
+    if "(stop)" in a.stderr:
+        assert list(json.loads(a.stdout)) == ["n"]
+    c = lumo("generate", "--prompt", "Pick:", "--choice", "red", "--choice", "blue", "--device", "cpu")
+    assert c.returncode == 0 and c.stdout.strip() in ("red", "blue"), c.stderr
+
+
 def test_generate_chat_stop_and_spec(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
     base = ["generate", "--model", str(ckpt), "--max-tokens", "12", "--temperature", "0", "--device", "cpu"]
@@ -146,6 +172,11 @@ def test_quantize_round_trip(tmp_path):
         (["--logit-bias", "99999999=1"], "outside the vocabulary"),
         (["--min-tokens", "300"], "min_tokens must lie in"),
         (["--stop-token-id", "-3"], "stop_token_ids [-3] lie outside"),
+        (["--regex", "(("], "invalid structured output"),
+        (["--json-schema", "{no"], "not JSON"),
+        (["--grammar", "@/no/such/file"], "cannot read /no/such/file"),
+        (["--json-object", "--min-tokens", "2"], "cannot be combined"),
+        (["--regex", "a", "--choice", "b"], "not allowed with argument"),
     ],
 )
 def test_bad_settings_fail_at_start(tmp_path, args, words):

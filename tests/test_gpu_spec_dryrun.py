@@ -40,10 +40,13 @@ ATTENTION_KERNELS = (
 )
 
 # The modules themselves (lumo.kernels re-exports functions under some module names, e.g. gdn_tree).
-attention, conv, gdn, gdn_tree, linear, norms, rope_kv, sampling, tree_ops = (
+attention, conv, gdn, gdn_tree, linear, norms, rope_kv, sampling, token_mask, tree_ops = (
     importlib.import_module(f"lumo.kernels.{m}")
-    for m in ("attention", "conv", "gdn", "gdn_tree", "linear", "norms", "rope_kv", "sampling", "tree_ops")
-)
+    for m in (
+        "attention", "conv", "gdn", "gdn_tree", "linear", "norms", "rope_kv", "sampling", "token_mask",
+        "tree_ops",
+    )
+)  # fmt: skip
 
 
 class StubKernel:
@@ -104,6 +107,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(tree_ops, "_kernel", lambda *a, **k: factory(a[0]))
     monkeypatch.setattr(attention, "_kernels", attn_kernels)
     monkeypatch.setattr(sampling, "_kernel", lambda *a, **k: factory(a[0]))
+    monkeypatch.setattr(token_mask, "_kernel", named("apply_token_mask"))
     return log, holder
 
 
@@ -188,6 +192,7 @@ def _emulated_ops():
     from lumo.kernels.linear import unpack_nvfp4
     from lumo.kernels.norms import gated_rmsnorm_ref, rmsnorm1p_ref, silu_mul_ref
     from lumo.kernels.sampling import sample_tokens_ref
+    from lumo.kernels.token_mask import apply_token_mask_ref as apply_token_mask  # noqa: F401 (in locals())
     from lumo.kernels.tree_ops import topk_select_ref
 
     bf = torch.bfloat16
@@ -672,9 +677,9 @@ def test_emulated_events_and_plain_steps_mixed_equal_plain(monkeypatch, params):
     eng, event = spec.engine, spec.engine.event
     firsts = []
 
-    def checked_event(use_graph=False):
+    def checked_event(use_graph=False, constraint=None):
         want_ids = topk_select_ref(eng.draft_head(eng.d1.out.clone()).float(), eng.k)
-        out = event(use_graph)
+        out = event(use_graph, constraint)
         firsts.append(torch.equal(eng.cand[0], want_ids[0]))
         return out
 
@@ -758,3 +763,55 @@ def test_emulated_prompt_logprobs(monkeypatch):
     ref = torch.log_softmax(logits[0].double(), dim=-1)
     diff = [abs(t.logprob - float(ref[i, t.token])) for i, t in enumerate(out[0])]
     assert max(diff) < 0.1, max(diff)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, seed=3)],
+    ids=["greedy", "seeded"],
+)
+def test_emulated_structured_output_equals_plain(monkeypatch, params):
+    """A JSON schema (lumo.engine.grammar) on the GPU engine's code paths: the runner's mask for the
+    prefill's sample and plain steps, the verify rows' masks computed between draft and verify
+    (GPUSpecEngine.mask_tree), events and adaptive plain steps mixed: plain decoding's tokens and
+    logprobs, exactly; the rows the grammar masks are the ones it reaches; the text is the schema's."""
+    import json
+
+    from lumo.engine.grammar import GrammarCompiler, StructuredOutputs
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    t = tokenizer()
+    compiler = GrammarCompiler(t.to_json(), cfg.vocab_size, t.eos_token_ids)
+    schema = {
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "size": {"type": "integer"}},
+        "required": ["path", "size"],
+        "additionalProperties": False,
+    }
+    spec_ = StructuredOutputs(json=schema)
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    rp, rs = (GPURunner(cfg, gw, 96, prefill_chunk=10, device="cpu") for _ in range(2))
+    spec = GPUSpecDecoder(rs, params, tree, adaptive=ScriptedAdaptive([True, False, True, True, False]))
+    plain = GPUDecoder(rp, params, use_graph=False)
+    spec.logprobs = plain.logprobs = 3
+    spec.constraint, plain.constraint = compiler.constraint(spec_), compiler.constraint(spec_)
+    prompt = t.encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    eos = set(t.eos_token_ids)
+    got, got_lp = spec.prefill(prompt), list(spec.last_logprobs)
+    masked = 0
+    while len(got) < 40 and not eos & set(got):
+        got += spec.step()
+        got_lp += spec.last_logprobs
+        masked += int(spec.engine.token_masks_on.sum())
+    want, want_lp = plain.prefill(prompt), list(plain.last_logprobs)
+    while len(want) < len(got):
+        want += plain.step()
+        want_lp += plain.last_logprobs
+    assert got == want and got_lp == want_lp
+    assert spec.stats.events > 0 and spec.stats.plain_steps > 0 and masked > spec.stats.events
+    text = t.decode([x for x in want if x not in eos])
+    if eos & set(want):
+        assert set(json.loads(text)) == {"path", "size"}
+    else:
+        assert text.startswith('{"path":"')

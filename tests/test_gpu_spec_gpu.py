@@ -413,3 +413,52 @@ def test_min_tokens_tree_equals_plain(variant, params):
             f"prompt {i}: first difference at {first_diff(got, want)}"
         )
         assert not set(want[:20]) & set(eos) and (want[20] == 3067 or not params.greedy)
+
+
+def _constrained(dec, constraint, prompt, n: int, eos) -> list[int]:
+    dec.constraint = constraint
+    out = dec.prefill(list(prompt))
+    while len(out) < n and not set(out) & eos:
+        out += dec.step()
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, seed=6)],
+    ids=["greedy", "seeded"],
+)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_structured_output_tree_equals_plain(variant, params):
+    """A JSON schema (lumo.engine.grammar): the verify rows masked by apply_token_mask with the host's
+    per-path masks between the draft and verify graphs, adaptive plain steps masked through the runner,
+    on CUDA graphs, give plain decoding's tokens (eager GPUDecoder under the same grammar)."""
+    from lumo.engine.grammar import GrammarCompiler, StructuredOutputs
+
+    cfg, gw, path = packed(variant)
+    tok = Tokenizer.from_dir(path)
+    compiler = GrammarCompiler(tok.to_json(), cfg.vocab_size, tok.eos_token_ids)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "lines": {"type": "integer"}},
+        "required": ["name", "lines"],
+    }
+    so = StructuredOutputs(json=schema)
+    eos = set(tok.eos_token_ids)
+    eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
+    masked_rows = 0
+    for i, p in enumerate(prompts(variant)[:10]):
+        plain = GPUDecoder(runners(variant)[0], params, use_graph=False)
+        spec = GPUSpecDecoder(eng, params, use_graph=True, adaptive=ScriptedAdaptive([True, True, False]))
+        want = _constrained(plain, compiler.constraint(so), p, 64, eos)
+        got = _constrained(spec, compiler.constraint(so), p, len(want), eos)
+        masked_rows += int(eng.token_masks_on.sum())
+        assert got[: len(want)] == want, f"prompt {i}: first difference at {first_diff(got, want)}"
+        text = tok.decode([t for t in want if t not in eos])
+        assert text.startswith("{"), text
+    assert masked_rows > 10
+    # the next request without a grammar, on the same engine and graphs: no mask left behind
+    p = prompts(variant)[11]
+    spec = GPUSpecDecoder(eng, params, use_graph=True, adaptive=ScriptedAdaptive([True, True, False]))
+    got = spec_tokens(spec, p, 48)
+    assert got == plain_tokens(variant, p, 48, params)[:48] and not eng.token_masks_on.any()

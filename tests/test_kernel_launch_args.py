@@ -21,7 +21,7 @@ import torch
 
 from lumo.kernels.compile import kernel_params, resolve_source
 
-MODULES = ("sampling", "tree_ops", "logprobs", "norms", "rope_kv", "conv", "gdn", "attention")
+MODULES = ("sampling", "token_mask", "tree_ops", "logprobs", "norms", "rope_kv", "conv", "gdn", "attention")
 f32, bf16, i32, i64, u8 = torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.uint8
 # the tensor dtypes a kernel's pointer type takes (typedefs a build chooses: each choice)
 POINTEE = {
@@ -164,6 +164,18 @@ def test_sampling_launchers(stand_ins):
     sample_tokens(rows[0].bfloat16(), *rows[1:])  # nothing optional: the nulls
     sample_tokens(*rows, penalties=Penalties(torch.ones(T, 4), count, pen.prompt))  # no path, no bias
     assert {"sample_partial", "sample_final"} <= LAUNCHED
+
+
+def test_token_mask_launcher(stand_ins):
+    from lumo.kernels.token_mask import apply_token_mask
+
+    T, V = 3, 1001
+    apply_token_mask(torch.zeros(T, V, dtype=bf16), torch.zeros(T, 32, dtype=i32), torch.ones(T, dtype=i32))
+    assert "apply_token_mask" in LAUNCHED
+    with pytest.raises(ValueError, match="mask must be"):  # a [T, W] bitmask of V / 32 rounded up
+        apply_token_mask(
+            torch.zeros(T, V, dtype=bf16), torch.zeros(T, 31, dtype=i32), torch.ones(T, dtype=i32)
+        )
 
 
 def test_tree_ops_launchers(stand_ins):

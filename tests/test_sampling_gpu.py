@@ -378,3 +378,38 @@ def test_min_tokens_ban_matches_cpu_sampler(V):
     assert banned == [True, True, True, True, False, False, False, False]
     assert all(not stop_mask[int(want[t])] for t in range(T) if banned[t])
     assert [int(want[t]) == int(best[t]) for t in (4, 7)] == [True, True]  # greedy, no ban: the best
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,V", [(1, 1), (1, 31), (3, 33), (32, 1000), (7, 3072), (32, 248320), (2, 248_077)])
+def test_apply_token_mask_matches_reference(T, V):
+    """apply_token_mask (token_mask.cu) == its torch reference bitwise on fresh random logits and bits:
+    the masked rows' refused tokens -inf and nothing else touched, rows with `on` unset unchanged; then a
+    masked row samples only allowed tokens (greedy and seeded)."""
+    from lumo.engine.grammar import unpack_bitmask
+    from lumo.kernels.token_mask import apply_token_mask, apply_token_mask_ref
+
+    gen = torch.Generator().manual_seed(T * 100_003 + V)
+    W = -(-V // 32)
+    logits = torch.randn(T, V, generator=gen).to(torch.bfloat16)
+    bits = torch.randint(-(2**31), 2**31, (T, W), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[0, 0] |= 1  # every row allows some token (row 0: token 0 at least)
+    on = (torch.arange(T) % 3 != 1).to(torch.int32)  # rows 1, 4, ... not masked
+    want = apply_token_mask_ref(logits.clone(), bits, on)
+    got = apply_token_mask(logits.to(DEV), bits.to(DEV), on.to(DEV)).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for t in range(T):
+        refused = ~unpack_bitmask(bits[t], V) if on[t] else torch.zeros(V, dtype=torch.bool)
+        assert torch.isneginf(got[t][refused]).all() and torch.equal(got[t][~refused], logits[t][~refused])
+    # the sampler over masked rows: an allowed token in every masked row
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4)):
+        ws = sample_workspace(T, V, DEV)
+        rows = got.to(DEV)
+        temp = torch.full((T,), params.temperature, device=DEV)
+        k, p = torch.zeros(T, dtype=torch.int32, device=DEV), torch.ones(T, device=DEV)
+        seed, pos = torch.full((T,), params.seed, dtype=torch.int64, device=DEV), torch.arange(T, device=DEV)
+        out = torch.zeros(T, dtype=torch.int32, device=DEV)
+        tok = sample_tokens(rows, temp, k, p, seed, pos, out=out, workspace=ws).cpu()
+        for t in range(T):
+            if on[t]:
+                assert unpack_bitmask(bits[t], V)[int(tok[t])], (t, int(tok[t]))

@@ -16,9 +16,10 @@ import torch
 from .. import model as M
 from ..config import ModelConfig, TreeConfig
 from ..weights import ModelWeights
+from .grammar import Constraint, bitmask_words, unpack_bitmask
 from .logprobs import PromptLogprobs, ScoresTokens
 from .prefix import PrefixCache
-from .sampling import SamplingParams, TokenHistory, adjust, sample
+from .sampling import SamplingParams, TokenHistory, adjust, mask_logits, sample
 from .tree import TreeBuffers, accept, build_tree, chain_config
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activation memory for long prompts
@@ -58,12 +59,14 @@ class PlainDecoder(ScoresTokens):
     """One target forward per token; the native reference for exactness.
 
     With `logprobs` set to k (lumo.engine.logprobs; None: off), prefill / step also leave the emitted
-    tokens' logprobs with their k most likely alternatives in `last_logprobs`.
+    tokens' logprobs with their k most likely alternatives in `last_logprobs`. With `constraint` set
+    (lumo.engine.grammar; before prefill) every row is masked by it and the emitted tokens advance it.
     """
 
     extra_positions = 0  # cache slots needed beyond prompt + output
     feeds_mtp = False  # its prefill writes the MTP head's K/V (speculative decoders)
     history: TokenHistory | None = None  # the penalties' token history (prefill sets it when params have any)
+    constraint: Constraint | None = None  # a structured output's grammar state (None: unconstrained)
 
     def __init__(
         self,
@@ -118,9 +121,10 @@ class PlainDecoder(ScoresTokens):
                 self.prefix.add(c.length, [*c.gdn_state, *c.conv_state, self._carry])
         # The penalties' history (lumo.engine.sampling): the prompt, then every emitted token.
         self.history = TokenHistory(self.cfg.vocab_size, prompt_ids) if self.params.penalized else None
-        self.pending = self._sample(lg[0, -1], c.length)
+        row = self._masked(lg[0, -1])
+        self.pending = self._sample(row, c.length)
         self._after_prefill()
-        self._note_logprobs(lg[0, -1:], [self.pending])
+        self._note_logprobs(row[None], [self.pending])
         self.last_prompt_logprobs = [] if scored is None else scored.out
         return [self.pending]
 
@@ -132,16 +136,26 @@ class PlainDecoder(ScoresTokens):
 
     def step(self) -> list[int]:
         logits, _ = M.forward(self.cfg, self.w, self._ids([self.pending]), self.cache)
-        self.pending = self._sample(logits[0, -1], self.cache.length)
-        self._note_logprobs(logits[0, -1:], [self.pending])
+        row = self._masked(logits[0, -1])
+        self.pending = self._sample(row, self.cache.length)
+        self._note_logprobs(row[None], [self.pending])
         return [self.pending]
 
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """[V] logits of the next position with the tokens the constraint refuses at -inf."""
+        return logits if self.constraint is None else mask_logits(logits, self.constraint.allowed())
+
     def _sample(self, logits: torch.Tensor, position: int) -> int:
-        """The next token, counted in the penalties' history."""
+        """The next token (from masked logits), counted in the penalties' history and the grammar."""
         tok = sample(logits, self.params, position, self.history)
-        if self.history is not None:
-            self.history.add([tok])
+        self._emitted([tok])
         return tok
+
+    def _emitted(self, tokens: list[int]) -> None:
+        if self.history is not None:
+            self.history.add(tokens)
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
 
     def _ids(self, toks: list[int]) -> torch.Tensor:
         return torch.tensor([toks], dtype=torch.long, device=self.device)
@@ -254,6 +268,12 @@ class SpecDecoder(PlainDecoder):
             lg, h = M.forward(self.cfg, self.w, self._ids([tokens[i]]), c)
             logits[i], hidden[i] = lg[0, -1], h[0]
             state[i] = M.snapshot(c, lo, hi)
+        if self.constraint is not None:  # each row masked with the grammar's state after its path
+            bits = torch.empty(t.n_nodes, bitmask_words(self.cfg.vocab_size), dtype=torch.int32)
+            on = self.constraint.tree_bitmasks(tokens[: t.n_nodes], t.parent[: t.n_nodes].tolist(), bits)
+            for i in range(t.n_nodes):
+                if on[i]:
+                    logits[i] = mask_logits(logits[i], unpack_bitmask(bits[i], self.cfg.vocab_size))
         choice = [0] * t.rows
         for i in range(t.n_nodes):
             choice[i] = self._choice(logits[i], L + int(t.depth[i]) + 1, i, tokens)
@@ -262,8 +282,7 @@ class SpecDecoder(PlainDecoder):
         M.restore(c, state[path[-1]])
         self.pending = pending
         emitted = [tokens[i] for i in path[1:]] + [pending]
-        if self.history is not None:
-            self.history.add(emitted)
+        self._emitted(emitted)
         self._feed_mtp(torch.cat([hidden[i] for i in path]), emitted, L)
         self.stats.events += 1
         self.stats.accepted.append(len(path) - 1)

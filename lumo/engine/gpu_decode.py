@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..weights import ModelWeights
 from .decode import slot_capacity
 from .gpu_weights import GPUWeights, pack_weights
+from .grammar import Constraint
 from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import PREFILL_CHUNK, GPURunner
 from .sampling import SamplingParams
@@ -24,9 +25,11 @@ class GPUDecoder(ScoresTokens):
 
     Sampling positions are decode.PlainDecoder's: the first token at position len(prompt), each later one
     at the new cache length, so seeded sampling draws the CPU sampler's noise (sample_tokens kernel).
+    With `constraint` set (before prefill), each step's logits are masked by it (apply_token_mask).
     """
 
     extra_positions = 0
+    constraint: Constraint | None = None
 
     def __init__(self, runner: GPURunner, params: SamplingParams, use_graph: bool = True):
         self.runner, self.params, self.use_graph = runner, params, use_graph
@@ -44,17 +47,25 @@ class GPUDecoder(ScoresTokens):
         if self.prompt_logprobs is not None:
             scored = PromptLogprobs(prompt_ids, self.prompt_logprobs, head=r.w.lm_head)
         self.cached_tokens = start = r.resume(prompt_ids, reuse=scored is None)
+        self._mask_next()
         r.prefill(prompt_ids[start:], hidden_hook=None if scored is None else scored.hidden)
         self.last_prompt_logprobs = [] if scored is None else scored.out
         return self._emit()
 
     def step(self) -> list[int]:
+        self._mask_next()
         self.runner.decode_step(use_graph=self.use_graph)
         return self._emit()
+
+    def _mask_next(self) -> None:
+        if self.constraint is not None:
+            self.runner.set_token_mask(self.constraint.bitmask())
 
     def _emit(self) -> list[int]:
         self.pending = self.runner.token()
         self._note_logprobs(self.runner.logits_bf16, [self.pending])
+        if self.constraint is not None:
+            self.constraint.advance([self.pending])
         return [self.pending]
 
 

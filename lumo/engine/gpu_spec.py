@@ -6,8 +6,10 @@ launch sequences, each capturable as a CUDA graph (every per-event value lives i
                  the spine token and its siblings into the tree's token buffer (draft_node_table);
   verify         one target forward over the R tree rows (linears at M = R, conv_gather_qk over conv_pred,
                  which also normalises q and k once per row and head, gdn_tree, attention with ancestor
-                 masks), final norm + lm_head for all rows, then sample_tokens per row at absolute
-                 position len + depth + 1;
+                 masks), final norm + lm_head for all rows, a structured output's masks (apply_token_mask:
+                 the host computes them between draft and verify, the event's only other sync, and only
+                 for a request with a grammar), then sample_tokens per row at absolute position
+                 len + depth + 1;
   accept+commit  tree_accept -> GDN replay (gdn_decode rows/count over the recorded operands) ->
                  conv_state_commit -> kv_remap (reads the old len) -> MTP fed the accepted pairs
                  (its K/V and the next event's first draft logits) -> len += count, pending -> root.
@@ -36,11 +38,13 @@ from ..kernels.gdn_tree import gdn_tree, gdn_tree_rows
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import Penalties, sample_tokens, sample_workspace
+from ..kernels.token_mask import apply_token_mask
 from ..kernels.tree_ops import draft_node_table, kv_remap, kv_table, topk_select, topk_workspace, tree_accept
 from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
+from .grammar import Constraint
 from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
@@ -156,6 +160,12 @@ class GPUSpecEngine:
         self.gdn_y = torch.zeros(R, nv * dv, dtype=bf, device=dev)
         self.replay_o = torch.zeros(self.cap, nv, dv, dtype=bf, device=dev)
         self.logits_bf16 = torch.zeros(R, V, dtype=bf, device=dev)  # [R, V] of the latest verify (`logits`)
+        # A structured output's allowed tokens per row (the host's, between draft and verify: mask_tree)
+        self.token_masks = torch.zeros(R, -(-V // 32), dtype=i32, device=dev)  # [R, W] bitmasks
+        self.token_masks_on = torch.zeros(R, dtype=i32, device=dev)  # [R] 0: the row is not masked
+        pin = dev.type == "cuda"
+        self._host_masks = torch.zeros(R, -(-V // 32), dtype=i32, pin_memory=pin)
+        self._host_masks_on = torch.zeros(R, dtype=i32, pin_memory=pin)
         self.sample_ws = sample_workspace(R, V, dev)
         self.kv_tab = kv_table(runner.kv_k + runner.kv_v)
 
@@ -221,6 +231,18 @@ class GPUSpecEngine:
         self.min_p.copy_(self.runner.min_p.expand(self.R))
         self.penalty.copy_(self.runner.penalty.expand(self.R, 4))
         self.ban_until.copy_(self.runner.ban_until.expand(self.R))
+        self.token_masks_on.zero_()
+
+    def mask_tree(self, constraint: Constraint) -> None:
+        """After the draft: each verify row's allowed tokens, from the grammar state after its path (one
+        device-to-host copy of the drafted tokens; Constraint.tree_bitmasks)."""
+        n = self.tb.n_nodes
+        tokens = self.tokens[:n].tolist()
+        on = constraint.tree_bitmasks(tokens, self.tb.parent[:n].tolist(), self._host_masks)
+        self._host_masks_on[:n] = torch.tensor(on, dtype=torch.int32)  # padding rows stay 0
+        # pinned sources, reused only after the event's result is read (a sync): no copy is in flight then
+        self.token_masks[:n].copy_(self._host_masks[:n], non_blocking=True)
+        self.token_masks_on.copy_(self._host_masks_on, non_blocking=True)
 
     def extra_bytes(self) -> int:
         """GPU memory tree decoding adds to plain decoding: MTP weights and cache, tree buffers."""
@@ -274,21 +296,23 @@ class GPUSpecEngine:
         return r.token()
 
     @torch.inference_mode()
-    def event(self, use_graph: bool = False) -> list[int]:
-        """One speculative event; returns the emitted tokens (accepted drafts, then the new pending)."""
+    def event(self, use_graph: bool = False, constraint: Constraint | None = None) -> list[int]:
+        """One speculative event; returns the emitted tokens (accepted drafts, then the new pending).
+        constraint: a structured output's grammar state (masks the verify rows; the caller advances it)."""
         r = self.runner
         if r.length + self.R > r.max_len:
             raise ValueError(f"the cache is full ({r.max_len} positions incl. {self.R} tree slots)")
         if self._draft_stale:  # plain steps fed the MTP without its head (plain_step)
             self._draft_logits()
             self._draft_stale = False
-        if use_graph and self.graphs is not None:
-            for name in EVENT_PHASES:
+        phases = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
+        for name in EVENT_PHASES:
+            if name == "verify" and constraint is not None:
+                self.mask_tree(constraint)
+            if use_graph and self.graphs is not None:
                 self.graphs[name].replay()
-        else:
-            self._draft()
-            self._verify()
-            self._accept_commit()
+            else:
+                phases[name]()
         res = self._read_result()
         n = res[0]
         r.length += n
@@ -554,6 +578,7 @@ class GPUSpecEngine:
             delta = v.delta
         rmsnorm1p(v.h, w.norm, eps, delta=delta, out=v.out)  # hidden states, kept for the MTP feed
         w.lm_head(v.out, out=self.logits_bf16)
+        apply_token_mask(self.logits_bf16, self.token_masks, self.token_masks_on)
         sample_tokens(  # reads the bf16 logits as their f32 values (lumo.model's cast, no launch)
             self.logits_bf16,
             self.temperature,
@@ -641,6 +666,8 @@ class GPUSpecDecoder(ScoresTokens):
     that takes plain steps instead of events while events do not pay (the same tokens either way).
     """
 
+    constraint: Constraint | None = None  # a structured output's grammar state (set before prefill)
+
     def __init__(
         self,
         backend_or_runner: GPUBackend | GPURunner | GPUSpecEngine,
@@ -680,12 +707,23 @@ class GPUSpecDecoder(ScoresTokens):
         scored = None
         if self.prompt_logprobs is not None:
             scored = PromptLogprobs(list(prompt_ids), self.prompt_logprobs, head=e.w.lm_head)
+        self._mask_plain()
         self.pending = e.prefill(prompt_ids, scored)
         self.last_prompt_logprobs = [] if scored is None else scored.out
         self._note_logprobs(e.runner.logits_bf16, [self.pending])  # before capture()'s warm-up events
+        self._advance([self.pending])
         if self.use_graph and e.graphs is None and e.can_capture():
             e.capture()  # after prefill: the warm-up runs on real state, then restores it
         return [self.pending]
+
+    def _mask_plain(self) -> None:
+        """The runner's next sample (a prefill's or a plain step's) masked by the grammar."""
+        if self.constraint is not None:
+            self.engine.runner.set_token_mask(self.constraint.bitmask())
+
+    def _advance(self, tokens: list[int]) -> None:
+        if self.constraint is not None:
+            self.constraint.advance(tokens)
 
     def step(self) -> list[int]:
         # Graphs once captured; a first request whose prompt leaves no room for capture()'s warm-up
@@ -694,13 +732,14 @@ class GPUSpecDecoder(ScoresTokens):
         a = self.adaptive
         if a is not None and not a.speculate():
             t0 = time.perf_counter()
+            self._mask_plain()
             out = [self.engine.plain_step(use_graph=graph)]
             a.record_plain(time.perf_counter() - t0)
             self.stats.plain_steps += 1
             self._note_logprobs(self.engine.runner.logits_bf16, out)
         else:
             t0 = time.perf_counter()
-            out = self.engine.event(use_graph=graph)
+            out = self.engine.event(use_graph=graph, constraint=self.constraint)
             if a is not None:
                 a.record_event(len(out), time.perf_counter() - t0)
             self.stats.events += 1
@@ -709,6 +748,7 @@ class GPUSpecDecoder(ScoresTokens):
                 path = self.engine.accepted[: len(out)].long()
                 self._note_logprobs(self.engine.logits_bf16.index_select(0, path), out)
         self.pending = out[-1]
+        self._advance(out)
         return out
 
 

@@ -6,6 +6,7 @@ import json
 import math
 import operator
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
+from .grammar import Constraint, GrammarCompiler, StructuredOutputs, opens_reasoning
 from .logprobs import TokenLogprob, check_logprobs
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
@@ -217,6 +219,8 @@ class LLM:
             raise ConfigError(f"{path / 'generation_config.json'}: {e}") from None
         self._gpu = self._kernel_backend() if self.backend == "kernels" else None
         self._slot = Slot(self.prefix_snapshots) if self._gpu is None else None  # torch backend's caches
+        self._grammars: GrammarCompiler | None = None  # built by the first structured request
+        self._grammars_lock = threading.Lock()
 
     def _kernel_backend(self):
         from .gpu_decode import GPUBackend
@@ -248,7 +252,9 @@ class LLM:
         tokens are generated like any other), include_stop_str_in_output (the text ends after the stop
         string, not before it), skip_special_tokens (default True: special tokens add no text),
         min_tokens (end-of-sequence and stop_token_ids tokens are not sampled before that many tokens,
-        stop strings not looked for; vLLM's five options), logprobs (None:
+        stop strings not looked for; vLLM's five options), structured_outputs (a StructuredOutputs or a
+        mapping of its fields: json, regex, choice, grammar, json_object; the output follows it, after the
+        reasoning when the prompt leaves the model thinking; lumo.engine.grammar), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
         ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
@@ -424,12 +430,17 @@ class LLM:
         include_stop_str_in_output: bool = False,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        structured_outputs: StructuredOutputs | Mapping | None = None,
         **shaping,  # min_p, the penalties and logit_bias (sampling_params)
     ) -> Iterator[StreamChunk]:
         if _integer(max_tokens, "max_tokens") < 1:
             raise ValueError("max_tokens must be at least 1")
         if not 0 <= _integer(min_tokens, "min_tokens") <= max_tokens:
             raise ValueError(f"min_tokens must lie in [0, max_tokens = {max_tokens}], got {min_tokens}")
+        structured = StructuredOutputs.of(structured_outputs)
+        if structured is not None and min_tokens:
+            # the grammar may allow only the end token before min_tokens, which the ban refuses
+            raise ValueError("min_tokens cannot be combined with structured_outputs")
         flags = (ignore_eos, include_stop_str_in_output, skip_special_tokens)
         ending = self._ending(stop, stop_token_ids, *flags, min_tokens)
         n = len(prompt_ids)
@@ -444,8 +455,20 @@ class LLM:
             stops = tuple(sorted(ending.stop_token_ids))
             params = replace(params, stop_ids=stops, ban_until=n + min_tokens)
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
+        constraint = None if structured is None else self.constraint(structured, prompt_ids)
         self.last_decoder = None  # until this request's decoder exists (no stale stats)
-        return self._run(prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs)
+        return self._run(prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs, constraint)
+
+    def constraint(self, structured: StructuredOutputs, prompt_ids: list[int]) -> Constraint:
+        """A request's grammar state (ValueError for a grammar lumo cannot use). The grammar starts after
+        `</think>` when the prompt leaves the model thinking."""
+        tok = self.tokenizer
+        think = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+        with self._grammars_lock:  # the server checks a grammar on a thread of its own
+            if self._grammars is None:
+                V = self.config.vocab_size
+                self._grammars = GrammarCompiler(tok.to_json(), V, tok.eos_token_ids, think_close=think[1])
+        return self._grammars.constraint(structured, reasoning=opens_reasoning(prompt_ids, *think))
 
     def _ending(self, stop, stop_token_ids, ignore_eos, include_stop, skip_special, min_tokens) -> Ending:
         if not (
@@ -480,10 +503,12 @@ class LLM:
         ending: Ending,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> Iterator[StreamChunk]:
         decoder = self.decoder(params, len(prompt_ids) + max_tokens)
         self.last_decoder = decoder
         decoder.logprobs, decoder.prompt_logprobs = logprobs, prompt_logprobs
+        decoder.constraint = constraint
         detok = IncrementalDetokenizer(
             self.tokenizer,
             stop=list(ending.stop),

@@ -12,6 +12,7 @@ alone from a plain step or among others from an event.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,8 @@ MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 class TokenLogprob:
     token: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (id, logprob), best first
+    # the k most likely (id, logprob), best first; none at -inf (tokens a grammar refused)
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def check_logprobs(k: object) -> int | None:
@@ -65,10 +67,13 @@ def token_logprobs(
             top_v, top_i = torch.topk(lp, k, dim=-1)
             parts += [top_v, top_i]
         host = torch.cat([p.double() for p in parts], dim=1).cpu().tolist()  # token ids < 2^53: exact
-    return [
-        TokenLogprob(t, r[0], [(int(i), v) for v, i in zip(r[1 : 1 + k], r[1 + k :], strict=True)])
-        for t, r in zip(tokens, host, strict=True)
-    ]
+    # Alternatives at -inf (tokens a structured output's grammar refuses) are left out: they are no
+    # alternatives, and their order among themselves would be the top-k's arbitrary one.
+    out = []
+    for t, r in zip(tokens, host, strict=True):
+        top = [(int(i), v) for v, i in zip(r[1 : 1 + k], r[1 + k :], strict=True) if v > -math.inf]
+        out.append(TokenLogprob(t, r[0], top))
+    return out
 
 
 _workspaces: dict[tuple[torch.device, int], object] = {}  # (device, V) -> the kernel's LogprobsWorkspace

@@ -36,6 +36,7 @@ from ..kernels.gdn import (
 from ..kernels.norms import gated_rmsnorm, rmsnorm1p
 from ..kernels.rope_kv import qk_norm_rope_kv
 from ..kernels.sampling import Penalties, sample_tokens, sample_workspace
+from ..kernels.token_mask import apply_token_mask
 from ..weights import ModelWeights
 from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
 from .prefix import PrefixCache
@@ -130,6 +131,9 @@ class GPURunner:
             ban_until=self.ban_until,
         )  # fmt: skip
         self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
+        # A structured output's allowed tokens for the next sample (set_token_mask; lumo.engine.grammar)
+        self.token_mask = torch.zeros(1, -(-V // 32), dtype=i32, device=dev)  # [1, W] bitmask
+        self.token_mask_on = torch.zeros(1, dtype=i32, device=dev)  # [1] 0: no mask
 
         # ---- static activations of one decode row ----
         self.h = torch.zeros(1, H, dtype=bf, device=dev)  # residual stream
@@ -187,6 +191,17 @@ class GPURunner:
         if params.stop_ids:
             self.stop_mask.zero_()
             self.stop_mask[torch.tensor(params.stop_ids, device=self.device)] = 1
+        self.token_mask_on.zero_()
+
+    @torch.inference_mode()
+    def set_token_mask(self, bits: torch.Tensor | None) -> None:
+        """The next sample's allowed tokens: bits [W] int32 (lumo.engine.grammar.Constraint.bitmask), or
+        None for all tokens (stream-ordered: the step launched next reads them)."""
+        if bits is None:
+            self.token_mask_on.zero_()
+        else:
+            self.token_mask[0].copy_(bits)
+            self.token_mask_on.fill_(1)
 
     @torch.inference_mode()
     def begin_history(self, prompt_ids: Sequence[int]) -> None:
@@ -364,6 +379,7 @@ class GPURunner:
         self.w.lm_head(self.hidden, out=self.logits_bf16)
 
     def _sample(self) -> None:
+        apply_token_mask(self.logits_bf16, self.token_mask, self.token_mask_on)
         sample_tokens(
             self.logits_bf16,
             self.temperature,

@@ -6,7 +6,8 @@ speculative tree node at the same logical position therefore draw the same noise
 emits the same tokens with and without speculation (DESIGN.md, Exactness). The GPU sampler implements
 the same hash.
 
-Order of the operations on a row (vLLM's): the raw logits, the stop tokens banned below min_tokens, +
+Order of the operations on a row (vLLM's): the raw logits, a structured output's mask (lumo.engine.grammar:
+the tokens its grammar refuses at -inf), the stop tokens banned below min_tokens, +
 logit_bias, the penalties (repetition over the prompt and the output, then frequency and presence over the
 output), greedy argmax or: / temperature, min-p, top-k, top-p, Gumbel-max. The penalties read the tokens
 generated so far (`TokenHistory`); a tree node's history is the committed one plus the drafted tokens on
@@ -133,6 +134,13 @@ def penalize(logits: torch.Tensor, params: SamplingParams, history: TokenHistory
     return x - params.presence_penalty * (counts > 0).float()
 
 
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """[V] logits with the tokens outside `allowed` ([V] bool; None: every token) at -inf."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
     # murmur3's finaliser on int64 tensors holding uint32 values; int64 products wrap mod 2^64,
     # which keeps the low 32 bits exact.
@@ -185,7 +193,7 @@ def sample(
 ) -> int:
     """One token from [V] logits for absolute position `position` (Gumbel-max; greedy = argmax), after the
     stop-token ban (min_tokens), the logit bias and the penalties when `params` has any (penalties need
-    `history`)."""
+    `history`). A structured output's mask comes before (mask_logits: the decoders' logprobs see it too)."""
     if params.bans(position):
         stops = torch.tensor(params.stop_ids, device=logits.device)
         logits = logits.float().index_fill(0, stops, float("-inf"))

@@ -74,6 +74,13 @@ def _check_min_tokens(body: Any, budget: int) -> None:
         raise APIError(400, msg, "min_tokens")
 
 
+def _check_structured_min_tokens(body: Any) -> None:
+    if body.min_tokens and body.structured() is not None:
+        # the grammar may allow only the end token before min_tokens, which the ban refuses
+        msg = f"min_tokens cannot be combined with {body.structured_field}"
+        raise APIError(400, msg, "min_tokens")
+
+
 def _engine_error(exc: Exception) -> APIError:
     # ValueError from the engine (PromptTooLongError among them) is about the request; anything else is ours
     if isinstance(exc, APIError):
@@ -287,6 +294,21 @@ class _Server:
         except TokenizerError as e:
             raise APIError(400, str(e), param) from None
 
+    async def _check_structured(self, body: Any, prompt_ids: list[int]) -> None:
+        """A structured output's grammar compiles for this tokenizer (else a 400 naming the field) before
+        the request is queued, off the event loop (a large schema takes up to a second)."""
+        structured = body.structured()
+        if structured is None:
+            return
+        _check_structured_min_tokens(body)
+        make = getattr(self.llm, "constraint", None)
+        if make is None:
+            raise APIError(400, "this engine serves no structured outputs", body.structured_field)
+        try:
+            await asyncio.to_thread(make, structured, prompt_ids)
+        except ValueError as e:
+            raise APIError(400, str(e), body.structured_field) from None
+
     def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> Job:
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
         return self.worker.submit(job)
@@ -343,6 +365,8 @@ class _Server:
                 ids = list(prompt)
             budget = self._budget(len(ids), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
             _check_min_tokens(body, budget)
+            if i == 0:  # the grammar is the same for every prompt
+                await self._check_structured(body, ids)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tok.decode(ids)
@@ -423,6 +447,7 @@ class _Server:
         prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
         _check_min_tokens(body, max_tokens)
+        await self._check_structured(body, prompt_ids)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         continued = continued_text(body)
 
@@ -474,8 +499,9 @@ class _Server:
         prompt_ids = await self._encode(prompt, "input")
         try:
             max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
+            await self._check_structured(chat, prompt_ids)
         except APIError as e:  # the chat field's name -> the Responses one
-            e.param = "max_output_tokens" if e.param == "max_tokens" else e.param
+            e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
             raise
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
         parser = ChatOutputParser(

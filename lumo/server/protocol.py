@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
+from ..engine.grammar import StructuredOutputs
 from ..engine.logprobs import MAX_LOGPROBS
 from .errors import APIError
 
@@ -60,6 +61,47 @@ class ChatMessage(BaseModel):
 
 
 MAX_CHOICES = 256  # choices in one request: n (x the prompts of a completions batch)
+# vLLM's older structured-output fields -> StructuredOutputs' names
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# vLLM's structured_outputs options lumo has no equivalent of (a 400 rather than silently ignored)
+_UNSUPPORTED_OPTIONS = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
+
+
+def response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict}."""
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return StructuredOutputs(json=spec["schema"])
+    raise ValueError(f"response_format type {kind!r} is not supported (text, json_object or json_schema)")
+
+
+def vllm_structured_outputs(so: dict[str, Any]) -> StructuredOutputs:
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object, with its options
+    disable_any_whitespace (lumo's default is no free whitespace in JSON) and disable_fallback (lumo has
+    one grammar backend: nothing to fall back from)."""
+    bad = [k for k in _UNSUPPORTED_OPTIONS if so.get(k) not in (None, False)]
+    if bad:
+        raise ValueError(f"structured_outputs.{bad[0]} is not supported")
+    forms = {
+        k: v
+        for k, v in so.items()
+        if k not in (*_UNSUPPORTED_OPTIONS, "disable_any_whitespace", "disable_fallback")
+    }
+    if so.get("disable_any_whitespace") is False:
+        forms["any_whitespace"] = True
+    return StructuredOutputs.of(forms)
 
 
 class _Common(BaseModel):
@@ -90,10 +132,51 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     user: str | None = None
+    # Structured outputs (lumo.engine.grammar): OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields; at most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         """A 400 for values lumo cannot honour (the endpoints' own fields; min_tokens against the tokens a
         request may generate is the app's check, which knows the prompt's length)."""
+        self.structured()
+
+    def _structured_fields(self) -> list[str]:
+        """The fields that ask for a structured output (response_format text asks for nothing)."""
+        names = ("response_format", "structured_outputs", *GUIDED)
+        given = [name for name in names if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") == "text":
+            given.remove("response_format")
+        return given
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for a structured output (None: none does)."""
+        return next(iter(self._structured_fields()), None)
+
+    def structured(self) -> StructuredOutputs | None:
+        """What the output must match (None: free text); a 400 naming the field for a malformed or
+        conflicting one. Whether the grammar itself compiles is the app's check (it needs the tokenizer)."""
+        given = self._structured_fields()
+        if len(given) > 1:
+            raise APIError(400, f"give at most one of {' and '.join(given)}", given[1])
+        if not given:
+            return None
+        field = given[0]
+        try:
+            if field == "response_format":
+                return response_format(self.response_format)
+            if field == "structured_outputs":
+                return vllm_structured_outputs(self.structured_outputs)
+            return StructuredOutputs(**{GUIDED[field]: getattr(self, field)})
+        except ValueError as e:
+            raise APIError(400, str(e), field) from None
 
     def token_settings(self, vocab_size: Callable[[], int]) -> dict[str, Any]:
         """The settings that name token ids, checked against the vocabulary (a 400 naming the field):
@@ -158,6 +241,7 @@ class _Common(BaseModel):
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "skip_special_tokens": self.skip_special_tokens is not False,
             "logprobs": self.logprobs_k(),
+            "structured_outputs": self.structured(),
         }
 
 
@@ -218,7 +302,6 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it makes
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}
     # vLLM's: no assistant turn opened (None: unless continue_final_message), or the last message continued
     add_generation_prompt: StrictBool | None = None
@@ -237,9 +320,6 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, msg, "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            kind = self.response_format.get("type")
-            raise APIError(400, f"response_format {kind!r} is not supported (only 'text')", "response_format")
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
         choice = self.tool_choice

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import APIError
-from .protocol import ChatCompletionRequest
+from .protocol import GUIDED, ChatCompletionRequest
 from .toolparse import ParsedDelta
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -58,8 +58,16 @@ class ResponsesRequest(BaseModel):
                 msg = f"{name} is not supported: lumo keeps no responses or prompts (send the whole input)"
                 raise APIError(400, msg, name)
         fmt = (self.text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            raise APIError(400, f"text.format {fmt.get('type')!r} is not supported (only 'text')", "text")
+        kind = fmt.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise APIError(
+                400, f"text.format {kind!r} is not supported (text, json_object, json_schema)", "text"
+            )
+        response_format = {"type": kind}  # the chat API's form (json_schema nested there, flat here)
+        if kind == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise APIError(400, "text.format json_schema needs schema, a JSON schema object", "text")
+            response_format["json_schema"] = {"name": fmt.get("name"), "schema": fmt["schema"]}
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         messages += _messages(self.input)
         if not messages:
@@ -68,6 +76,9 @@ class ResponsesRequest(BaseModel):
             "messages": messages,
             "tools": [_chat_tool(i, t) for i, t in enumerate(self.tools or [])] or None,
             "tool_choice": _chat_tool_choice(self.tool_choice),
+            "response_format": None if kind == "text" else response_format,
+            # vLLM's structured-output fields, sent as extras (the Responses API has none of its own)
+            **{name: (self.model_extra or {}).get(name) for name in ("structured_outputs", *GUIDED)},
             "max_tokens": self.max_output_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

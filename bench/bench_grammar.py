@@ -1,0 +1,188 @@
+"""Host cost of structured outputs (lumo.engine.grammar), on the CPU: what a grammar adds to a plain step
+(one mask) and to a speculative event (the default tree's 28 masks, computed between the draft and the
+verify), at a 248,320-token vocabulary (Qwen3.5's size).
+
+No Qwen tokenizer is reachable offline, so the vocabulary is built here: the 256 byte tokens plus the most
+frequent pre-tokenized pieces of the Python standard library (lumo.corpus's split), byte-level encoded as
+Qwen's are, topped up with frequent two-piece joins. llguidance's mask cost grows with the vocabulary and
+the grammar's state, not with where the tokens came from, so this measures the right order of magnitude;
+a real Qwen tokenizer is not measured.
+
+    python bench/bench_grammar.py [--vocab 248320] [--events 40]
+
+Prints one table: medians (and 90th percentiles) of --events measurements each, next to the time the
+GPU spends on the step or event they are added to (the H200's 27B numbers in docs/runner.md and
+docs/spec-engine.md, and the same scaled to a GB10's 273 GB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import time
+
+import torch
+
+from lumo.config import TreeConfig
+from lumo.corpus import SPLIT_PATTERN, stdlib_documents
+from lumo.engine.grammar import GrammarCompiler, StructuredOutputs
+from lumo.engine.tree import build_tree
+
+# A tool-call-like schema: nested objects, an enum, an array, optional fields.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "arguments": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                "hours": {"type": "array", "items": {"type": "integer"}},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+DOCUMENT = {
+    "name": "get_weather_forecast",
+    "arguments": {"city": "San Francisco", "unit": "celsius", "days": 5, "hours": [6, 12, 18, 21]},
+}
+# The 27B step / event on the H200 (bench_decode / bench_spec, docs): a plain step at 1k, a 32-row verify
+H200_STEP_MS, H200_EVENT_MS = 5.25, 5.25 * 1.76 + 1.0
+GB10_SCALE = 4270 / 273  # the same floor ratio at the GB10's bandwidth
+
+
+def _byte_alphabet() -> dict[int, str]:
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def synthetic_tokenizer(vocab: int) -> tuple[str, int]:
+    """A byte-level BPE tokenizer.json of `vocab` tokens (the last one an end token) and that end id."""
+    alphabet = _byte_alphabet()
+    enc = lambda s: "".join(alphabet[b] for b in s.encode())  # noqa: E731
+    pieces: collections.Counter[str] = collections.Counter()
+    split = re.compile(SPLIT_PATTERN.replace(r"\p{L}", "a-zA-Z").replace(r"\p{N}", "0-9"))
+    for doc in stdlib_documents()[:3000]:
+        pieces.update(p for p in split.findall(doc.text) if len(p) > 1)
+    tokens = [alphabet[b] for b in range(256)]
+    seen = set(tokens)
+    common = [enc(p) for p, _ in pieces.most_common()]
+    for t in common:
+        if len(tokens) >= vocab - 1:
+            break
+        if t not in seen:
+            seen.add(t)
+            tokens.append(t)
+    i = 0
+    while len(tokens) < vocab - 1:  # frequent pieces joined two by two
+        t = common[i // 1000] + common[i % 1000]
+        if t not in seen:
+            seen.add(t)
+            tokens.append(t)
+        i += 1
+    end = "<|endoftext|>"
+    model = {"type": "BPE", "vocab": {t: i for i, t in enumerate(tokens)}, "merges": []}
+    spec = {
+        "version": "1.0",
+        "added_tokens": [{"id": vocab - 1, "content": end, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                          "use_regex": True},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": model,
+    }  # fmt: skip
+    return json.dumps(spec), vocab - 1
+
+
+def _ms(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"{1e3 * statistics.median(xs):.3f} (p90 {1e3 * xs[int(0.9 * (len(xs) - 1))]:.3f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", type=int, default=248_320)
+    ap.add_argument("--events", type=int, default=40)
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    text, end = synthetic_tokenizer(args.vocab)
+    t1 = time.perf_counter()
+    compiler = GrammarCompiler(text, args.vocab, [end])
+    t2 = time.perf_counter()
+    spec = StructuredOutputs(json=SCHEMA)
+    compiler.constraint(spec)
+    t3 = time.perf_counter()
+    compiler.constraint(spec)  # the compiled matcher cached: a copy
+    t4 = time.perf_counter()
+
+    ids = compiler.tokenizer.tokenize_str(json.dumps(DOCUMENT, separators=(",", ":")))
+    con = compiler.constraint(spec)
+    one, tree_times = [], []
+    tb = build_tree(TreeConfig())
+    n, parent, depth = tb.n_nodes, tb.parent[: tb.n_nodes].tolist(), tb.depth[: tb.n_nodes].tolist()
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.zeros(tb.rows, con.words, dtype=torch.int32)
+    for i, t in enumerate(ids[: args.events]):
+        s = time.perf_counter()
+        con.bitmask()
+        one.append(time.perf_counter() - s)
+        # the default tree over the document's next tokens: the spine right, the siblings random tokens
+        nxt = ids[i + 1 : i + 1 + 12] + [end] * 12
+        tokens = [t] + [0] * (n - 1)
+        for j in range(1, n):
+            spine = parent[j] == j - 1 and depth[j] == j
+            tokens[j] = (
+                nxt[depth[j] - 1] if spine else int(torch.randint(0, args.vocab - 1, (1,), generator=gen))
+            )
+        con.advance([t])
+        s = time.perf_counter()
+        on = con.tree_bitmasks(tokens, parent, buf)
+        tree_times.append(time.perf_counter() - s)
+        assert on[0]
+
+    rows = [
+        ("tokenizer for llguidance (once per model)", f"{1e3 * (t2 - t1):.0f}", "-"),
+        ("schema compiled (once per schema; then cached)", f"{1e3 * (t3 - t2):.1f}", "-"),
+        ("a request's copy of a cached schema", f"{1e3 * (t4 - t3):.3f}", "-"),
+        (
+            "plain step: one mask",
+            _ms(one),
+            f"H200 27B step {H200_STEP_MS:.2f}; GB10 ~{H200_STEP_MS * GB10_SCALE:.0f}",
+        ),
+        (
+            f"event: masks of the default tree ({n} rows, depth {tb.depth_max})",
+            _ms(tree_times),
+            f"H200 27B event ~{H200_EVENT_MS:.1f}; GB10 ~{H200_EVENT_MS * GB10_SCALE:.0f}",
+        ),
+    ]
+    print(
+        f"bench_grammar: V = {args.vocab} (synthetic byte-level vocabulary, built in {t1 - t0:.1f} s), "
+        f"{len(ids)}-token JSON document, medians of {len(one)}; one CPU thread of this machine"
+    )
+    w = max(len(r[0]) for r in rows)
+    print(f"{'what':<{w}} | {'ms':>22} | GPU time it adds to (ms)")
+    for name, ms, ref in rows:
+        print(f"{name:<{w}} | {ms:>22} | {ref}")
+
+
+if __name__ == "__main__":
+    main()

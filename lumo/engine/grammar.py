@@ -1,0 +1,271 @@
+"""Structured outputs: a grammar over the generated text (a JSON schema, any JSON object, a regular
+expression, a choice of strings, a Lark / GBNF grammar), the tokens it allows next given by llguidance's
+matcher (vLLM's `structured_outputs`, OpenAI's `response_format`).
+
+A position's allowed tokens are a function of the tokens generated before it, nothing else. Every other
+token's logit is -inf before the sampler sees the row (before the stop-token ban, the bias and the
+penalties, as vLLM applies its grammar bitmask), so greedy decoding takes the best allowed token and
+sampling renormalises over the allowed ones; the logprobs are those of the masked row (vLLM's too).
+
+Exact under speculation: a verify row is masked with the matcher's state after the committed tokens and
+the drafted tokens on its node's path (`Constraint.tree_bitmasks`), the state plain decoding has when it
+samples that position, so the row's choice is plain decoding's. A drafted token the grammar refuses makes
+its subtree unreachable (its parent's row cannot choose it), so those rows are left unmasked. The drafter
+itself proposes unconstrained: a refused draft costs acceptance, never output.
+
+Reasoning models: when the prompt leaves the model thinking (its last `<think>` after its last `</think>`),
+the grammar starts after the `</think>` token (vLLM's default with a reasoning parser); the reasoning is
+free text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FORMS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, eq=False)
+class StructuredOutputs:
+    """What the output must match; exactly one field set (vLLM's StructuredOutputsParams names)."""
+
+    json: Mapping[str, Any] | str | bool | None = None  # a JSON schema (an object, or its JSON text)
+    regex: str | None = None  # a regular expression (Rust regex syntax) the whole output matches
+    choice: Sequence[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # a Lark grammar (llguidance's dialect) or a GBNF grammar
+    json_object: bool = False  # any JSON object
+    # JSON only: whitespace allowed between its tokens. Off by default (separators "," and ":" alone): free
+    # whitespace lets a model pad forever (vLLM's disable_any_whitespace, the other way round)
+    any_whitespace: bool = False
+
+    @classmethod
+    def of(cls, value: StructuredOutputs | Mapping[str, Any] | None) -> StructuredOutputs | None:
+        """An instance from itself, a mapping of its fields (None values ignored) or None; ValueError
+        naming what is wrong otherwise."""
+        if value is None or isinstance(value, StructuredOutputs):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"structured_outputs must be a mapping of {', '.join(FORMS)}, got {value!r}")
+        unknown = sorted(set(value) - set(FORMS) - {"any_whitespace"})
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; use one of {', '.join(FORMS)}")
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+    def __post_init__(self) -> None:
+        for flag in ("json_object", "any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
+        given = [name for name in FORMS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            what = "none" if not given else " and ".join(given)
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(FORMS)} (got {what})")
+
+    def llguidance(self) -> str:
+        """The grammar in llguidance's form (not yet checked: `GrammarCompiler.matcher` does)."""
+        import llguidance as llg
+
+        options = {"whitespace_flexible": self.any_whitespace}  # a schema's "x-guidance" may override it
+        if self.json_object:
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the JSON schema is not JSON: {e.msg} (char {e.pos})") from None
+            if schema is True:
+                schema = {}
+            if not isinstance(schema, Mapping):
+                raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+            return llg.LLMatcher.grammar_from_json_schema(dict(schema), defaults=options)
+        if self.regex is not None:
+            _need_str(self.regex, "regex")
+            return llg.LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            if (
+                isinstance(self.choice, str)
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
+                raise ValueError("choice must be a non-empty list of strings")
+            return llg.grammar_from("choice", list(self.choice))
+        _need_str(self.grammar, "grammar")
+        try:
+            return llg.grammar_from("grammar", self.grammar)
+        except ValueError as e:
+            raise ValueError(_one_line(str(e))) from None
+
+
+def _need_str(x: Any, name: str) -> None:
+    if not isinstance(x, str) or not x:
+        raise ValueError(f"{name} must be a non-empty string")
+
+
+def _one_line(msg: str, limit: int = 300) -> str:
+    """llguidance's multi-line error on one line (a 400's message, a CLI error)."""
+    text = " ".join(msg.split()) or "invalid grammar"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., W] int32 bitmask (bit j of word i: token 32 i + j allowed) -> [..., V] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :vocab_size].bool()
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+class GrammarCompiler:
+    """llguidance's view of one tokenizer (built once: ~1 s for a 248k vocabulary) and the grammars
+    compiled for it (their matchers kept, `cache` most recent, and copied for each request)."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        end_ids: Sequence[int],
+        think_close: int | None = None,
+        cache: int = 32,
+    ):
+        import llguidance as llg
+
+        self.vocab_size, self.think_close = vocab_size, think_close
+        self.end_ids = tuple(end_ids)
+        try:
+            self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(end_ids))
+        except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions for tokenizers it cannot read
+            raise ValueError(f"structured outputs cannot use this tokenizer: {_one_line(str(e))}") from None
+        self._matcher = functools.lru_cache(maxsize=cache)(self._compile)
+
+    def _compile(self, grammar: str):
+        import llguidance as llg
+
+        m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid structured output: {_one_line(m.get_error())}")
+        return m
+
+    def constraint(self, spec: StructuredOutputs, reasoning: bool = False) -> Constraint:
+        """A request's constraint; reasoning: the output starts inside a `<think>` block (the grammar
+        applies after `</think>`; without that token in the vocabulary it applies from the start)."""
+        matcher = self._matcher(spec.llguidance()).deep_copy()
+        return Constraint(matcher, self.vocab_size, self.end_ids, self.think_close if reasoning else None)
+
+
+class Constraint:
+    """One request's grammar state over the tokens emitted so far (`advance`), and the allowed tokens of
+    the next position (`bitmask`, `allowed`) or of every row of a speculative tree (`tree_bitmasks`)."""
+
+    def __init__(self, matcher, vocab_size: int, end_ids: Sequence[int] = (), think_close: int | None = None):
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.words = bitmask_words(vocab_size)
+        # The end tokens (allowed where the grammar may end) leave the state as it is: the request ends
+        # there, or goes on (ignore_eos) with the grammar where it was, in plain decoding and in a tree alike.
+        self.end_ids = frozenset(end_ids)
+        self.think_close = think_close
+        self.reasoning = think_close is not None  # free text until think_close is emitted
+        self.copies = False  # tree walks copy the matcher per node (it could not roll back: tree_bitmasks)
+
+    def _fill(self, row: torch.Tensor) -> None:
+        if not _mask_into(self.matcher, row, self.words):
+            raise RuntimeError(f"structured output: {_one_line(self.matcher.get_error())}")
+
+    def bitmask(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """[W] int32 (CPU) of the tokens allowed next, into `out` if given; None while reasoning."""
+        if self.reasoning:
+            return None
+        out = torch.empty(self.words, dtype=torch.int32) if out is None else out
+        self._fill(out)
+        return out
+
+    def allowed(self) -> torch.Tensor | None:
+        """[V] bool of the tokens allowed next (None: any token, while reasoning)."""
+        bits = self.bitmask()
+        return None if bits is None else unpack_bitmask(bits, self.vocab_size)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """The tokens were emitted (each one allowed when it was sampled)."""
+        for t in tokens:
+            if self.reasoning:
+                self.reasoning = t != self.think_close
+            elif t not in self.end_ids and self.matcher.try_consume_tokens([int(t)]) != 1:
+                raise RuntimeError(f"structured output: token {t} was emitted but the grammar refuses it")
+
+    def tree_bitmasks(self, tokens: Sequence[int], parent: Sequence[int], out: torch.Tensor) -> list[bool]:
+        """Row i's allowed tokens into out[i] ([R, W] int32, CPU) for the tree's nodes 0..n-1 (node 0: the
+        pending token, already advanced; parent[0] = -1; tokens[i]: node i's token): the state after the
+        drafted tokens on i's path. Returns which rows are masked: not those while reasoning, nor those
+        below a token the grammar refuses (never reached) or where the matcher fails (plain decoding fails
+        there too, should the request ever get there).
+
+        The walk runs on a copy of the request's matcher, depth first: a child's token consumed, its subtree
+        walked, the token rolled back, so a row costs one consume and one mask. llguidance cannot roll back
+        some grammars (max_tokens= / stop= lexemes in Lark): the walk then starts again with a copy of the
+        matcher per node, and keeps to copies for the rest of the request."""
+        n = len(parent)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[parent[i]].append(i)
+        if not self.copies:
+            try:
+                return self._walk(tokens, children, out, copies=False)
+            except _NoRollback:
+                self.copies = True
+        return self._walk(tokens, children, out, copies=True)
+
+    def _walk(self, tokens: Sequence[int], children: list[list[int]], out: torch.Tensor, copies: bool):
+        on = [False] * len(children)
+
+        def visit(i: int, m, reasoning: bool) -> None:
+            if not reasoning:
+                on[i] = _mask_into(m, out[i], self.words)
+                if not on[i]:  # the matcher failed here: no mask, and nothing below
+                    if not copies:
+                        raise _NoRollback
+                    return
+            for c in children[i]:
+                t = int(tokens[c])
+                if reasoning or t in self.end_ids:  # nothing consumed
+                    visit(c, m, reasoning and t != self.think_close)
+                    continue
+                child = m.deep_copy() if copies else m
+                if child.try_consume_tokens([t]) != 1:  # refused: the parent's row never chooses it
+                    if child.is_error() and not copies:
+                        raise _NoRollback
+                    continue
+                visit(c, child, False)
+                if not copies and not m.rollback(1):
+                    raise _NoRollback
+
+        visit(0, self.matcher.deep_copy(), self.reasoning)
+        return on
+
+
+class _NoRollback(Exception):
+    """A tree walk's matcher could not roll back (or failed): walk again with copies."""
+
+
+def _mask_into(matcher, row: torch.Tensor, words: int) -> bool:
+    """The matcher's next-token bitmask into row ([W] int32, CPU); False if the matcher is in error."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
+    return not matcher.is_error()
+
+
+def opens_reasoning(prompt_ids: Sequence[int], think_open: int | None, think_close: int | None) -> bool:
+    """The prompt leaves the model thinking: its last `<think>` token comes after its last `</think>`."""
+    if think_open is None or think_close is None:
+        return False
+    last = {think_open: -1, think_close: -1}
+    for i, t in enumerate(prompt_ids):
+        if t in last:
+            last[t] = i
+    return last[think_open] > last[think_close]

@@ -1,0 +1,317 @@
+"""Structured outputs (lumo.engine.grammar) on the CPU: the specification's checks, the grammar state over
+a tree against each path walked alone, speculative == plain decoding bit for bit under a grammar, and
+`LLM.generate(structured_outputs=...)` on the embedded model."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import pytest
+import torch
+
+from lumo import LLM
+from lumo.config import TreeConfig
+from lumo.engine.decode import PlainDecoder, SpecDecoder
+from lumo.engine.grammar import GrammarCompiler, StructuredOutputs, opens_reasoning, unpack_bitmask
+from lumo.engine.llm import embedded_model_path
+from lumo.engine.sampling import SamplingParams
+from lumo.tokenizer import Tokenizer
+from lumo.weights import load_model
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+SPECS = {
+    "json": StructuredOutputs(json=PERSON),
+    "json_object": StructuredOutputs(json_object=True),
+    "regex": StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2,5}"),
+    "choice": StructuredOutputs(choice=["yes", "no", "maybe not"]),
+    "grammar": StructuredOutputs(grammar='start: "def " NAME "(" ")"\nNAME: /[a-z_]+/'),
+}
+
+
+@functools.cache
+def tok() -> Tokenizer:
+    return Tokenizer.from_dir(embedded_model_path())
+
+
+@functools.cache
+def compiler() -> GrammarCompiler:
+    t = tok()
+    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids, think_close=t.token_to_id("</think>"))
+
+
+@functools.cache
+def llm() -> LLM:
+    return LLM(device="cpu")
+
+
+# ---- the specification ----
+
+
+@pytest.mark.parametrize(
+    "value,msg",
+    [
+        ({}, "exactly one of"),
+        ({"json": PERSON, "regex": "a"}, "json and regex"),
+        ({"jsn": PERSON}, "unknown field"),
+        ("a", "must be a mapping"),
+        ({"json_object": "yes"}, "true or false"),
+    ],
+)
+def test_specification_needs_exactly_one_form(value, msg):
+    with pytest.raises(ValueError, match=msg):
+        StructuredOutputs.of(value)
+
+
+@pytest.mark.parametrize(
+    "spec,msg",
+    [
+        (StructuredOutputs(json="{not json"), "not JSON"),
+        (StructuredOutputs(json=[1]), "is an object"),
+        (StructuredOutputs(json={"type": "nope"}), "invalid structured output"),
+        (StructuredOutputs(regex="[0-9"), "invalid structured output"),
+        (StructuredOutputs(choice=[]), "non-empty list"),
+        (StructuredOutputs(choice="yes"), "non-empty list"),
+        (StructuredOutputs(grammar="start: ("), "invalid structured output"),
+    ],
+)
+def test_bad_grammars_are_one_line_value_errors(spec, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        compiler().constraint(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_opens_reasoning():
+    o, c = 1, 2
+    assert opens_reasoning([5, o, 7], o, c)
+    assert not opens_reasoning([5, o, 7, c, 9], o, c)
+    assert opens_reasoning([o, c, 3, o], o, c)
+    assert not opens_reasoning([5, 6], o, c) and not opens_reasoning([o], o, None)
+
+
+# ---- the grammar state ----
+
+
+def test_mask_follows_the_grammar():
+    """The choice grammar allows exactly the tokens that begin a choice, then only what continues it,
+    then only the end tokens (both of the model's)."""
+    con = compiler().constraint(SPECS["choice"])
+    first = con.allowed()
+    for word in ("yes", "no", "maybe not"):
+        assert first[tok().encode(word)[0]]
+    assert not first[tok().encode("x")[0]]
+    con.advance(tok().encode("yes"))
+    end = con.allowed()
+    assert set(torch.nonzero(end).flatten().tolist()) == set(tok().eos_token_ids)
+    with pytest.raises(RuntimeError, match="refuses"):
+        con.advance(tok().encode("x"))
+
+
+def _random_tree(gen: torch.Generator, n: int, pool: list[int]) -> tuple[list[int], list[int]]:
+    parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    tokens = [pool[int(torch.randint(0, len(pool), (1,), generator=gen))] for _ in range(n)]
+    return tokens, parent
+
+
+# Lark lexemes with max_tokens= / stop=: llguidance cannot roll their matcher back (tree walks copy it)
+NO_ROLLBACK = StructuredOutputs(grammar='start: "x" word ":" NUM\nword[stop=" "]: /[a-z ]+/\nNUM: /[0-9]+/')
+CAPPED = StructuredOutputs(grammar='start: "x" word\nword[max_tokens=4]: /[a-z0-9 ]+/')
+
+
+@pytest.mark.parametrize(
+    "spec,committed,text,reasoning",
+    [
+        (SPECS["json"], '{"name":"A', '{"name":"Ann","age":42} x', False),
+        (SPECS["json"], "hmm", '{"name":"Ann","age":42} x', True),
+        (NO_ROLLBACK, "x", "ab cd :12 x", False),
+        (CAPPED, "x", "ab cd 12 z", False),
+    ],
+    ids=["json", "json-after-reasoning", "lark-stop", "lark-max-tokens"],
+)
+def test_tree_bitmasks_equal_each_path_walked_alone(spec, committed, text, reasoning):
+    """Every live row's mask is the mask a fresh constraint has after the committed tokens and that row's
+    path; rows below a refused token (or still reasoning) are unmasked; the request's matcher is left as
+    it was. Random trees over the tokens of a text, end and think tokens among them; also grammars whose
+    matcher cannot roll back."""
+    t = tok()
+    committed = t.encode(committed)
+    think_close = t.token_to_id("</think>")
+    pool = sorted({*t.encode(text), think_close, *t.eos_token_ids})
+    gen = torch.Generator().manual_seed(0)
+    live_rows, copied = 0, False
+    for _ in range(40):
+        con = compiler().constraint(spec, reasoning=reasoning)
+        con.advance(committed)
+        before = con.bitmask()
+        tokens, parent = _random_tree(gen, 24, pool)
+        bits = torch.zeros(24, con.words, dtype=torch.int32)
+        on = con.tree_bitmasks(tokens, parent, bits)
+        assert before is None or torch.equal(con.bitmask(), before)  # the matcher is back where it was
+        for i in range(24):
+            path, j = [], i
+            while j > 0:
+                path.append(tokens[j])
+                j = parent[j]
+            alone = compiler().constraint(spec, reasoning=reasoning)
+            alone.advance(committed)
+            try:
+                alone.advance(path[::-1])
+            except RuntimeError:  # a refused token on the path: the row is never reached
+                assert not on[i]
+                continue
+            want = alone.bitmask()
+            assert on[i] == (want is not None), i
+            if want is not None:
+                assert torch.equal(bits[i], want), i
+                live_rows += 1
+        copied = copied or con.copies
+    assert live_rows > 40  # the trees reach deep enough into the grammar to test something
+    assert copied == (spec is NO_ROLLBACK or spec is CAPPED)  # the walk fell back to copies for those
+
+
+def test_end_tokens_leave_the_state_alone():
+    """An end token (allowed where the grammar may end) does not move the grammar: a request that goes on
+    after it (ignore_eos) is masked as before it, in a tree and in plain decoding alike."""
+    con = compiler().constraint(SPECS["regex"])
+    con.advance(tok().encode("123-ab"))
+    before = con.bitmask()
+    eos = tok().eos_token_ids[0]
+    assert unpack_bitmask(before, 3072)[eos]
+    con.advance([eos])
+    assert torch.equal(con.bitmask(), before)
+
+
+# ---- decoding under a grammar: speculative == plain ----
+
+
+@functools.cache
+def embedded32():
+    return load_model(embedded_model_path(), device="cpu", dtype=torch.float32, progress=False)
+
+
+def _decode(decoder, spec: StructuredOutputs, prompt: list[int], n: int) -> tuple[list[int], list]:
+    """Tokens (to the first end token, or n or a few more) and their logprobs if the decoder gives any."""
+    decoder.constraint = compiler().constraint(spec)
+    out = decoder.prefill(prompt)
+    lps = list(decoder.last_logprobs)
+    while len(out) < n and not set(out) & set(tok().eos_token_ids):
+        out += decoder.step()
+        lps += decoder.last_logprobs
+    return out, lps
+
+
+@pytest.mark.parametrize("form", ["json", "regex", "grammar", "lark-stop"])
+@pytest.mark.parametrize(
+    "tree",
+    [TreeConfig(depth=5, topk=3, budget=12, rows=16), TreeConfig(depth=4, topk=1, budget=4, rows=8)],
+    ids=["tree", "chain"],
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
+def test_speculative_equals_plain_under_a_grammar(form, tree, temperature):
+    """Tree and chain speculation emit plain decoding's tokens under each grammar, with its logprobs
+    (the masked rows'), and the text follows the grammar."""
+    cfg, w = embedded32()
+    params = SamplingParams(temperature=temperature, top_k=40, seed=11)
+    prompt = tok().encode("Here is the record:\n")
+    plain = PlainDecoder(cfg, w, params, 160, "cpu", torch.float32)
+    spec = SpecDecoder(cfg, w, params, 160, "cpu", torch.float32, tree)
+    plain.logprobs = spec.logprobs = 2
+    so = NO_ROLLBACK if form == "lark-stop" else SPECS[form]
+    got, got_lp = _decode(spec, so, prompt, 48)
+    want, want_lp = _decode(plain, so, prompt, len(got))
+    assert got[: len(want)] == want and got_lp[: len(want)] == want_lp
+    assert spec.stats.events > 0 and sum(spec.stats.accepted) > 0  # drafts accepted under the grammar
+    text = tok().decode([t for t in want if t not in tok().eos_token_ids])
+    if set(want) & set(tok().eos_token_ids):  # the grammar ended the output: it matches it whole
+        if form == "json":
+            assert set(json.loads(text)) == {"name", "age"}
+        elif form == "regex":
+            assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", text)
+        elif form == "grammar":
+            assert re.fullmatch(r"def [a-z_]+\(\)", text)
+
+
+def test_tree_rows_are_masked_with_their_paths():
+    """A mutant masking every row with the root's state (not its path's) parts from plain decoding: the
+    test above would catch it."""
+    cfg, w = embedded32()
+    params = SamplingParams(temperature=0.0)
+    prompt = tok().encode("Here is the record:\n")
+    plain = PlainDecoder(cfg, w, params, 160, "cpu", torch.float32)
+    want, _ = _decode(plain, SPECS["json"], prompt, 40)
+    spec = SpecDecoder(
+        cfg, w, params, 160, "cpu", torch.float32, TreeConfig(depth=5, topk=3, budget=12, rows=16)
+    )
+    spec.constraint = compiler().constraint(SPECS["json"])
+    real = spec.constraint.tree_bitmasks
+
+    def root_only(tokens, parent, out):
+        on = real(tokens, parent, out)
+        out[1:] = out[0]
+        return on
+
+    spec.constraint.tree_bitmasks = root_only
+    got = spec.prefill(prompt)
+    try:
+        while len(got) < len(want):
+            got += spec.step()
+    except RuntimeError as e:  # it emitted a token the grammar refuses
+        assert "refuses" in str(e)
+        return
+    assert got[: len(want)] != want
+
+
+# ---- LLM ----
+
+
+def test_llm_generates_json_of_the_schema():
+    r = llm().generate("A person:", max_tokens=80, temperature=0, structured_outputs={"json": PERSON})
+    assert r.finish_reason == "stop"
+    assert set(json.loads(r.text)) == {"name", "age"}
+
+
+def test_llm_choice_and_regex():
+    r = llm().generate(
+        "Answer:", max_tokens=10, temperature=0.9, seed=3, structured_outputs={"choice": ["yes", "no"]}
+    )
+    assert r.text in ("yes", "no") and r.finish_reason == "stop"
+    r = llm().generate(
+        "Code:", max_tokens=20, structured_outputs=StructuredOutputs(regex=r"[A-Z]{2}[0-9]{2}")
+    )
+    assert re.fullmatch(r"[A-Z]{2}[0-9]{2}", r.text)
+
+
+def test_llm_grammar_starts_after_the_reasoning():
+    """A prompt ending in `<think>`: the reasoning is free text (here cut short by a bias on `</think>`,
+    which the grammar's mask then keeps out), the answer after it follows the grammar."""
+    t = tok()
+    close = t.token_to_id("</think>")
+    prompt = t.encode("Question: yes or no?\n") + [t.token_to_id("<think>")]
+    bias = {close: 100.0}
+    r = llm().generate(
+        prompt, max_tokens=12, temperature=0, logit_bias=bias, structured_outputs={"choice": ["yes", "no"]}
+    )
+    assert r.token_ids[0] == close
+    assert t.decode(r.token_ids[1:]) in ("yes", "no") and r.finish_reason == "stop"
+    # without the open think block the grammar applies from the first token: `</think>` is refused
+    r = llm().generate(
+        "Question:",
+        max_tokens=12,
+        temperature=0,
+        logit_bias=bias,
+        structured_outputs={"choice": ["yes", "no"]},
+    )
+    assert close not in r.token_ids and r.text in ("yes", "no")
+
+
+def test_llm_refuses_what_cannot_work():
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm().generate("x", max_tokens=8, min_tokens=2, structured_outputs={"json_object": True})
+    with pytest.raises(ValueError, match="invalid structured output"):
+        llm().generate("x", max_tokens=8, structured_outputs={"regex": "(("})
