@@ -194,6 +194,13 @@ class Tokenizer:
     def token_to_id(self, s: str) -> int | None:
         return self._tok.token_to_id(s)
 
+    def _template_name(self, tools: bool) -> str:
+        return "tool_use" if tools and "tool_use" in self._templates else "default"
+
+    def chat_template_source(self, tools: bool = False) -> str | None:
+        """The jinja source apply_chat_template renders with (with tools or without), None if none."""
+        return self._templates.get(self._template_name(tools))
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what llguidance reads: lumo.engine.grammar)."""
         return self._tok.to_str()
@@ -261,7 +268,7 @@ class Tokenizer:
             if at >= 0 and text.count(_CONTINUE_MARK) == 1:  # where the (rendered) content ended
                 return text[:at]
             return _cut_after_final(self.apply_chat_template(messages, tools, False, **kwargs), final)
-        name = "tool_use" if tools and "tool_use" in self._templates else "default"
+        name = self._template_name(bool(tools))
         source = self._templates.get(name)
         if source is None:
             if not self._templates:

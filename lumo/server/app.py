@@ -22,7 +22,15 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..tokenizer import IncrementalDetokenizer, TokenizerError
-from .chat import continued_text, delta_json, finish_reason, message_json, opens_reasoning, render_prompt
+from .chat import (
+    continued_text,
+    delta_json,
+    finish_reason,
+    forced_tool_calls,
+    message_json,
+    opens_reasoning,
+    render_prompt,
+)
 from .errors import APIError, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
@@ -71,13 +79,6 @@ def _check_min_tokens(body: Any, budget: int) -> None:
     included), as a 400 naming it rather than the engine's error."""
     if body.min_tokens and body.min_tokens > budget:
         msg = f"min_tokens {body.min_tokens} exceeds the {budget} tokens this request may generate"
-        raise APIError(400, msg, "min_tokens")
-
-
-def _check_structured_min_tokens(body: Any) -> None:
-    if body.min_tokens and body.structured() is not None:
-        # the grammar may allow only the end token before min_tokens, which the ban refuses
-        msg = f"min_tokens cannot be combined with {body.structured_field}"
         raise APIError(400, msg, "min_tokens")
 
 
@@ -294,20 +295,34 @@ class _Server:
         except TokenizerError as e:
             raise APIError(400, str(e), param) from None
 
-    async def _check_structured(self, body: Any, prompt_ids: list[int]) -> None:
-        """A structured output's grammar compiles for this tokenizer (else a 400 naming the field) before
-        the request is queued, off the event loop (a large schema takes up to a second)."""
-        structured = body.structured()
+    async def _structured(self, body: Any, prompt_ids: list[int]) -> dict[str, Any]:
+        """The request's structured output as generate_stream's keyword ({}: none): its own field's, or the
+        tool calls a chat request's tool_choice forces (chat.forced_tool_calls). Its grammar is compiled
+        for this tokenizer before the request is queued (else a 400 naming the field), off the event loop
+        (a large schema takes up to a second)."""
+        structured, field = body.structured(), body.structured_field
+        forced = (
+            forced_tool_calls(self.llm.tokenizer, body) if isinstance(body, ChatCompletionRequest) else None
+        )
+        if forced is not None:
+            if structured is not None:
+                msg = f"a tool_choice that forces a call cannot be combined with {field}"
+                raise APIError(400, msg, "tool_choice")
+            structured, field = forced, "tool_choice"
         if structured is None:
-            return
-        _check_structured_min_tokens(body)
+            return {}
+        if (
+            body.min_tokens
+        ):  # the grammar may allow only the end token before min_tokens, which the ban refuses
+            raise APIError(400, f"min_tokens cannot be combined with {field}", "min_tokens")
         make = getattr(self.llm, "constraint", None)
         if make is None:
-            raise APIError(400, "this engine serves no structured outputs", body.structured_field)
+            raise APIError(400, "this engine serves no structured outputs", field)
         try:
             await asyncio.to_thread(make, structured, prompt_ids)
         except ValueError as e:
-            raise APIError(400, str(e), body.structured_field) from None
+            raise APIError(400, str(e), field) from None
+        return {"structured_outputs": structured}
 
     def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> Job:
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
@@ -366,7 +381,7 @@ class _Server:
             budget = self._budget(len(ids), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
             _check_min_tokens(body, budget)
             if i == 0:  # the grammar is the same for every prompt
-                await self._check_structured(body, ids)
+                structured = await self._structured(body, ids)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tok.decode(ids)
@@ -377,7 +392,7 @@ class _Server:
             """Choice c's job (prompt c // n, its choice c % n), queued when its turn comes: a request holds
             one place in the queue at a time."""
             ids, budget, echo = items[c // n]
-            job = self._submit(ids, budget, {**body.sampling(c % n), **by_id})
+            job = self._submit(ids, budget, {**body.sampling(c % n), **by_id, **structured})
             return _CompletionOutput(tok, job, ids, echo, score_only)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -447,13 +462,13 @@ class _Server:
         prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
         _check_min_tokens(body, max_tokens)
-        await self._check_structured(body, prompt_ids)
+        structured = await self._structured(body, prompt_ids)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         continued = continued_text(body)
 
         def start(j: int) -> tuple[Job, ChatOutputParser]:
             """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
-            job = self._submit(prompt_ids, max_tokens, {**body.sampling(j), **by_id})
+            job = self._submit(prompt_ids, max_tokens, {**body.sampling(j), **by_id, **structured})
             parser = ChatOutputParser(
                 in_reasoning=opens_reasoning(prompt, continued),
                 parse_tools=body.parse_tools,
@@ -499,7 +514,7 @@ class _Server:
         prompt_ids = await self._encode(prompt, "input")
         try:
             max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
-            await self._check_structured(chat, prompt_ids)
+            structured = await self._structured(chat, prompt_ids)
         except APIError as e:  # the chat field's name -> the Responses one
             e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
             raise
@@ -510,7 +525,7 @@ class _Server:
         build = ResponseBuilder(response_head(body, self.served_name))
 
         def submit() -> Job:
-            return self._submit(prompt_ids, max_tokens, {**chat.sampling(0), **by_id})
+            return self._submit(prompt_ids, max_tokens, {**chat.sampling(0), **by_id, **structured})
 
         def result(job: Job, n_gen: int, reason: str | None, reasoning: str) -> tuple[str, dict]:
             """The terminal status and response after the last item closed."""

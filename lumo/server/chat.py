@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..engine.grammar import StructuredOutputs
 from ..tokenizer import TokenizerError
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from .toolparse import THINK_CLOSE, THINK_OPEN, ParsedDelta, ToolCall, ToolCallPiece
+from .toolparse import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, ParsedDelta, ToolCall, ToolCallPiece
 
 
 def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
@@ -62,6 +63,60 @@ def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
             for c in m.tool_calls
         ]
     return out
+
+
+def forced_tool_calls(tokenizer: Any, req: ChatCompletionRequest) -> StructuredOutputs | None:
+    """tool_choice "required" or a named function, enforced as a grammar (vLLM enforces both with its
+    structured outputs): the output after any reasoning is one tool call of an allowed function, or several
+    (one per line) unless parallel_tool_calls is false, in the form the chat template teaches: Qwen3-coder /
+    Qwen3.5's XML when the template mentions `<function=`, Qwen3's JSON otherwise. A JSON call's arguments
+    follow the tool's parameters schema (json.dumps' separators, as the templates write calls); an XML call's
+    parameter names are the schema's properties (any name where it lists none), their values free text up
+    to `</parameter>`. None for "auto", "none" or no tool_choice."""
+    choice = req.tool_choice
+    if not (choice == "required" or isinstance(choice, NamedToolChoice)):
+        return None
+    functions = [t.function for t in req.tools or []]
+    if isinstance(choice, NamedToolChoice):
+        functions = [f for f in functions if f.name == choice.function.get("name")]
+    source = tokenizer.chat_template_source(tools=True) or ""
+    rules = _xml_call_rules(functions) if "<function=" in source else _json_call_rules(functions)
+    opening, closing = (_lark_tag(tokenizer, tag) for tag in (TOOL_OPEN, TOOL_CLOSE))
+    start = "start: call" if req.parallel_tool_calls is False else 'start: call ("\\n" call)*'
+    call = f'call: {opening} "\\n" body "\\n" {closing}'
+    return StructuredOutputs(grammar="\n".join([start, call, *rules]))
+
+
+def _lark_tag(tokenizer: Any, tag: str) -> str:
+    """A tag in llguidance's Lark: its token (`<[id]>`) when the vocabulary has it as one (Qwen's added
+    `<tool_call>` tokens: a text literal would have to spell it in ordinary tokens), else its text."""
+    i = tokenizer.token_to_id(tag)
+    return f"<[{i}]>" if i is not None else json.dumps(tag)
+
+
+def _json_call_rules(functions: list) -> list[str]:
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": f.parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+    return ["body: %json " + json.dumps({"anyOf": calls, "x-guidance": options})]
+
+
+def _xml_call_rules(functions: list) -> list[str]:
+    rules = ['body: "<function=" (' + " | ".join(f"f{i}" for i in range(len(functions))) + ') "</function>"']
+    for i, f in enumerate(functions):
+        rules.append(f"f{i}: {json.dumps(f.name + '>' + chr(10))} p{i}*")
+        props = list((f.parameters or {}).get("properties") or {})
+        names = " | ".join(json.dumps(p) for p in props) if props else "/[^>\\n]+/"
+        rules.append(f'p{i}: "<parameter=" ({names}) ">\\n" value')
+    rules.append("value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
+    return rules
 
 
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:

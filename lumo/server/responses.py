@@ -76,6 +76,7 @@ class ResponsesRequest(BaseModel):
             "messages": messages,
             "tools": [_chat_tool(i, t) for i, t in enumerate(self.tools or [])] or None,
             "tool_choice": _chat_tool_choice(self.tool_choice),
+            "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": None if kind == "text" else response_format,
             # vLLM's structured-output fields, sent as extras (the Responses API has none of its own)
             **{name: (self.model_extra or {}).get(name) for name in ("structured_outputs", *GUIDED)},

@@ -1,0 +1,175 @@
+"""tool_choice "required" / a named function, enforced by a grammar (lumo.server.chat.forced_tool_calls):
+the grammar in both tool-call forms against texts it must take and refuse, then over HTTP on the embedded
+model: the reply is a call of the allowed function, its arguments the tool's schema."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
+
+import openai
+
+from lumo import LLM
+from lumo.engine.grammar import GrammarCompiler
+from lumo.engine.llm import embedded_model_path
+from lumo.server.chat import forced_tool_calls
+from lumo.server.protocol import ChatCompletionRequest
+from lumo.server.testing import serve_in_thread
+from lumo.tokenizer import Tokenizer
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class _Tok:
+    """The embedded tokenizer with its template said to be in the JSON or the XML form."""
+
+    def __init__(self, form: str):
+        self.tok, self.form = Tokenizer.from_dir(embedded_model_path()), form
+
+    def chat_template_source(self, tools: bool = False) -> str:
+        return "... <function=NAME> ..." if self.form == "xml" else "... <tool_call> ..."
+
+    def token_to_id(self, s: str) -> int | None:
+        return self.tok.token_to_id(s)
+
+
+@functools.cache
+def compiler() -> GrammarCompiler:
+    t = Tokenizer.from_dir(embedded_model_path())
+    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids)
+
+
+def _takes(form: str, req: dict, text: str) -> bool:
+    """The forced grammar takes `text` whole (then only an end token may follow)."""
+    spec = forced_tool_calls(_Tok(form), ChatCompletionRequest.model_validate(req))
+    con = compiler().constraint(spec)
+    try:
+        con.advance(Tokenizer.from_dir(embedded_model_path()).encode(text))
+    except RuntimeError:
+        return False
+    return con.matcher.is_accepting()
+
+
+def _json(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def _xml(name: str, args: dict) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("form,call", [("json", _json), ("xml", _xml)])
+def test_forced_grammar_in_both_forms(form, call):
+    required = {"messages": USER, "tools": [WEATHER, TIME], "tool_choice": "required"}
+    named = {**required, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    one = {**required, "parallel_tool_calls": False}
+    paris, oslo = call("get_weather", {"city": "Paris"}), call("get_weather", {"city": "Oslo", "days": 3})
+    assert _takes(form, required, paris) and _takes(form, required, call("get_time", {}))
+    assert _takes(form, required, paris + "\n" + oslo)  # parallel calls, one per line
+    assert not _takes(form, one, paris + "\n" + oslo) and _takes(form, one, paris)
+    assert _takes(form, named, call("get_time", {})) and not _takes(form, named, paris)
+    assert not _takes(form, required, "Sure! " + paris)  # no text instead of or before the call
+    assert not _takes(form, required, call("get_wether", {"city": "Paris"}))
+    assert not _takes(form, required, call("get_weather", {"town": "Paris"}))  # a parameter not in the schema
+    if form == "json":  # the arguments follow the schema (XML values are free text, typed by the parser)
+        assert not _takes(form, required, call("get_weather", {"city": "Rome"}))
+    else:
+        assert _takes(form, required, call("get_weather", {"city": "Rome </param> still the value"}))
+    assert (
+        forced_tool_calls(
+            _Tok(form), ChatCompletionRequest.model_validate({**required, "tool_choice": "auto"})
+        )
+        is None
+    )
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = LLM(device="cpu")
+    with serve_in_thread(llm) as url:
+        yield llm, openai.OpenAI(base_url=url + "/v1", api_key="x")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "choice,name",
+    [("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")],
+    ids=["required", "named"],
+)
+def test_forced_tool_calls_over_http(served, stream, choice, name):
+    """The embedded model, which would rather write code, answers with a call of an allowed function
+    whose arguments parse against the tool's schema (greedy and sampled). One call: the model never learnt
+    to stop after its calls, and with parallel calls allowed it goes on calling to max_tokens."""
+    _, client = served
+    kw = dict(model="lumo-tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=64)
+    kw["parallel_tool_calls"] = False
+    for temperature in (0.0, 0.9):
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, temperature=temperature, seed=2, stream=True))
+            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+            names = [t.function.name for t in calls if t.function.name]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert names and finish == ["tool_calls"], chunks
+        else:
+            r = client.chat.completions.create(**kw, temperature=temperature, seed=2)
+            assert r.choices[0].finish_reason == "tool_calls", r
+            calls = r.choices[0].message.tool_calls
+            names = [c.function.name for c in calls]
+            for c in calls:
+                args = json.loads(c.function.arguments)
+                if c.function.name == "get_weather":
+                    assert args["city"] in ("Paris", "Oslo")
+        assert set(names) <= ({name} if name else {"get_weather", "get_time"})
+
+
+def test_forced_tool_calls_refuse_a_second_format(served):
+    _, client = served
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(
+            model="lumo-tiny",
+            messages=USER,
+            tools=[WEATHER],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+
+
+def test_responses_tool_choice_required(served):
+    """The Responses API's tool_choice goes through the same grammar: a function_call item."""
+    _, client = served
+    fn = WEATHER["function"]
+    r = client.responses.create(
+        model="lumo-tiny",
+        input="Weather in Paris?",
+        tools=[{"type": "function", "name": fn["name"], "parameters": fn["parameters"]}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+        temperature=0,
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert [c.name for c in calls] == ["get_weather"] and json.loads(calls[0].arguments)["city"] in (
+        "Paris",
+        "Oslo",
+    )
