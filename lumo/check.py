@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .config import FULL
+from .engine.grammar import StructuredOutputs
 from .engine.sampling import SamplingParams
 
 CHECK_PROMPTS = ["def fibonacci(n):\n", "The capital of France is", "import os\nimport sys\n\n"]
@@ -125,26 +126,47 @@ def generate(llm, tokens: int) -> str:
     return f"{len(r.token_ids)} tokens, first after {r.prefill_seconds * 1e3:.0f} ms, {rate:.1f} tokens/s"
 
 
+# A JSON grammar that keeps the check's tokens inside it (an object closed early leaves only end tokens)
+LONG_JSON = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": 64}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+def exactness_settings(i: int, bias: tuple) -> list[tuple[SamplingParams, StructuredOutputs | None]]:
+    """spec_equals_plain's settings for prompt i (a logit bias of two of its tokens)."""
+    return [
+        (SamplingParams(temperature=0.0), None),
+        (SamplingParams(temperature=0.8, top_p=0.95, seed=i), None),
+        (
+            SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=i, presence_penalty=1.5, min_p=0.02),
+            None,
+        ),
+        (SamplingParams(temperature=0.0, logit_bias=bias), None),
+        (SamplingParams(temperature=0.8, seed=i), StructuredOutputs(json=LONG_JSON)),
+    ]
+
+
 @torch.inference_mode()
 def spec_equals_plain(llm, tokens: int) -> str:
     """Speculative and plain decoders on the same weights emit the same tokens (greedy, seeded, seeded
-    with Qwen's recommended presence penalty and min-p: a verify row's penalties see its drafted path, and
-    greedy under a logit bias on two of the prompt's tokens)."""
+    with Qwen's recommended presence penalty and min-p: a verify row's penalties see its drafted path,
+    greedy under a logit bias on two of the prompt's tokens, and seeded under a JSON grammar: each verify
+    row masked with its path's grammar state)."""
     if llm.spec == "off":
         raise SkipCheck("speculative decoding is off (no MTP head, or --spec off)")
     events, accepted = 0, 0
     for i, prompt in enumerate(CHECK_PROMPTS):
         ids = llm.tokenizer.encode(prompt)
         bias = tuple(sorted({ids[len(ids) // 2]: 3.0, ids[-1]: -100.0}.items()))
-        for params in (
-            SamplingParams(temperature=0.0),
-            SamplingParams(temperature=0.8, top_p=0.95, seed=i),
-            SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=i, presence_penalty=1.5, min_p=0.02),
-            SamplingParams(temperature=0.0, logit_bias=bias),
-        ):
+        for params, structured in exactness_settings(i, bias):
             got = []
             for spec in ("off", llm.spec):  # events only: adaptive plain steps would test plain decoding
                 dec = llm.decoder(params, len(ids) + tokens + 64, spec=spec, adaptive=False)
+                if structured is not None:
+                    dec.constraint = llm.constraint(structured, ids)
                 out = dec.prefill(ids)
                 while len(out) < tokens:
                     out += dec.step()
@@ -159,7 +181,7 @@ def spec_equals_plain(llm, tokens: int) -> str:
             if stats.events == 0:
                 raise RuntimeError(f"no speculative event ran for prompt {prompt!r}")
             events, accepted = events + stats.events, accepted + sum(stats.accepted)
-    n = len(CHECK_PROMPTS) * 4
+    n = len(CHECK_PROMPTS) * len(exactness_settings(0, ()))
     mean = accepted / events if events else 0.0
     return f"{n} requests x {tokens} tokens identical to plain decoding ({mean:.2f} accepted drafts/event)"
 

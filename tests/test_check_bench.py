@@ -30,7 +30,7 @@ def test_check_a_tiny_checkpoint_with_speculation(tmp_path):
     lines = dict(
         line.split("] ", 1)[1].split(": ", 1) for line in r.stdout.splitlines() if line.startswith("[")
     )
-    assert "identical to plain decoding" in lines["exactness"]
+    assert "15 requests" in lines["exactness"] and "identical to plain decoding" in lines["exactness"]
     assert "of the fp32 CPU model" in lines["reference"]
     assert "4 layers" in lines["model"] and "speculation tree" in lines["model"]
     assert r.stdout.strip().splitlines()[-1] == "lumo check: 5 ok, 0 failed, 1 skipped"

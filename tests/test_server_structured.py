@@ -33,6 +33,14 @@ def served():
         yield llm, url
 
 
+def _chat(url: str, content: str, **kw):
+    """A chat completion of one user message through the official client."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    return client.chat.completions.create(
+        model="lumo-tiny", messages=[{"role": "user", "content": content}], **kw
+    )
+
+
 def _chat_prompt(llm: LLM, content: str) -> str:
     return llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True
@@ -41,15 +49,8 @@ def _chat_prompt(llm: LLM, content: str) -> str:
 
 def test_chat_json_schema_equals_llm(served):
     llm, url = served
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    r = client.chat.completions.create(
-        model="lumo-tiny",
-        messages=[{"role": "user", "content": "Describe a person."}],
-        response_format=fmt,
-        max_tokens=60,
-        temperature=0,
-    )
+    r = _chat(url, "Describe a person.", response_format=fmt, max_tokens=60, temperature=0)
     text = r.choices[0].message.content
     want = llm.generate(
         _chat_prompt(llm, "Describe a person."),
@@ -66,15 +67,9 @@ def test_chat_json_schema_equals_llm(served):
 
 def test_chat_json_object_streamed(served):
     llm, url = served
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
-    stream = client.chat.completions.create(
-        model="lumo-tiny",
-        messages=[{"role": "user", "content": "Some JSON please."}],
-        response_format={"type": "json_object"},
-        max_tokens=40,
-        temperature=0.7,
-        seed=5,
-        stream=True,
+    fmt = {"type": "json_object"}
+    stream = _chat(
+        url, "Some JSON please.", response_format=fmt, max_tokens=40, temperature=0.7, seed=5, stream=True
     )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     want = llm.generate(
@@ -192,15 +187,10 @@ def test_text_response_format_beside_a_vllm_field(served):
     """response_format text asks for nothing (clients send it by default): beside guided_choice the choice
     applies; vLLM's fields reach the Responses API as extras."""
     llm, url = served
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
-    r = client.chat.completions.create(
-        model="lumo-tiny",
-        messages=[{"role": "user", "content": "Colour?"}],
-        response_format={"type": "text"},
-        extra_body={"guided_choice": ["red", "green"]},
-        max_tokens=8,
-    )
+    choice = {"guided_choice": ["red", "green"]}
+    r = _chat(url, "Colour?", response_format={"type": "text"}, extra_body=choice, max_tokens=8)
     assert r.choices[0].message.content in ("red", "green")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
     r = client.responses.create(
         model="lumo-tiny",
         input="Colour?",

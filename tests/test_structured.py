@@ -14,7 +14,15 @@ import torch
 from lumo import LLM
 from lumo.config import TreeConfig
 from lumo.engine.decode import PlainDecoder, SpecDecoder
-from lumo.engine.grammar import GrammarCompiler, StructuredOutputs, opens_reasoning, unpack_bitmask
+from lumo.engine.grammar import (
+    ANSWER,
+    MAY_THINK,
+    THINKING,
+    GrammarCompiler,
+    StructuredOutputs,
+    reasoning_start,
+    unpack_bitmask,
+)
 from lumo.engine.llm import embedded_model_path
 from lumo.engine.sampling import SamplingParams
 from lumo.tokenizer import Tokenizer
@@ -43,7 +51,9 @@ def tok() -> Tokenizer:
 @functools.cache
 def compiler() -> GrammarCompiler:
     t = tok()
-    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids, think_close=t.token_to_id("</think>"))
+    return GrammarCompiler(
+        t.to_json(), 3072, t.eos_token_ids, think=(t.token_to_id("<think>"), t.token_to_id("</think>"))
+    )
 
 
 @functools.cache
@@ -87,12 +97,12 @@ def test_bad_grammars_are_one_line_value_errors(spec, msg):
     assert "\n" not in str(e.value)
 
 
-def test_opens_reasoning():
+def test_reasoning_start():
     o, c = 1, 2
-    assert opens_reasoning([5, o, 7], o, c)
-    assert not opens_reasoning([5, o, 7, c, 9], o, c)
-    assert opens_reasoning([o, c, 3, o], o, c)
-    assert not opens_reasoning([5, 6], o, c) and not opens_reasoning([o], o, None)
+    assert reasoning_start([5, o, 7], o, c) == THINKING and reasoning_start([o, c, 3, o], o, c) == THINKING
+    assert reasoning_start([5, o, 7, c, 9], o, c) == ANSWER  # a closed block: thinking off
+    assert reasoning_start([5, 6], o, c) == MAY_THINK  # no tags: the model may open one itself
+    assert reasoning_start([o], o, None) == ANSWER  # no such tokens
 
 
 # ---- the grammar state ----
@@ -125,28 +135,30 @@ CAPPED = StructuredOutputs(grammar='start: "x" word\nword[max_tokens=4]: /[a-z0-
 
 
 @pytest.mark.parametrize(
-    "spec,committed,text,reasoning",
+    "spec,committed,text,start",
     [
-        (SPECS["json"], '{"name":"A', '{"name":"Ann","age":42} x', False),
-        (SPECS["json"], "hmm", '{"name":"Ann","age":42} x', True),
-        (NO_ROLLBACK, "x", "ab cd :12 x", False),
-        (CAPPED, "x", "ab cd 12 z", False),
+        (SPECS["json"], '{"name":"A', '{"name":"Ann","age":42} x', ANSWER),
+        (SPECS["json"], "hmm", '{"name":"Ann","age":42} x', THINKING),
+        (SPECS["json"], "", '{"name":"Ann","age":42} x', MAY_THINK),
+        (NO_ROLLBACK, "x", "ab cd :12 x", ANSWER),
+        (CAPPED, "x", "ab cd 12 z", ANSWER),
     ],
-    ids=["json", "json-after-reasoning", "lark-stop", "lark-max-tokens"],
+    ids=["json", "json-after-reasoning", "json-may-think", "lark-stop", "lark-max-tokens"],
 )
-def test_tree_bitmasks_equal_each_path_walked_alone(spec, committed, text, reasoning):
+def test_tree_bitmasks_equal_each_path_walked_alone(spec, committed, text, start):
     """Every live row's mask is the mask a fresh constraint has after the committed tokens and that row's
     path; rows below a refused token (or still reasoning) are unmasked; the request's matcher is left as
     it was. Random trees over the tokens of a text, end and think tokens among them; also grammars whose
     matcher cannot roll back."""
     t = tok()
-    committed = t.encode(committed)
-    think_close = t.token_to_id("</think>")
-    pool = sorted({*t.encode(text), think_close, *t.eos_token_ids})
+    committed = t.encode(committed) if committed else []
+    think = t.token_to_id("<think>"), t.token_to_id("</think>")
+    prompt = {ANSWER: [*think], THINKING: [think[0]], MAY_THINK: []}[start]
+    pool = sorted({*t.encode(text), *think, *t.eos_token_ids})
     gen = torch.Generator().manual_seed(0)
     live_rows, copied = 0, False
     for _ in range(40):
-        con = compiler().constraint(spec, reasoning=reasoning)
+        con = compiler().constraint(spec, prompt)
         con.advance(committed)
         before = con.bitmask()
         tokens, parent = _random_tree(gen, 24, pool)
@@ -158,7 +170,7 @@ def test_tree_bitmasks_equal_each_path_walked_alone(spec, committed, text, reaso
             while j > 0:
                 path.append(tokens[j])
                 j = parent[j]
-            alone = compiler().constraint(spec, reasoning=reasoning)
+            alone = compiler().constraint(spec, prompt)
             alone.advance(committed)
             try:
                 alone.advance(path[::-1])

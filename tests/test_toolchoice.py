@@ -56,13 +56,15 @@ class _Tok:
 @functools.cache
 def compiler() -> GrammarCompiler:
     t = Tokenizer.from_dir(embedded_model_path())
-    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids)
+    think = t.token_to_id("<think>"), t.token_to_id("</think>")
+    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids, think=think)
 
 
-def _takes(form: str, req: dict, text: str) -> bool:
-    """The forced grammar takes `text` whole (then only an end token may follow)."""
+def _takes(form: str, req: dict, text: str, prompt: tuple[int, ...] = (3068, 3069)) -> bool:
+    """The forced grammar takes `text` whole (then only an end token may follow); the prompt's think tags
+    say where the output starts (default: a closed block, the grammar from the first token)."""
     spec = forced_tool_calls(_Tok(form), ChatCompletionRequest.model_validate(req))
-    con = compiler().constraint(spec)
+    con = compiler().constraint(spec, prompt)
     try:
         con.advance(Tokenizer.from_dir(embedded_model_path()).encode(text))
     except RuntimeError:
@@ -96,12 +98,58 @@ def test_forced_grammar_in_both_forms(form, call):
         assert not _takes(form, required, call("get_weather", {"city": "Rome"}))
     else:
         assert _takes(form, required, call("get_weather", {"city": "Rome </param> still the value"}))
-    assert (
-        forced_tool_calls(
-            _Tok(form), ChatCompletionRequest.model_validate({**required, "tool_choice": "auto"})
-        )
-        is None
-    )
+    auto = ChatCompletionRequest.model_validate({**required, "tool_choice": "auto"})
+    assert forced_tool_calls(_Tok(form), auto) is None
+    # after the reasoning: "\n\n" (Qwen's) may come first, not more; thinking only where the prompt allows it
+    assert _takes(form, required, "\n\n" + paris) and not _takes(form, required, "\n\n\n" + paris)
+    thought = "<think>\nthe user wants weather\n</think>\n\n" + paris
+    assert _takes(form, required, thought, prompt=()) and not _takes(form, required, thought)
+    assert _takes(form, required, "more thought\n</think>\n\n" + paris, prompt=(3068,))
+
+
+@pytest.mark.parametrize("form,call", [("json", _json), ("xml", _xml)])
+def test_forced_grammar_schemas(form, call):
+    """A schema with $defs / $ref (pydantic writes them) resolves in its own tool; a tool without
+    parameters takes any arguments (JSON) or names (XML); an empty properties object takes no parameter in
+    the XML form (the JSON form keeps JSON Schema's meaning: unlisted properties allowed); XML values
+    cannot hold a tag that would end them early in the parser."""
+    ref = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "$defs": {"Seat": {"type": "object", "properties": {"row": {"type": "integer"}}}},
+                "type": "object",
+                "properties": {"seat": {"$ref": "#/$defs/Seat"}},
+            },
+        },
+    }
+    bare = {"type": "function", "function": {"name": "ping"}}
+    req = {"messages": USER, "tools": [ref, bare, TIME], "tool_choice": "required"}
+    assert _takes(form, req, call("book", {"seat": {"row": 3}} if form == "json" else {"seat": '{"row": 3}'}))
+    assert _takes(form, req, call("ping", {"anything": 1}))
+    assert _takes(form, req, call("get_time", {"zone": "UTC"})) == (form == "json")
+    if form == "xml":
+        for tag in ("</function>", "<parameter=x>", "</parameter>"):
+            assert not _takes(form, req, call("ping", {"a": f"x\n{tag}\ny"})), tag
+        assert _takes(form, req, call("ping", {"a": "x </param> <b> y"}))
+
+
+def test_tool_tags_without_their_own_tokens_are_text():
+    class NoTags(_Tok):
+        def token_to_id(self, s: str) -> int | None:
+            return None
+
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [TIME], "tool_choice": "required"})
+    spec = forced_tool_calls(NoTags("json"), req)
+    assert '"<tool_call>"' in spec.grammar and "<[" not in spec.grammar
+
+
+def test_chat_template_source_follows_the_tool_use_template():
+    t = Tokenizer.from_dir(embedded_model_path())
+    two = Tokenizer(t._tok, {"default": "plain {{ messages }}", "tool_use": "tools <function=f>"})
+    assert two.chat_template_source() == "plain {{ messages }}"
+    assert two.chat_template_source(tools=True) == "tools <function=f>"
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +193,10 @@ def test_forced_tool_calls_over_http(served, stream, choice, name):
 
 def test_forced_tool_calls_refuse_a_second_format(served):
     _, client = served
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Missing"}}}
+    with pytest.raises(openai.BadRequestError, match="invalid structured output") as e:
+        client.chat.completions.create(model="lumo-tiny", messages=USER, tools=[bad], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(
             model="lumo-tiny",

@@ -15,7 +15,9 @@ itself proposes unconstrained: a refused draft costs acceptance, never output.
 
 Reasoning models: when the prompt leaves the model thinking (its last `<think>` after its last `</think>`),
 the grammar starts after the `</think>` token (vLLM's default with a reasoning parser); the reasoning is
-free text.
+free text. When the prompt has no think tags at all (Qwen3's hybrid templates let the model open `<think>`
+itself), the first token may also be `<think>`, and then the grammar waits for `</think>` too; a prompt
+with a closed block (thinking turned off) gets the grammar from the first token.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from typing import Any
 import torch
 
 FORMS = ("json", "regex", "choice", "grammar", "json_object")
+THINKING, MAY_THINK, ANSWER = (
+    "thinking",
+    "may_think",
+    "answer",
+)  # where a constrained output starts (reasoning_start)
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,12 +140,12 @@ class GrammarCompiler:
         tokenizer_json: str,
         vocab_size: int,
         end_ids: Sequence[int],
-        think_close: int | None = None,
+        think: tuple[int | None, int | None] = (None, None),
         cache: int = 32,
     ):
         import llguidance as llg
 
-        self.vocab_size, self.think_close = vocab_size, think_close
+        self.vocab_size, self.think = vocab_size, think  # the `<think>` and `</think>` token ids
         self.end_ids = tuple(end_ids)
         try:
             self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(end_ids))
@@ -154,25 +161,33 @@ class GrammarCompiler:
             raise ValueError(f"invalid structured output: {_one_line(m.get_error())}")
         return m
 
-    def constraint(self, spec: StructuredOutputs, reasoning: bool = False) -> Constraint:
-        """A request's constraint; reasoning: the output starts inside a `<think>` block (the grammar
-        applies after `</think>`; without that token in the vocabulary it applies from the start)."""
+    def constraint(self, spec: StructuredOutputs, prompt_ids: Sequence[int] = ()) -> Constraint:
+        """A request's constraint, its start (thinking or not) read from the prompt (reasoning_start)."""
         matcher = self._matcher(spec.llguidance()).deep_copy()
-        return Constraint(matcher, self.vocab_size, self.end_ids, self.think_close if reasoning else None)
+        start = reasoning_start(prompt_ids, *self.think)
+        return Constraint(matcher, self.vocab_size, self.end_ids, self.think, start)
 
 
 class Constraint:
     """One request's grammar state over the tokens emitted so far (`advance`), and the allowed tokens of
     the next position (`bitmask`, `allowed`) or of every row of a speculative tree (`tree_bitmasks`)."""
 
-    def __init__(self, matcher, vocab_size: int, end_ids: Sequence[int] = (), think_close: int | None = None):
+    def __init__(
+        self,
+        matcher,
+        vocab_size: int,
+        end_ids: Sequence[int] = (),
+        think: tuple[int | None, int | None] = (None, None),
+        start: str = ANSWER,
+    ):
         self.matcher, self.vocab_size = matcher, vocab_size
         self.words = bitmask_words(vocab_size)
         # The end tokens (allowed where the grammar may end) leave the state as it is: the request ends
         # there, or goes on (ignore_eos) with the grammar where it was, in plain decoding and in a tree alike.
         self.end_ids = frozenset(end_ids)
-        self.think_close = think_close
-        self.reasoning = think_close is not None  # free text until think_close is emitted
+        self.think_open, self.think_close = think
+        self.reasoning = start == THINKING  # free text until think_close is emitted
+        self.may_think = start == MAY_THINK  # the next token may be think_open (the first one only)
         self.copies = False  # tree walks copy the matcher per node (it could not roll back: tree_bitmasks)
 
     def _fill(self, row: torch.Tensor) -> None:
@@ -185,6 +200,8 @@ class Constraint:
             return None
         out = torch.empty(self.words, dtype=torch.int32) if out is None else out
         self._fill(out)
+        if self.may_think:
+            _allow(out, self.think_open)
         return out
 
     def allowed(self) -> torch.Tensor | None:
@@ -195,6 +212,10 @@ class Constraint:
     def advance(self, tokens: Sequence[int]) -> None:
         """The tokens were emitted (each one allowed when it was sampled)."""
         for t in tokens:
+            if self.may_think:
+                self.may_think, self.reasoning = False, t == self.think_open
+                if self.reasoning:
+                    continue
             if self.reasoning:
                 self.reasoning = t != self.think_close
             elif t not in self.end_ids and self.matcher.try_consume_tokens([int(t)]) != 1:
@@ -225,15 +246,20 @@ class Constraint:
     def _walk(self, tokens: Sequence[int], children: list[list[int]], out: torch.Tensor, copies: bool):
         on = [False] * len(children)
 
-        def visit(i: int, m, reasoning: bool) -> None:
+        def visit(i: int, m, reasoning: bool, may_think: bool = False) -> None:
             if not reasoning:
                 on[i] = _mask_into(m, out[i], self.words)
                 if not on[i]:  # the matcher failed here: no mask, and nothing below
                     if not copies:
                         raise _NoRollback
                     return
+                if may_think:
+                    _allow(out[i], self.think_open)
             for c in children[i]:
                 t = int(tokens[c])
+                if may_think and t == self.think_open:
+                    visit(c, m, True)
+                    continue
                 if reasoning or t in self.end_ids:  # nothing consumed
                     visit(c, m, reasoning and t != self.think_close)
                     continue
@@ -246,7 +272,7 @@ class Constraint:
                 if not copies and not m.rollback(1):
                     raise _NoRollback
 
-        visit(0, self.matcher.deep_copy(), self.reasoning)
+        visit(0, self.matcher.deep_copy(), self.reasoning, self.may_think)
         return on
 
 
@@ -260,12 +286,22 @@ def _mask_into(matcher, row: torch.Tensor, words: int) -> bool:
     return not matcher.is_error()
 
 
-def opens_reasoning(prompt_ids: Sequence[int], think_open: int | None, think_close: int | None) -> bool:
-    """The prompt leaves the model thinking: its last `<think>` token comes after its last `</think>`."""
+def _allow(bits: torch.Tensor, token: int) -> None:
+    """Set token's bit in a [W] int32 bitmask."""
+    word = (int(bits[token // 32]) & 0xFFFFFFFF) | (1 << (token % 32))
+    bits[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def reasoning_start(prompt_ids: Sequence[int], think_open: int | None, think_close: int | None) -> str:
+    """THINKING when the prompt leaves the model thinking (its last `<think>` token after its last
+    `</think>`), MAY_THINK when it has neither (the model may open `<think>` itself), ANSWER otherwise (a
+    closed block: thinking off) or when the vocabulary has no such tokens."""
     if think_open is None or think_close is None:
-        return False
+        return ANSWER
     last = {think_open: -1, think_close: -1}
     for i, t in enumerate(prompt_ids):
         if t in last:
             last[t] = i
-    return last[think_open] > last[think_close]
+    if last[think_open] > last[think_close]:
+        return THINKING
+    return MAY_THINK if last[think_open] == last[think_close] == -1 else ANSWER

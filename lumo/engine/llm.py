@@ -19,7 +19,7 @@ from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
-from .grammar import Constraint, GrammarCompiler, StructuredOutputs, opens_reasoning
+from .grammar import Constraint, GrammarCompiler, StructuredOutputs
 from .logprobs import TokenLogprob, check_logprobs
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
@@ -461,14 +461,14 @@ class LLM:
 
     def constraint(self, structured: StructuredOutputs, prompt_ids: list[int]) -> Constraint:
         """A request's grammar state (ValueError for a grammar lumo cannot use). The grammar starts after
-        `</think>` when the prompt leaves the model thinking."""
+        `</think>` when the prompt leaves the model thinking, or lets it open `<think>` first
+        (grammar.reasoning_start)."""
         tok = self.tokenizer
-        think = tok.token_to_id("<think>"), tok.token_to_id("</think>")
         with self._grammars_lock:  # the server checks a grammar on a thread of its own
             if self._grammars is None:
-                V = self.config.vocab_size
-                self._grammars = GrammarCompiler(tok.to_json(), V, tok.eos_token_ids, think_close=think[1])
-        return self._grammars.constraint(structured, reasoning=opens_reasoning(prompt_ids, *think))
+                V, think = self.config.vocab_size, (tok.token_to_id("<think>"), tok.token_to_id("</think>"))
+                self._grammars = GrammarCompiler(tok.to_json(), V, tok.eos_token_ids, think=think)
+        return self._grammars.constraint(structured, prompt_ids)
 
     def _ending(self, stop, stop_token_ids, ignore_eos, include_stop, skip_special, min_tokens) -> Ending:
         if not (

@@ -69,10 +69,14 @@ def forced_tool_calls(tokenizer: Any, req: ChatCompletionRequest) -> StructuredO
     """tool_choice "required" or a named function, enforced as a grammar (vLLM enforces both with its
     structured outputs): the output after any reasoning is one tool call of an allowed function, or several
     (one per line) unless parallel_tool_calls is false, in the form the chat template teaches: Qwen3-coder /
-    Qwen3.5's XML when the template mentions `<function=`, Qwen3's JSON otherwise. A JSON call's arguments
-    follow the tool's parameters schema (json.dumps' separators, as the templates write calls); an XML call's
-    parameter names are the schema's properties (any name where it lists none), their values free text up
-    to `</parameter>`. None for "auto", "none" or no tool_choice."""
+    Qwen3.5's XML when the template mentions `<function=`, Qwen3's JSON otherwise; up to two spaces or
+    newlines may come first (Qwen writes "\n\n" after `</think>`; more would let a model pad forever).
+    A JSON call's arguments follow the tool's parameters schema (its own, so its `$ref`s resolve;
+    json.dumps' separators, as the templates write calls; llguidance's lenient mode: keywords it does not
+    know are ignored, as the model's template would). An XML call's parameter names are the schema's
+    properties (any name where the schema has no `properties`), their values text up to `</parameter>`
+    holding none of the tags that end a value in toolparse (required parameters and repeats are not
+    enforced). None for "auto", "none" or no choice."""
     choice = req.tool_choice
     if not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
@@ -82,9 +86,9 @@ def forced_tool_calls(tokenizer: Any, req: ChatCompletionRequest) -> StructuredO
     source = tokenizer.chat_template_source(tools=True) or ""
     rules = _xml_call_rules(functions) if "<function=" in source else _json_call_rules(functions)
     opening, closing = (_lark_tag(tokenizer, tag) for tag in (TOOL_OPEN, TOOL_CLOSE))
-    start = "start: call" if req.parallel_tool_calls is False else 'start: call ("\\n" call)*'
-    call = f'call: {opening} "\\n" body "\\n" {closing}'
-    return StructuredOutputs(grammar="\n".join([start, call, *rules]))
+    calls = "call" if req.parallel_tool_calls is False else 'call ("\\n" call)*'
+    head = [f"start: /[ \\n]{{1,2}}/? {calls}", f'call: {opening} "\\n" body "\\n" {closing}']
+    return StructuredOutputs(grammar="\n".join(head + rules))
 
 
 def _lark_tag(tokenizer: Any, tag: str) -> str:
@@ -94,29 +98,47 @@ def _lark_tag(tokenizer: Any, tag: str) -> str:
     return f"<[{i}]>" if i is not None else json.dumps(tag)
 
 
+def _lark_alternatives(names: list[str]) -> str:
+    return " | ".join(names)
+
+
 def _json_call_rules(functions: list) -> list[str]:
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": f.parameters or {"type": "object"}},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for f in functions
-    ]
-    options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
-    return ["body: %json " + json.dumps({"anyOf": calls, "x-guidance": options})]
+    """`{"name": "f", "arguments": ARGS}`, ARGS each tool's parameters schema in a %json rule of its own."""
+    options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
+    rules = ["body: " + _lark_alternatives([f"c{i}" for i in range(len(functions))])]
+    for i, f in enumerate(functions):
+        schema = f.parameters if isinstance(f.parameters, dict) else {"type": "object"}
+        schema = {**schema, "x-guidance": {**(schema.get("x-guidance") or {}), **options}}
+        head = '{"name": ' + json.dumps(f.name) + ', "arguments": '
+        rules += [f'c{i}: {json.dumps(head)} a{i} "}}"', f"a{i}: %json {json.dumps(schema)}"]
+    return rules
+
+
+# An XML parameter's value: text, then "\n</parameter>\n"; no tag inside that ends a value early in
+# toolparse (`</parameter>`, `<parameter=`, `</function>`).
+_XML_VALUE = (
+    r"value[lazy]: /(?s:.*)\n<\/parameter>\n/"
+    r" & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>)(?s:.*)<\/parameter>\n/"
+)
 
 
 def _xml_call_rules(functions: list) -> list[str]:
-    rules = ['body: "<function=" (' + " | ".join(f"f{i}" for i in range(len(functions))) + ') "</function>"']
+    rules = [
+        'body: "<function=" ('
+        + _lark_alternatives([f"f{i}" for i in range(len(functions))])
+        + ') "</function>"'
+    ]
     for i, f in enumerate(functions):
-        rules.append(f"f{i}: {json.dumps(f.name + '>' + chr(10))} p{i}*")
-        props = list((f.parameters or {}).get("properties") or {})
-        names = " | ".join(json.dumps(p) for p in props) if props else "/[^>\\n]+/"
-        rules.append(f'p{i}: "<parameter=" ({names}) ">\\n" value')
-    rules.append("value[lazy]: /(?s:.*)\\n<\\/parameter>\\n/")
-    return rules
+        props = (f.parameters or {}).get("properties") if isinstance(f.parameters, dict) else None
+        head = json.dumps(f.name + ">\n")
+        if isinstance(props, dict) and not props:  # the schema lists no parameters: none
+            rules.append(f"f{i}: {head}")
+            continue
+        names = (
+            _lark_alternatives([json.dumps(p) for p in props]) if isinstance(props, dict) else r"/[^>\n]+/"
+        )
+        rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" ({names}) ">\\n" value']
+    return [*rules, _XML_VALUE]
 
 
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
