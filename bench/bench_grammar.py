@@ -8,11 +8,16 @@ Qwen's are, topped up with frequent two-piece joins. llguidance's mask cost grow
 the grammar's state, not with where the tokens came from, so this measures the right order of magnitude;
 a real Qwen tokenizer is not measured.
 
-    python bench/bench_grammar.py [--vocab 248320] [--events 40]
+    python bench/bench_grammar.py [--vocab 248320] [--events 40] [--gpu]
 
 Prints one table: medians (and 90th percentiles) of --events measurements each, next to the time the
 GPU spends on the step or event they are added to (the H200's 27B numbers in docs/runner.md and
 docs/spec-engine.md, and the same scaled to a GB10's 273 GB/s).
+
+--gpu adds a second table (needs CUDA): the embedded model's tree decoding from CUDA graphs, free and under
+a JSON schema that keeps it inside the grammar, and plain decoding under the same schema: tokens/s,
+accepted drafts per event, the host's mask time per event, and the event's wall time (the draft -> host
+-> verify round trip included). The texts differ (the grammar changes them), so so does acceptance.
 """
 
 from __future__ import annotations
@@ -121,6 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=248_320)
     ap.add_argument("--events", type=int, default=40)
+    ap.add_argument("--gpu", action="store_true", help="also the embedded model's decoding on the GPU")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -182,6 +188,70 @@ def main() -> None:
     print(f"{'what':<{w}} | {'ms':>22} | GPU time it adds to (ms)")
     for name, ms, ref in rows:
         print(f"{name:<{w}} | {ms:>22} | {ref}")
+    if args.gpu:
+        gpu_table()
+
+
+# A JSON grammar long enough to keep --gpu's requests inside it for all their tokens
+LONG = {
+    "type": "object",
+    "properties": {"lines": {"type": "array", "items": {"type": "string"}, "minItems": 200}},
+    "required": ["lines"],
+}
+
+
+def gpu_table(n_prompts: int = 8, new: int = 160, repeats: int = 3) -> None:
+    """The embedded model on the GPU, tree / plain decoding, free and under LONG (module docstring)."""
+    from bench_spec import decode_timed, embedded_on_gpu, graphed_decoder  # same folder, as python runs it
+    from lumo.engine.llm import embedded_model_path
+    from lumo.engine.sampling import SamplingParams
+    from lumo.tokenizer import Tokenizer
+
+    cfg, gw, prompts, capacity = embedded_on_gpu(n_prompts, new)
+    tok = Tokenizer.from_dir(embedded_model_path())
+    think = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    compiler = GrammarCompiler(tok.to_json(), cfg.vocab_size, tok.eos_token_ids, think=think)
+    spec = StructuredOutputs(json=LONG)
+    rows = []
+    for mode, grammar in (("tree", False), ("tree", True), ("plain", True), ("plain", False)):
+        dec = graphed_decoder(cfg, gw, capacity, mode, SamplingParams(temperature=0.0))
+        engine, mask_s = getattr(dec, "engine", None), [0.0]
+        if engine is not None:
+            mask_tree = engine.mask_tree
+
+            def timed_mask(constraint, mask_tree=mask_tree, mask_s=mask_s):
+                t0 = time.perf_counter()
+                mask_tree(constraint)
+                mask_s[0] += time.perf_counter() - t0
+
+            engine.mask_tree = timed_mask
+        rates, events, accepted, masks, total = [], 0, 0, 0.0, 0.0
+        for _ in range(repeats):
+            n, secs, mask_s[0] = 0, 0.0, 0.0
+            for p in prompts:
+                dec.constraint = compiler.constraint(spec, p) if grammar else None
+                toks, t = decode_timed(dec, p, new)
+                n, secs = n + len(toks) - 1, secs + t
+                stats = getattr(dec, "stats", None)
+                if stats is not None:
+                    events, accepted = events + stats.events, accepted + sum(stats.accepted)
+            rates.append(n / secs)
+            masks, total = masks + mask_s[0], total + secs
+        step = "event" if events else "step"
+        per_step = total / (events or repeats * len(prompts) * new)
+        rows.append((
+            f"{mode}{' + JSON schema' if grammar else ''}",
+            f"{statistics.median(rates):.0f}",
+            f"{accepted / events:.2f}" if events else "-",
+            f"{1e3 * per_step:.3f} per {step}",
+            f"{1e3 * masks / events:.3f}" if events and grammar else "-",
+        ))  # fmt: skip
+    print(f"\nembedded model on {torch.cuda.get_device_name()}, CUDA graphs, greedy, {len(prompts)} held-out"
+          f" prompts x {new} tokens, medians of {repeats} (ms: means over all runs)")  # fmt: skip
+    head = ("decoding", "tokens/s", "accepted/event", "wall ms", "mask host ms/event")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
 
 
 if __name__ == "__main__":

@@ -26,5 +26,7 @@ engine)
   tail -12 "$out/c_bench.log"
   group 200 b_sampling python bench/bench_sampling.py --repeats 3
   tail -34 "$out/b_sampling.log"
+  group 200 b_grammar python bench/bench_grammar.py --gpu
+  tail -16 "$out/b_grammar.log"
   ;;
 esac
