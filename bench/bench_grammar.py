@@ -203,6 +203,7 @@ LONG = {
 def gpu_table(n_prompts: int = 8, new: int = 160, repeats: int = 3) -> None:
     """The embedded model on the GPU, tree / plain decoding, free and under LONG (module docstring)."""
     from bench_spec import decode_timed, embedded_on_gpu, graphed_decoder  # same folder, as python runs it
+
     from lumo.engine.llm import embedded_model_path
     from lumo.engine.sampling import SamplingParams
     from lumo.tokenizer import Tokenizer
