@@ -766,15 +766,20 @@ def test_emulated_prompt_logprobs(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "params",
-    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=40, seed=3)],
-    ids=["greedy", "seeded"],
+    "params,mutant",
+    [
+        (SamplingParams(temperature=0.0), False),
+        (SamplingParams(temperature=0.8, top_k=40, seed=3), False),
+        (SamplingParams(temperature=0.0), True),
+    ],
+    ids=["greedy", "seeded", "mutant-without-row-masks"],
 )
-def test_emulated_structured_output_equals_plain(monkeypatch, params):
+def test_emulated_structured_output_equals_plain(monkeypatch, params, mutant):
     """A JSON schema (lumo.engine.grammar) on the GPU engine's code paths: the runner's mask for the
     prefill's sample and plain steps, the verify rows' masks computed between draft and verify
     (GPUSpecEngine.mask_tree), events and adaptive plain steps mixed: plain decoding's tokens and
-    logprobs, exactly; the rows the grammar masks are the ones it reaches; the text is the schema's."""
+    logprobs, exactly; the rows the grammar masks are the ones it reaches; the text is the schema's.
+    The mutant skips the rows' masks: it must fail (a refused token emitted, or other tokens)."""
     import json
 
     from lumo.engine.grammar import GrammarCompiler, StructuredOutputs
@@ -796,22 +801,30 @@ def test_emulated_structured_output_equals_plain(monkeypatch, params):
     plain = GPUDecoder(rp, params, use_graph=False)
     spec.logprobs = plain.logprobs = 3
     spec.constraint, plain.constraint = compiler.constraint(spec_), compiler.constraint(spec_)
+    if mutant:
+        monkeypatch.setattr(spec.engine, "mask_tree", lambda constraint: None)
     prompt = t.encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
     eos = set(t.eos_token_ids)
     got, got_lp = spec.prefill(prompt), list(spec.last_logprobs)
     masked = 0
-    while len(got) < 40 and not eos & set(got):
-        got += spec.step()
-        got_lp += spec.last_logprobs
-        masked += int(spec.engine.token_masks_on.sum())
+    try:
+        while len(got) < 40 and not eos & set(got):
+            got += spec.step()
+            got_lp += spec.last_logprobs
+            masked += int(spec.engine.token_masks_on.sum())
+    except RuntimeError as e:
+        assert mutant and "refuses" in str(e)
+        return
     want, want_lp = plain.prefill(prompt), list(plain.last_logprobs)
     while len(want) < len(got):
         want += plain.step()
         want_lp += plain.last_logprobs
-    assert got == want and got_lp == want_lp
+    assert (got == want and got_lp == want_lp) != mutant
+    if mutant:
+        return
     assert spec.stats.events > 0 and spec.stats.plain_steps > 0 and masked > spec.stats.events
     text = t.decode([x for x in want if x not in eos])
     if eos & set(want):
         assert set(json.loads(text)) == {"path", "size"}
     else:
-        assert text.startswith('{"path":"')
+        assert text.lstrip().startswith('{"path":"')

@@ -393,7 +393,7 @@ def test_apply_token_mask_matches_reference(T, V):
     W = -(-V // 32)
     logits = torch.randn(T, V, generator=gen).to(torch.bfloat16)
     bits = torch.randint(-(2**31), 2**31, (T, W), generator=gen, dtype=torch.int64).to(torch.int32)
-    bits[0, 0] |= 1  # every row allows some token (row 0: token 0 at least)
+    bits[:, 0] |= 1  # every row allows some token (token 0 at least)
     on = (torch.arange(T) % 3 != 1).to(torch.int32)  # rows 1, 4, ... not masked
     want = apply_token_mask_ref(logits.clone(), bits, on)
     got = apply_token_mask(logits.to(DEV), bits.to(DEV), on.to(DEV)).cpu()

@@ -123,6 +123,19 @@ def test_mask_follows_the_grammar():
         con.advance(tok().encode("x"))
 
 
+def test_json_may_start_after_two_blanks():
+    """JSON has no whitespace between its tokens, but up to two spaces or newlines may come first (a
+    thinking model's "\n\n" after `</think>`), not three (a small model would pad forever)."""
+    for text, ok in (('{"name":"A","age":1}', True), ('\n\n{"name":"A","age":1}', True),
+                     ('\n\n\n{"name":"A","age":1}', False), ('{"name": "A","age":1}', False)):  # fmt: skip
+        con = compiler().constraint(SPECS["json"])
+        try:
+            con.advance(tok().encode(text))
+            assert ok and con.matcher.is_accepting(), text
+        except RuntimeError:
+            assert not ok, text
+
+
 def _random_tree(gen: torch.Generator, n: int, pool: list[int]) -> tuple[list[int], list[int]]:
     parent = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
     tokens = [pool[int(torch.randint(0, len(pool), (1,), generator=gen))] for _ in range(n)]
@@ -182,7 +195,7 @@ def test_tree_bitmasks_equal_each_path_walked_alone(spec, committed, text, start
             if want is not None:
                 assert torch.equal(bits[i], want), i
                 live_rows += 1
-        copied = copied or con.copies
+        copied = copied or con.walk_with_copies
     assert live_rows > 40  # the trees reach deep enough into the grammar to test something
     assert copied == (spec is NO_ROLLBACK or spec is CAPPED)  # the walk fell back to copies for those
 
@@ -311,15 +324,35 @@ def test_llm_grammar_starts_after_the_reasoning():
     )
     assert r.token_ids[0] == close
     assert t.decode(r.token_ids[1:]) in ("yes", "no") and r.finish_reason == "stop"
-    # without the open think block the grammar applies from the first token: `</think>` is refused
+    # a prompt with no think tags: the first token may also be `<think>` (lifted here: the model thinks,
+    # then answers by the grammar); one with a closed block: the grammar from the first token, `<think>`
+    # refused however lifted
+    opening = t.token_to_id("<think>")
+    lift = {opening: 99.5, close: 100.0}  # the first token <think> (close refused there), then </think>
     r = llm().generate(
         "Question:",
         max_tokens=12,
         temperature=0,
-        logit_bias=bias,
+        logit_bias=lift,
         structured_outputs={"choice": ["yes", "no"]},
     )
-    assert close not in r.token_ids and r.text in ("yes", "no")
+    assert r.token_ids[:2] == [opening, close] and t.decode(r.token_ids[2:]) in ("yes", "no")
+    closed = t.encode("Question:") + [opening, close]
+    r = llm().generate(
+        closed, max_tokens=12, temperature=0, logit_bias=lift, structured_outputs={"choice": ["yes", "no"]}
+    )
+    assert not {opening, close} & set(r.token_ids) and r.text in ("yes", "no")
+
+
+def test_logprobs_under_a_grammar_list_allowed_alternatives_only():
+    """The masked row's logprobs: alternatives at -inf (refused) are left out, so a choice of two words
+    lists at most the tokens that can begin them, each with a finite logprob."""
+    r = llm().generate(
+        "Answer:", max_tokens=4, temperature=0, logprobs=5, structured_outputs={"choice": ["yes", "no"]}
+    )
+    allowed = llm().constraint(StructuredOutputs(choice=["yes", "no"]), r.prompt_token_ids).allowed()
+    first = r.logprobs[0]
+    assert 0 < len(first.top) < 5 and all(allowed[i] and v > -1e30 for i, v in first.top)
 
 
 def test_llm_refuses_what_cannot_work():

@@ -60,7 +60,10 @@ def compiler() -> GrammarCompiler:
     return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids, think=think)
 
 
-def _takes(form: str, req: dict, text: str, prompt: tuple[int, ...] = (3068, 3069)) -> bool:
+THINK = tuple(Tokenizer.from_dir(embedded_model_path()).token_to_id(t) for t in ("<think>", "</think>"))
+
+
+def _takes(form: str, req: dict, text: str, prompt: tuple[int, ...] = THINK) -> bool:
     """The forced grammar takes `text` whole (then only an end token may follow); the prompt's think tags
     say where the output starts (default: a closed block, the grammar from the first token)."""
     spec = forced_tool_calls(_Tok(form), ChatCompletionRequest.model_validate(req))
@@ -104,7 +107,7 @@ def test_forced_grammar_in_both_forms(form, call):
     assert _takes(form, required, "\n\n" + paris) and not _takes(form, required, "\n\n\n" + paris)
     thought = "<think>\nthe user wants weather\n</think>\n\n" + paris
     assert _takes(form, required, thought, prompt=()) and not _takes(form, required, thought)
-    assert _takes(form, required, "more thought\n</think>\n\n" + paris, prompt=(3068,))
+    assert _takes(form, required, "more thought\n</think>\n\n" + paris, prompt=THINK[:1])
 
 
 @pytest.mark.parametrize("form,call", [("json", _json), ("xml", _xml)])
@@ -191,7 +194,8 @@ def test_forced_tool_calls_over_http(served, stream, choice, name):
         assert set(names) <= ({name} if name else {"get_weather", "get_time"})
 
 
-def test_forced_tool_calls_refuse_a_second_format(served):
+def test_forced_tool_calls_bad_requests(served):
+    """An uncompilable tool schema, and a forced call with response_format: 400s naming tool_choice."""
     _, client = served
     bad = {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Missing"}}}
     with pytest.raises(openai.BadRequestError, match="invalid structured output") as e:

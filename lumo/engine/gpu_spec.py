@@ -44,7 +44,7 @@ from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
-from .grammar import Constraint
+from .grammar import Constraint, bitmask_words
 from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
@@ -161,10 +161,11 @@ class GPUSpecEngine:
         self.replay_o = torch.zeros(self.cap, nv, dv, dtype=bf, device=dev)
         self.logits_bf16 = torch.zeros(R, V, dtype=bf, device=dev)  # [R, V] of the latest verify (`logits`)
         # A structured output's allowed tokens per row (the host's, between draft and verify: mask_tree)
-        self.token_masks = torch.zeros(R, -(-V // 32), dtype=i32, device=dev)  # [R, W] bitmasks
+        W = bitmask_words(V)
+        self.token_masks = torch.zeros(R, W, dtype=i32, device=dev)  # [R, W] bitmasks
         self.token_masks_on = torch.zeros(R, dtype=i32, device=dev)  # [R] 0: the row is not masked
         pin = dev.type == "cuda"
-        self._host_masks = torch.zeros(R, -(-V // 32), dtype=i32, pin_memory=pin)
+        self._host_masks = torch.zeros(R, W, dtype=i32, pin_memory=pin)
         self._host_masks_on = torch.zeros(R, dtype=i32, pin_memory=pin)
         self.sample_ws = sample_workspace(R, V, dev)
         self.kv_tab = kv_table(runner.kv_k + runner.kv_v)

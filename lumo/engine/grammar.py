@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 FORMS = ("json", "regex", "choice", "grammar", "json_object")
-THINKING, MAY_THINK, ANSWER = (
-    "thinking",
-    "may_think",
-    "answer",
-)  # where a constrained output starts (reasoning_start)
+# where a constrained output starts (reasoning_start)
+THINKING, MAY_THINK, ANSWER = "thinking", "may_think", "answer"
+# What may come before a JSON or tool-call grammar's output, in llguidance's Lark: up to two spaces or
+# newlines (a thinking model writes "\n\n" after `</think>`; more would let a model pad forever)
+LEAD = r"/[ \n]{1,2}/"
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,12 +74,11 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(FORMS)} (got {what})")
 
     def llguidance(self) -> str:
-        """The grammar in llguidance's form (not yet checked: `GrammarCompiler.matcher` does)."""
+        """The grammar in llguidance's form (not yet checked: GrammarCompiler.constraint compiles it)."""
         import llguidance as llg
 
-        options = {"whitespace_flexible": self.any_whitespace}  # a schema's "x-guidance" may override it
         if self.json_object:
-            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=options)
+            return self._json({"type": "object"})
         if self.json is not None:
             schema = self.json
             if isinstance(schema, str):
@@ -91,7 +90,7 @@ class StructuredOutputs:
                 schema = {}
             if not isinstance(schema, Mapping):
                 raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
-            return llg.LLMatcher.grammar_from_json_schema(dict(schema), defaults=options)
+            return self._json(schema)
         if self.regex is not None:
             _need_str(self.regex, "regex")
             return llg.LLMatcher.grammar_from_regex(self.regex)
@@ -108,6 +107,15 @@ class StructuredOutputs:
             return llg.grammar_from("grammar", self.grammar)
         except ValueError as e:
             raise ValueError(_one_line(str(e))) from None
+
+    def _json(self, schema: Mapping[str, Any]) -> str:
+        """JSON of the schema, after up to two spaces or newlines (LEAD). The schema's own "x-guidance"
+        options win over lumo's whitespace default."""
+        import llguidance as llg
+
+        options = {"whitespace_flexible": self.any_whitespace, **(schema.get("x-guidance") or {})}
+        body = json.dumps({**schema, "x-guidance": options})
+        return llg.LLMatcher.grammar_from_lark(f"start: lead? body\nlead: {LEAD}\nbody: %json {body}")
 
 
 def _need_str(x: Any, name: str) -> None:
@@ -188,7 +196,8 @@ class Constraint:
         self.think_open, self.think_close = think
         self.reasoning = start == THINKING  # free text until think_close is emitted
         self.may_think = start == MAY_THINK  # the next token may be think_open (the first one only)
-        self.copies = False  # tree walks copy the matcher per node (it could not roll back: tree_bitmasks)
+        # tree walks copy the matcher per node (it could not roll back, or failed: tree_bitmasks)
+        self.walk_with_copies = False
 
     def _fill(self, row: torch.Tensor) -> None:
         if not _mask_into(self.matcher, row, self.words):
@@ -231,16 +240,17 @@ class Constraint:
         The walk runs on a copy of the request's matcher, depth first: a child's token consumed, its subtree
         walked, the token rolled back, so a row costs one consume and one mask. llguidance cannot roll back
         some grammars (max_tokens= / stop= lexemes in Lark): the walk then starts again with a copy of the
-        matcher per node, and keeps to copies for the rest of the request."""
+        matcher per node, and keeps to copies for the rest of the request (as it does after a matcher
+        failure on a drafted path, which poisons a matcher that rolls back)."""
         n = len(parent)
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[parent[i]].append(i)
-        if not self.copies:
+        if not self.walk_with_copies:
             try:
                 return self._walk(tokens, children, out, copies=False)
             except _NoRollback:
-                self.copies = True
+                self.walk_with_copies = True
         return self._walk(tokens, children, out, copies=True)
 
     def _walk(self, tokens: Sequence[int], children: list[list[int]], out: torch.Tensor, copies: bool):

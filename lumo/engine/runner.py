@@ -39,6 +39,7 @@ from ..kernels.sampling import Penalties, sample_tokens, sample_workspace
 from ..kernels.token_mask import apply_token_mask
 from ..weights import ModelWeights
 from .gpu_weights import GPUGDN, GPUAttn, GPULayer, GPUWeights, pack_weights, swiglu, swiglu_scratch
+from .grammar import bitmask_words
 from .prefix import PrefixCache
 from .sampling import SamplingParams, bias_vector
 
@@ -132,7 +133,7 @@ class GPURunner:
         )  # fmt: skip
         self.mask = torch.ones(1, dtype=i64, device=dev)  # [1] the row sees tree slot len + 0 (itself)
         # A structured output's allowed tokens for the next sample (set_token_mask; lumo.engine.grammar)
-        self.token_mask = torch.zeros(1, -(-V // 32), dtype=i32, device=dev)  # [1, W] bitmask
+        self.token_mask = torch.zeros(1, bitmask_words(V), dtype=i32, device=dev)  # [1, W] bitmask
         self.token_mask_on = torch.zeros(1, dtype=i32, device=dev)  # [1] 0: no mask
 
         # ---- static activations of one decode row ----

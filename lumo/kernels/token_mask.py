@@ -21,8 +21,10 @@ def _kernel() -> Kernel:
 def _check(logits: torch.Tensor, mask: torch.Tensor, on: torch.Tensor) -> tuple[int, int, int]:
     if logits.dim() != 2 or logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"logits must be contiguous bf16 [T, V], got {logits.dtype} {list(logits.shape)}")
+    from ..engine.grammar import bitmask_words
+
     T, V = logits.shape
-    W = -(-V // 32)
+    W = bitmask_words(V)
     if mask.dtype != torch.int32 or tuple(mask.shape) != (T, W) or not mask.is_contiguous():
         raise ValueError(f"mask must be contiguous int32 [{T}, {W}], got {mask.dtype} {list(mask.shape)}")
     if on.dtype != torch.int32 or tuple(on.shape) != (T,) or not on.is_contiguous():

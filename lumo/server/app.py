@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..engine.grammar import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, TokenizerError
 from .chat import (
     continued_text,
@@ -295,11 +296,11 @@ class _Server:
         except TokenizerError as e:
             raise APIError(400, str(e), param) from None
 
-    async def _structured(self, body: Any, prompt_ids: list[int]) -> dict[str, Any]:
-        """The request's structured output as generate_stream's keyword ({}: none): its own field's, or the
-        tool calls a chat request's tool_choice forces (chat.forced_tool_calls). Its grammar is compiled
-        for this tokenizer before the request is queued (else a 400 naming the field), off the event loop
-        (a large schema takes up to a second)."""
+    async def _structured(self, body: Any) -> StructuredOutputs | None:
+        """The request's structured output (None: none): its own field's, or the tool calls a chat request's
+        tool_choice forces (chat.forced_tool_calls). Its grammar is compiled for this tokenizer before the
+        request is queued (else a 400 naming the field), off the event loop (a large schema takes up to a
+        second; the compiled grammar is cached for the request's run)."""
         structured, field = body.structured(), body.structured_field
         forced = (
             forced_tool_calls(self.llm.tokenizer, body) if isinstance(body, ChatCompletionRequest) else None
@@ -310,19 +311,15 @@ class _Server:
                 raise APIError(400, msg, "tool_choice")
             structured, field = forced, "tool_choice"
         if structured is None:
-            return {}
-        if (
-            body.min_tokens
-        ):  # the grammar may allow only the end token before min_tokens, which the ban refuses
+            return None
+        # the grammar may allow only the end token before min_tokens, which the ban would refuse
+        if body.min_tokens:
             raise APIError(400, f"min_tokens cannot be combined with {field}", "min_tokens")
-        make = getattr(self.llm, "constraint", None)
-        if make is None:
-            raise APIError(400, "this engine serves no structured outputs", field)
         try:
-            await asyncio.to_thread(make, structured, prompt_ids)
+            await asyncio.to_thread(self.llm.constraint, structured, [])
         except ValueError as e:
             raise APIError(400, str(e), field) from None
-        return {"structured_outputs": structured}
+        return structured
 
     def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> Job:
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
@@ -369,6 +366,7 @@ class _Server:
         # max_tokens 0 (with echo): one token is generated (the prefill samples it anyway) and dropped
         score_only = body.max_tokens == 0
         want = 1 if score_only else body.max_tokens
+        structured = await self._structured(body)  # one grammar for every prompt
         items = []  # every prompt checked before the first one runs
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -380,8 +378,6 @@ class _Server:
                 ids = list(prompt)
             budget = self._budget(len(ids), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
             _check_min_tokens(body, budget)
-            if i == 0:  # the grammar is the same for every prompt
-                structured = await self._structured(body, ids)
             echo = None
             if body.echo:
                 echo = prompt if isinstance(prompt, str) else tok.decode(ids)
@@ -392,7 +388,9 @@ class _Server:
             """Choice c's job (prompt c // n, its choice c % n), queued when its turn comes: a request holds
             one place in the queue at a time."""
             ids, budget, echo = items[c // n]
-            job = self._submit(ids, budget, {**body.sampling(c % n), **by_id, **structured})
+            job = self._submit(
+                ids, budget, {**body.sampling(c % n), **by_id, "structured_outputs": structured}
+            )
             return _CompletionOutput(tok, job, ids, echo, score_only)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -462,13 +460,15 @@ class _Server:
         prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
         _check_min_tokens(body, max_tokens)
-        structured = await self._structured(body, prompt_ids)
+        structured = await self._structured(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         continued = continued_text(body)
 
         def start(j: int) -> tuple[Job, ChatOutputParser]:
             """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
-            job = self._submit(prompt_ids, max_tokens, {**body.sampling(j), **by_id, **structured})
+            job = self._submit(
+                prompt_ids, max_tokens, {**body.sampling(j), **by_id, "structured_outputs": structured}
+            )
             parser = ChatOutputParser(
                 in_reasoning=opens_reasoning(prompt, continued),
                 parse_tools=body.parse_tools,
@@ -514,7 +514,7 @@ class _Server:
         prompt_ids = await self._encode(prompt, "input")
         try:
             max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
-            structured = await self._structured(chat, prompt_ids)
+            structured = await self._structured(chat)
         except APIError as e:  # the chat field's name -> the Responses one
             e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
             raise
@@ -525,7 +525,9 @@ class _Server:
         build = ResponseBuilder(response_head(body, self.served_name))
 
         def submit() -> Job:
-            return self._submit(prompt_ids, max_tokens, {**chat.sampling(0), **by_id, **structured})
+            return self._submit(
+                prompt_ids, max_tokens, {**chat.sampling(0), **by_id, "structured_outputs": structured}
+            )
 
         def result(job: Job, n_gen: int, reason: str | None, reasoning: str) -> tuple[str, dict]:
             """The terminal status and response after the last item closed."""

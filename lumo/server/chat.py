@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..engine.grammar import StructuredOutputs
+from ..engine.grammar import LEAD, StructuredOutputs
 from ..tokenizer import TokenizerError
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
@@ -87,7 +87,7 @@ def forced_tool_calls(tokenizer: Any, req: ChatCompletionRequest) -> StructuredO
     rules = _xml_call_rules(functions) if "<function=" in source else _json_call_rules(functions)
     opening, closing = (_lark_tag(tokenizer, tag) for tag in (TOOL_OPEN, TOOL_CLOSE))
     calls = "call" if req.parallel_tool_calls is False else 'call ("\\n" call)*'
-    head = [f"start: /[ \\n]{{1,2}}/? {calls}", f'call: {opening} "\\n" body "\\n" {closing}']
+    head = [f"start: {LEAD}? {calls}", f'call: {opening} "\\n" body "\\n" {closing}']
     return StructuredOutputs(grammar="\n".join(head + rules))
 
 
@@ -98,14 +98,10 @@ def _lark_tag(tokenizer: Any, tag: str) -> str:
     return f"<[{i}]>" if i is not None else json.dumps(tag)
 
 
-def _lark_alternatives(names: list[str]) -> str:
-    return " | ".join(names)
-
-
 def _json_call_rules(functions: list) -> list[str]:
     """`{"name": "f", "arguments": ARGS}`, ARGS each tool's parameters schema in a %json rule of its own."""
     options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
-    rules = ["body: " + _lark_alternatives([f"c{i}" for i in range(len(functions))])]
+    rules = ["body: " + " | ".join(f"c{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
         schema = f.parameters if isinstance(f.parameters, dict) else {"type": "object"}
         schema = {**schema, "x-guidance": {**(schema.get("x-guidance") or {}), **options}}
@@ -123,20 +119,17 @@ _XML_VALUE = (
 
 
 def _xml_call_rules(functions: list) -> list[str]:
-    rules = [
-        'body: "<function=" ('
-        + _lark_alternatives([f"f{i}" for i in range(len(functions))])
-        + ') "</function>"'
-    ]
+    """`<function=NAME>` and its parameters, each `<parameter=P>` (P among the schema's properties) and a
+    value (_XML_VALUE), then `</function>`."""
+    functions_alt = " | ".join(f"f{i}" for i in range(len(functions)))
+    rules = [f'body: "<function=" ({functions_alt}) "</function>"']
     for i, f in enumerate(functions):
-        props = (f.parameters or {}).get("properties") if isinstance(f.parameters, dict) else None
+        props = f.parameters.get("properties") if isinstance(f.parameters, dict) else None
         head = json.dumps(f.name + ">\n")
         if isinstance(props, dict) and not props:  # the schema lists no parameters: none
             rules.append(f"f{i}: {head}")
             continue
-        names = (
-            _lark_alternatives([json.dumps(p) for p in props]) if isinstance(props, dict) else r"/[^>\n]+/"
-        )
+        names = " | ".join(json.dumps(p) for p in props) if isinstance(props, dict) else r"/[^>\n]+/"
         rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" ({names}) ">\\n" value']
     return [*rules, _XML_VALUE]
 

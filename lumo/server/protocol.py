@@ -72,7 +72,7 @@ GUIDED = {
 _UNSUPPORTED_OPTIONS = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
 
 
-def response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
+def from_response_format(rf: dict[str, Any]) -> StructuredOutputs | None:
     """OpenAI's response_format: text (None), json_object, or json_schema {name, schema, strict}."""
     kind = rf.get("type", "text")
     if kind == "text":
@@ -171,7 +171,7 @@ class _Common(BaseModel):
         field = given[0]
         try:
             if field == "response_format":
-                return response_format(self.response_format)
+                return from_response_format(self.response_format)
             if field == "structured_outputs":
                 return vllm_structured_outputs(self.structured_outputs)
             return StructuredOutputs(**{GUIDED[field]: getattr(self, field)})
@@ -241,7 +241,6 @@ class _Common(BaseModel):
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "skip_special_tokens": self.skip_special_tokens is not False,
             "logprobs": self.logprobs_k(),
-            "structured_outputs": self.structured(),
         }
 
 

@@ -116,6 +116,10 @@ class ScriptedLLM:
         make_tokenizer_files(Path(directory))
         return cls(Tokenizer.from_dir(directory), output, **kw)
 
+    def constraint(self, structured, prompt_ids):
+        """LLM.constraint's check: a scripted output follows no grammar, so a structured request is a 400."""
+        raise ValueError("the scripted engine serves no structured outputs")
+
     def generate_stream(self, prompt, max_tokens=256, **kw):
         self.prompts.append(list(prompt))
         pieces = [self.output[i : i + self.chunk] for i in range(0, len(self.output), self.chunk)]
