@@ -455,7 +455,7 @@ def test_structured_output_tree_equals_plain(variant, params):
         masked_rows += int(eng.token_masks_on.sum())
         assert got[: len(want)] == want, f"prompt {i}: first difference at {first_diff(got, want)}"
         text = tok.decode([t for t in want if t not in eos])
-        assert text.startswith("{"), text
+        assert text.lstrip().startswith("{"), text  # up to two blanks may come first
     assert masked_rows > 10
     # the next request without a grammar, on the same engine and graphs: no mask left behind
     p = prompts(variant)[11]
