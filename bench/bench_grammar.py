@@ -14,7 +14,11 @@ Prints one table: medians (and 90th percentiles) of --events measurements each, 
 GPU spends on the step or event they are added to (the H200's 27B numbers in docs/runner.md and
 docs/spec-engine.md, and the same scaled to a GB10's 273 GB/s).
 
---gpu adds a second table (needs CUDA): the embedded model's tree decoding from CUDA graphs, free and under
+--acceptance adds a table from the CPU reference decoders (the embedded model in fp32, the default tree,
+held-out prompts): accepted drafts per event free, under LONG with the drafter unconstrained, and under
+LONG with the drafter proposing under the grammar along its spine (Constraint.spine).
+
+--gpu adds a table (needs CUDA): the embedded model's tree decoding from CUDA graphs, free and under
 a JSON schema that keeps it inside the grammar, and plain decoding under the same schema: tokens/s,
 accepted drafts per event, the host's mask time per event, and the event's wall time (the draft -> host
 -> verify round trip included). The texts differ (the grammar changes them), so so does acceptance.
@@ -126,6 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=248_320)
     ap.add_argument("--events", type=int, default=40)
+    ap.add_argument("--acceptance", action="store_true", help="also accepted drafts, CPU reference decoders")
     ap.add_argument("--gpu", action="store_true", help="also the embedded model's decoding on the GPU")
     args = ap.parse_args()
 
@@ -188,6 +193,8 @@ def main() -> None:
     print(f"{'what':<{w}} | {'ms':>22} | GPU time it adds to (ms)")
     for name, ms, ref in rows:
         print(f"{name:<{w}} | {ms:>22} | {ref}")
+    if args.acceptance:
+        acceptance_table()
     if args.gpu:
         gpu_table()
 
@@ -198,6 +205,52 @@ LONG = {
     "properties": {"lines": {"type": "array", "items": {"type": "string"}, "minItems": 200}},
     "required": ["lines"],
 }
+
+
+def acceptance_table(n_prompts: int = 6, new: int = 64) -> None:
+    """Accepted drafts per event of the CPU reference tree decoder (module docstring)."""
+    from unittest import mock
+
+    from lumo.corpus import split_documents, stdlib_documents
+    from lumo.engine.decode import SpecDecoder
+    from lumo.engine.grammar import Constraint
+    from lumo.engine.llm import embedded_model_path
+    from lumo.engine.sampling import SamplingParams
+    from lumo.tokenizer import Tokenizer
+    from lumo.weights import load_model
+
+    path = embedded_model_path()
+    cfg, w = load_model(path, device="cpu", dtype=torch.float32, progress=False)
+    tok = Tokenizer.from_dir(path)
+    think = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    compiler = GrammarCompiler(tok.to_json(), cfg.vocab_size, tok.eos_token_ids, think=think)
+    prompts = [tok.encode(d.text)[:64] for d in split_documents(stdlib_documents())[2][:n_prompts]]
+    head = "the embedded model (fp32, CPU reference, default tree), greedy"
+    print(f"\n{head}, {n_prompts} held-out prompts x {new} tokens")
+    for name, grammar, drafter in (
+        ("free", False, False),
+        ("JSON schema, drafter unconstrained", True, False),
+        ("JSON schema, drafter under the grammar", True, True),
+    ):
+        accepted = events = 0
+        with mock.patch.object(Constraint, "spine", Constraint.spine if drafter else lambda self: None):
+            for p in prompts:
+                dec = SpecDecoder(
+                    cfg,
+                    w,
+                    SamplingParams(temperature=0.0),
+                    len(p) + new + 64,
+                    "cpu",
+                    torch.float32,
+                    TreeConfig(),
+                )
+                if grammar:
+                    dec.constraint = compiler.constraint(StructuredOutputs(json=LONG), think)  # thinking off
+                out = dec.prefill(p)
+                while len(out) < new:
+                    out += dec.step()
+                accepted, events = accepted + sum(dec.stats.accepted), events + dec.stats.events
+        print(f"{name:<40} | {accepted / events:5.2f} accepted drafts/event over {events} events")
 
 
 def gpu_table(n_prompts: int = 8, new: int = 160, repeats: int = 3) -> None:

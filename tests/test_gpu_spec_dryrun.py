@@ -828,3 +828,32 @@ def test_emulated_structured_output_equals_plain(monkeypatch, params, mutant):
         assert set(json.loads(text)) == {"path", "size"}
     else:
         assert text.lstrip().startswith('{"path":"')
+
+
+def test_emulated_drafter_proposes_under_the_grammar(monkeypatch):
+    """Each draft step's candidates under the grammar's state after the spine (GPUSpecEngine._draft with a
+    constraint): the same tokens as without (drafts never change the output), more of them accepted."""
+    from lumo.engine.grammar import Constraint, GrammarCompiler, StructuredOutputs
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    t = tokenizer()
+    compiler = GrammarCompiler(t.to_json(), cfg.vocab_size, t.eos_token_ids)
+    lines = {"type": "array", "items": {"type": "string"}, "minItems": 200}
+    spec_ = StructuredOutputs(json={"type": "object", "properties": {"lines": lines}, "required": ["lines"]})
+    prompt = t.encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
+    runs = []
+    for masked in (True, False):
+        if not masked:
+            monkeypatch.setattr(Constraint, "spine", lambda self: None)  # the drafter unconstrained
+        runner = GPURunner(cfg, gw, 128, prefill_chunk=10, device="cpu")
+        dec = GPUSpecDecoder(
+            runner, SamplingParams(temperature=0.0), TreeConfig(depth=4, topk=3, budget=7, rows=8)
+        )
+        dec.constraint = compiler.constraint(spec_)
+        out = dec.prefill(prompt)
+        while len(out) < 48:
+            out += dec.step()
+        runs.append((out[:48], sum(dec.stats.accepted) / dec.stats.events))
+    (masked_out, masked_rate), (free_out, free_rate) = runs
+    assert masked_out == free_out and masked_rate > 1.5 * free_rate, runs

@@ -219,12 +219,16 @@ class SpecDecoder(PlainDecoder):
         tokens[0] = self.pending
         logits, hidden = self.draft_logits, self.draft_hidden
         pos = self.cache.length  # MTP position of the step predicting depth 2 (pair (out_1, s_1))
+        # and under a structured output's grammar, its state walked along the spine
+        grammar = None if self.constraint is None else self.constraint.spine()
         for d in range(1, t.depth_max + 1):
             k = max(int(t.rank.max()) + 1, 1)
             if self.params.logit_bias or self.history is not None:
                 # the drafter proposes under the bias and the penalties (the spine so far generated)
                 spine = None if self.history is None else self.history.with_tokens(tokens[1:d])
                 logits = adjust(logits, self.params, spine)
+            if grammar is not None:
+                logits = mask_logits(logits, grammar.allowed())
             if self.draft_ids is None:
                 top = torch.topk(logits, k).indices.tolist()
             else:
@@ -232,6 +236,8 @@ class SpecDecoder(PlainDecoder):
             for i in range(t.n_nodes):
                 if int(t.depth[i]) == d:
                     tokens[i] = top[int(t.rank[i])]
+            if grammar is not None and not grammar.try_advance(tokens[d]):
+                grammar = None  # a spine the grammar refuses: no verify row below it is reached anyway
             if d < t.depth_max:
                 lg, out = M.mtp_forward(
                     self.cfg, self.w, hidden[None], self._ids([tokens[d]]), self.cache, pos

@@ -193,6 +193,9 @@ class GPUSpecEngine:
         if Vd < self.k:
             raise ValueError(f"a draft vocabulary of {Vd} tokens is smaller than the tree's top-{self.k}")
         self.draft_bf16 = torch.zeros(1, Vd, dtype=bf, device=dev)  # [1, Vd] next draft step's logits
+        # a structured output's mask of a draft step (the whole vocabulary only: _draft)
+        self.draft_mask = torch.zeros(1, bitmask_words(Vd), dtype=i32, device=dev)
+        self.draft_mask_on = torch.ones(1, dtype=i32, device=dev)
         self.tk_ws = topk_workspace(1, Vd, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self._carry: torch.Tensor | None = None
@@ -308,6 +311,9 @@ class GPUSpecEngine:
             self._draft_stale = False
         phases = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
         for name in EVENT_PHASES:
+            if name == "draft" and constraint is not None:
+                self._draft(constraint)  # eagerly: each step's mask needs the spine so far on the host
+                continue
             if name == "verify" and constraint is not None:
                 self.mask_tree(constraint)
             if use_graph and self.graphs is not None:
@@ -503,9 +509,14 @@ class GPUSpecEngine:
     # ------------------------------------------------------------------------------------------
     # The three phases of an event (launches only: no allocation, no sync).
 
-    def _draft(self) -> None:
+    def _draft(self, constraint: Constraint | None = None) -> None:
+        """The MTP's spine and siblings. constraint (eager only: host syncs): each step's candidates under
+        the grammar's state after the spine so far (Constraint.spine; not with a draft vocabulary, whose
+        columns are not token ids), which changes what is proposed, never the output."""
         r1, L = self.d1, self.runner.pos
+        grammar = None if constraint is None or self.draft_ids is not None else constraint.spine()
         self.mtp_pos.copy_(L)
+        self._mask_draft(grammar)
         topk_select(
             self.draft_bf16,
             self.k,
@@ -517,12 +528,17 @@ class GPUSpecEngine:
             penalties=self.draft_penalties,
         )
         for dd in range(1, self.D):
+            spine = None if grammar is None else int(self.tokens[dd])  # a sync: the previous top-k's token
             # Step dd: pair (draft hidden, spine token at depth dd) at MTP position len + dd - 1.
             r1.positions.copy_(self.mtp_pos)
             r1.slots.copy_(self.mtp_pos)
             # r1.out (the previous step's output) is read by the first norm, rewritten by the last one.
             self._mtp_rows(r1, self.tokens[dd : dd + 1], r1.out, self.mtp_pos)
             self._draft_logits()
+            # the host walks the grammar while the GPU runs the step
+            if grammar is not None and not grammar.try_advance(spine):
+                grammar = None  # a spine the grammar refuses: no verify row below it is reached anyway
+            self._mask_draft(grammar)
             topk_select(
                 self.draft_bf16,
                 self.k,
@@ -535,6 +551,15 @@ class GPUSpecEngine:
                 n_path=dd,  # spine tokens at depths 1..dd
             )
             self.mtp_pos.add_(1)
+
+    def _mask_draft(self, grammar: Constraint | None) -> None:
+        """The next draft step's logits under the grammar's state (none: no launch at all)."""
+        if grammar is None:
+            return
+        bits = grammar.bitmask()
+        if bits is not None:  # not while reasoning
+            self.draft_mask[0].copy_(bits)
+            apply_token_mask(self.draft_bf16, self.draft_mask, self.draft_mask_on)
 
     def _verify(self) -> None:
         cfg, w, v, eps = self.cfg, self.w, self.tr, self.cfg.rms_norm_eps
