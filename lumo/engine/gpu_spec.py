@@ -3,13 +3,14 @@
 `GPUSpecEngine` owns the static buffers of one (runner, tree shape) pair and runs an event as three
 launch sequences, each capturable as a CUDA graph (every per-event value lives in a device buffer):
   draft          the MTP head walks the spine (D - 1 one-row steps); after each step `topk_select` writes
-                 the spine token and its siblings into the tree's token buffer (draft_node_table);
+                 the spine token and its siblings into the tree's token buffer (draft_node_table); for a
+                 request with a grammar eagerly, each step's logits masked with the grammar's state after
+                 the spine so far (a host sync per step);
   verify         one target forward over the R tree rows (linears at M = R, conv_gather_qk over conv_pred,
                  which also normalises q and k once per row and head, gdn_tree, attention with ancestor
                  masks), final norm + lm_head for all rows, a structured output's masks (apply_token_mask:
-                 the host computes them between draft and verify, the event's only other sync, and only
-                 for a request with a grammar), then sample_tokens per row at absolute position
-                 len + depth + 1;
+                 the host computes them between draft and verify, only for a request with a grammar),
+                 then sample_tokens per row at absolute position len + depth + 1;
   accept+commit  tree_accept -> GDN replay (gdn_decode rows/count over the recorded operands) ->
                  conv_state_commit -> kv_remap (reads the old len) -> MTP fed the accepted pairs
                  (its K/V and the next event's first draft logits) -> len += count, pending -> root.
