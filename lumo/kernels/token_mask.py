@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from ..engine.grammar import bitmask_words, unpack_bitmask
 from .compile import Kernel, compile_kernel
 
 THREADS = 256
@@ -21,8 +22,6 @@ def _kernel() -> Kernel:
 def _check(logits: torch.Tensor, mask: torch.Tensor, on: torch.Tensor) -> tuple[int, int, int]:
     if logits.dim() != 2 or logits.dtype != torch.bfloat16 or not logits.is_contiguous():
         raise ValueError(f"logits must be contiguous bf16 [T, V], got {logits.dtype} {list(logits.shape)}")
-    from ..engine.grammar import bitmask_words
-
     T, V = logits.shape
     W = bitmask_words(V)
     if mask.dtype != torch.int32 or tuple(mask.shape) != (T, W) or not mask.is_contiguous():
@@ -46,8 +45,6 @@ def apply_token_mask(logits: torch.Tensor, mask: torch.Tensor, on: torch.Tensor)
 
 def apply_token_mask_ref(logits: torch.Tensor, mask: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
     """The reference, in place: the rows with on set masked with their bits unpacked."""
-    from ..engine.grammar import unpack_bitmask
-
     T, V, _ = _check(logits, mask, on)
     for t in range(T):
         if int(on[t]):
