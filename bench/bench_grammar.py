@@ -273,9 +273,9 @@ def gpu_table(n_prompts: int = 8, new: int = 160, repeats: int = 3) -> None:
         if engine is not None:
             mask_tree = engine.mask_tree
 
-            def timed_mask(constraint, mask_tree=mask_tree, mask_s=mask_s):
+            def timed_mask(constraint, tokens=None, mask_tree=mask_tree, mask_s=mask_s):
                 t0 = time.perf_counter()
-                mask_tree(constraint)
+                mask_tree(constraint, tokens)
                 mask_s[0] += time.perf_counter() - t0
 
             engine.mask_tree = timed_mask

@@ -19,6 +19,20 @@ def lumo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     )
 
 
+def test_python_dash_m_lumo_is_the_lumo_command():
+    """`python -m lumo` (no console script on PATH, e.g. PYTHONPATH=. on a GPU machine) runs the same CLI,
+    its exit codes included."""
+    r = subprocess.run([sys.executable, "-m", "lumo", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "generate" in r.stdout and "serve" in r.stdout, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "lumo", "generate", "--model", "/no/such/dir", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.skipif(not (embedded_model_path() / "config.json").exists(), reason="no embedded model")
 def test_generate_with_the_embedded_model():
     r = lumo("generate", "--prompt", "def fibonacci(n):", "--max-tokens", "32", "--temperature", "0")

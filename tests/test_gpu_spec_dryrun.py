@@ -802,7 +802,7 @@ def test_emulated_structured_output_equals_plain(monkeypatch, params, mutant):
     spec.logprobs = plain.logprobs = 3
     spec.constraint, plain.constraint = compiler.constraint(spec_), compiler.constraint(spec_)
     if mutant:
-        monkeypatch.setattr(spec.engine, "mask_tree", lambda constraint: None)
+        monkeypatch.setattr(spec.engine, "mask_tree", lambda constraint, tokens=None: None)
     prompt = t.encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n")
     eos = set(t.eos_token_ids)
     got, got_lp = spec.prefill(prompt), list(spec.last_logprobs)

@@ -432,7 +432,9 @@ def _constrained(dec, constraint, prompt, n: int, eos) -> list[int]:
 def test_structured_output_tree_equals_plain(variant, params):
     """A JSON schema (lumo.engine.grammar): the verify rows masked by apply_token_mask with the host's
     per-path masks between the draft and verify graphs, adaptive plain steps masked through the runner,
-    on CUDA graphs, give plain decoding's tokens (eager GPUDecoder under the same grammar)."""
+    on CUDA graphs, give plain decoding's tokens (eager GPUDecoder under the same grammar). The draft
+    under the grammar from its graphs (GPUSpecEngine.grammar_graphs) proposes what its eager pieces do:
+    the same accepted drafts per event."""
     from lumo.engine.grammar import GrammarCompiler, StructuredOutputs
 
     cfg, gw, path = packed(variant)
@@ -446,14 +448,19 @@ def test_structured_output_tree_equals_plain(variant, params):
     so = StructuredOutputs(json=schema)
     eos = set(tok.eos_token_ids)
     eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
+    eager_eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
     masked_rows = 0
     for i, p in enumerate(prompts(variant)[:10]):
         plain = GPUDecoder(runners(variant)[0], params, use_graph=False)
         spec = GPUSpecDecoder(eng, params, use_graph=True, adaptive=ScriptedAdaptive([True, True, False]))
+        eager = GPUSpecDecoder(eager_eng, params, adaptive=ScriptedAdaptive([True, True, False]))
         want = _constrained(plain, compiler.constraint(so), p, 64, eos)
         got = _constrained(spec, compiler.constraint(so), p, len(want), eos)
+        assert eng.grammar_graphs is not None
         masked_rows += int(eng.token_masks_on.sum())
         assert got[: len(want)] == want, f"prompt {i}: first difference at {first_diff(got, want)}"
+        assert _constrained(eager, compiler.constraint(so), p, len(want), eos) == got
+        assert eager.stats.accepted == spec.stats.accepted, "the graphed draft proposed other tokens"
         text = tok.decode([t for t in want if t not in eos])
         assert text.lstrip().startswith("{"), text  # up to two blanks may come first
     assert masked_rows > 10

@@ -4,13 +4,14 @@
 launch sequences, each capturable as a CUDA graph (every per-event value lives in a device buffer):
   draft          the MTP head walks the spine (D - 1 one-row steps); after each step `topk_select` writes
                  the spine token and its siblings into the tree's token buffer (draft_node_table); for a
-                 request with a grammar eagerly, each step's logits masked with the grammar's state after
-                 the spine so far (a host sync per step);
+                 request with a grammar the same steps in 2D - 1 pieces (graphs of their own), each
+                 selection under the grammar's state after the spine so far (a host sync per depth);
   verify         one target forward over the R tree rows (linears at M = R, conv_gather_qk over conv_pred,
                  which also normalises q and k once per row and head, gdn_tree, attention with ancestor
                  masks), final norm + lm_head for all rows, a structured output's masks (apply_token_mask:
-                 the host computes them between draft and verify, only for a request with a grammar),
-                 then sample_tokens per row at absolute position len + depth + 1;
+                 for a request with a grammar the host computes them while the GPU runs the forward,
+                 which is then a graph of its own, and the masking and sampling another), then
+                 sample_tokens per row at absolute position len + depth + 1;
   accept+commit  tree_accept -> GDN replay (gdn_decode rows/count over the recorded operands) ->
                  conv_state_commit -> kv_remap (reads the old len) -> MTP fed the accepted pairs
                  (its K/V and the next event's first draft logits) -> len += count, pending -> root.
@@ -27,7 +28,9 @@ events and plain steps at any token with the same output.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -53,6 +56,17 @@ from .tree import TreeBuffers, build_tree, chain_config, gdn_schedule
 
 _NO_SLOT = -(1 << 30)  # slot offset of a padding row: len + offset < 0, so qk_norm_rope_kv skips it
 EVENT_PHASES = ("draft", "verify", "commit")  # an event's graphs, replayed in this order
+
+
+def _capture(steps: dict[str, Callable[[], None]]) -> dict[str, torch.cuda.CUDAGraph]:
+    """Each launch sequence recorded as a CUDA graph (nothing runs: warm the kernels first)."""
+    graphs = {}
+    for name, fn in steps.items():
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # records only
+            fn()
+        graphs[name] = g
+    return graphs
 
 
 class _Rows:
@@ -168,6 +182,8 @@ class GPUSpecEngine:
         pin = dev.type == "cuda"
         self._host_masks = torch.zeros(R, W, dtype=i32, pin_memory=pin)
         self._host_masks_on = torch.zeros(R, dtype=i32, pin_memory=pin)
+        self._host_tokens = torch.zeros(R, dtype=i32, pin_memory=pin)  # the drafted tokens
+        self._tokens_copied = torch.cuda.Event() if pin else None
         self.sample_ws = sample_workspace(R, V, dev)
         self.kv_tab = kv_table(runner.kv_k + runner.kv_v)
 
@@ -194,11 +210,16 @@ class GPUSpecEngine:
         if Vd < self.k:
             raise ValueError(f"a draft vocabulary of {Vd} tokens is smaller than the tree's top-{self.k}")
         self.draft_bf16 = torch.zeros(1, Vd, dtype=bf, device=dev)  # [1, Vd] next draft step's logits
-        # a structured output's mask of a draft step (the whole vocabulary only: _draft)
-        self.draft_mask = torch.zeros(1, bitmask_words(Vd), dtype=i32, device=dev)
-        self.draft_mask_on = torch.ones(1, dtype=i32, device=dev)
+        # A structured output's mask of a draft step (the whole vocabulary only: _draft_under), its flag
+        # in the word after it, so that one copy from the pinned host row loads both.
+        Wd = bitmask_words(Vd)
+        self._draft_mask_row = torch.zeros(1, Wd + 1, dtype=i32, device=dev)
+        self.draft_mask, self.draft_mask_on = self._draft_mask_row[:, :Wd], self._draft_mask_row[0, Wd:]
+        self._host_draft_mask = torch.zeros(1, Wd + 1, dtype=i32, pin_memory=pin)
         self.tk_ws = topk_workspace(1, Vd, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        # an event's pieces under a grammar, between which the host works (_grammar_pieces)
+        self.grammar_graphs: dict[str, torch.cuda.CUDAGraph] | None = None
         self._carry: torch.Tensor | None = None
         self.root_only = torch.full((self.cap,), -1, dtype=i32, device=dev)  # `accepted` of a plain step
         self.root_only[0] = 0
@@ -238,11 +259,11 @@ class GPUSpecEngine:
         self.ban_until.copy_(self.runner.ban_until.expand(self.R))
         self.token_masks_on.zero_()
 
-    def mask_tree(self, constraint: Constraint) -> None:
-        """After the draft: each verify row's allowed tokens, from the grammar state after its path (one
-        device-to-host copy of the drafted tokens; Constraint.tree_bitmasks)."""
+    def mask_tree(self, constraint: Constraint, tokens: list[int] | None = None) -> None:
+        """After the draft: each verify row's allowed tokens, from the grammar state after its path
+        (Constraint.tree_bitmasks). tokens: the tree's drafted tokens, if the host has them (else a copy)."""
         n = self.tb.n_nodes
-        tokens = self.tokens[:n].tolist()
+        tokens = self.tokens[:n].tolist() if tokens is None else tokens
         on = constraint.tree_bitmasks(tokens, self.tb.parent[:n].tolist(), self._host_masks)
         self._host_masks_on[:n] = torch.tensor(on, dtype=torch.int32)  # padding rows stay 0
         # pinned sources, reused only after the event's result is read (a sync): no copy is in flight then
@@ -311,12 +332,16 @@ class GPUSpecEngine:
             self._draft_logits()
             self._draft_stale = False
         phases = {"draft": self._draft, "verify": self._verify, "commit": self._accept_commit}
+        # The drafter proposes under the grammar along its spine (not with a draft vocabulary, whose columns
+        # are not token ids): this changes what is proposed, never the output.
+        spine = None if constraint is None or self.draft_ids is not None else constraint.spine()
         for name in EVENT_PHASES:
-            if name == "draft" and constraint is not None:
-                self._draft(constraint)  # eagerly: each step's mask needs the spine so far on the host
+            if name == "draft" and spine is not None:
+                self._draft_under(spine, use_graph)
                 continue
             if name == "verify" and constraint is not None:
-                self.mask_tree(constraint)
+                self._verify_under(constraint, use_graph)
+                continue
             if use_graph and self.graphs is not None:
                 self.graphs[name].replay()
             else:
@@ -392,13 +417,8 @@ class GPUSpecEngine:
         torch.cuda.current_stream(self.dev).wait_stream(side)
         for t, s in zip(self._state(), saved, strict=True):
             t.copy_(s)
-        graphs = {}
-        for name, fn in steps.items():
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):  # records only
-                fn()
-            graphs[name] = g
-        self.graphs = graphs
+        self.graphs = _capture(steps)
+        self.grammar_graphs = _capture(self._grammar_pieces())  # the same kernels, warm already
 
     # ------------------------------------------------------------------------------------------
     # Shared pieces.
@@ -510,59 +530,106 @@ class GPUSpecEngine:
     # ------------------------------------------------------------------------------------------
     # The three phases of an event (launches only: no allocation, no sync).
 
-    def _draft(self, constraint: Constraint | None = None) -> None:
-        """The MTP's spine and siblings. constraint (eager only: host syncs): each step's candidates under
-        the grammar's state after the spine so far (Constraint.spine; not with a draft vocabulary, whose
-        columns are not token ids), which changes what is proposed, never the output."""
-        r1, L = self.d1, self.runner.pos
-        grammar = None if constraint is None or self.draft_ids is not None else constraint.spine()
-        self.mtp_pos.copy_(L)
-        self._mask_draft(grammar)
+    def _draft(self) -> None:
+        """The MTP's spine and siblings: D one-row steps, each followed by its top-k selection."""
+        self._draft_select(0)
+        for dd in range(1, self.D):
+            self._draft_step(dd)
+            self._draft_select(dd)
+
+    def _draft_select(self, dd: int, masked: bool = False) -> None:
+        """topk_select of depth dd's spine token and siblings from the latest draft logits (dd = 0 starts
+        the draft at MTP position len). masked: under the draft mask first (a grammar: _draft_under)."""
+        if dd == 0:
+            self.mtp_pos.copy_(self.runner.pos)
+        if masked:
+            apply_token_mask(self.draft_bf16, self.draft_mask, self.draft_mask_on)
         topk_select(
             self.draft_bf16,
             self.k,
-            out=self.cand[0:1],
+            out=self.cand[dd : dd + 1],
             tokens=self.tokens,
-            nodes=self.table[0:1],
+            nodes=self.table[dd : dd + 1],
             workspace=self.tk_ws,
             id_map=self.draft_ids,
             penalties=self.draft_penalties,
+            n_path=dd,  # spine tokens at depths 1..dd
         )
-        for dd in range(1, self.D):
-            spine = None if grammar is None else int(self.tokens[dd])  # a sync: the previous top-k's token
-            # Step dd: pair (draft hidden, spine token at depth dd) at MTP position len + dd - 1.
-            r1.positions.copy_(self.mtp_pos)
-            r1.slots.copy_(self.mtp_pos)
-            # r1.out (the previous step's output) is read by the first norm, rewritten by the last one.
-            self._mtp_rows(r1, self.tokens[dd : dd + 1], r1.out, self.mtp_pos)
-            self._draft_logits()
-            # the host walks the grammar while the GPU runs the step
-            if grammar is not None and not grammar.try_advance(spine):
-                grammar = None  # a spine the grammar refuses: no verify row below it is reached anyway
-            self._mask_draft(grammar)
-            topk_select(
-                self.draft_bf16,
-                self.k,
-                out=self.cand[dd : dd + 1],
-                tokens=self.tokens,
-                nodes=self.table[dd : dd + 1],
-                workspace=self.tk_ws,
-                id_map=self.draft_ids,
-                penalties=self.draft_penalties,
-                n_path=dd,  # spine tokens at depths 1..dd
-            )
-            self.mtp_pos.add_(1)
 
-    def _mask_draft(self, grammar: Constraint | None) -> None:
-        """The next draft step's logits under the grammar's state (none: no launch at all)."""
-        if grammar is None:
-            return
-        bits = grammar.bitmask()
-        if bits is not None:  # not while reasoning
-            self.draft_mask[0].copy_(bits)
-            apply_token_mask(self.draft_bf16, self.draft_mask, self.draft_mask_on)
+    def _draft_step(self, dd: int) -> None:
+        """Draft step dd: the pair (draft hidden, spine token at depth dd) at MTP position len + dd - 1."""
+        r1 = self.d1
+        r1.positions.copy_(self.mtp_pos)
+        r1.slots.copy_(self.mtp_pos)
+        # r1.out (the previous step's output) is read by the first norm, rewritten by the last one.
+        self._mtp_rows(r1, self.tokens[dd : dd + 1], r1.out, self.mtp_pos)
+        self._draft_logits()
+        self.mtp_pos.add_(1)
+
+    def _grammar_pieces(self) -> dict[str, Callable[[], None]]:
+        """An event's launch sequences under a grammar (each a graph once captured): the verify's forward
+        and its sampling apart (_verify_under), and, with the whole vocabulary, the draft's pieces
+        (_draft_under): select0, step1, select1, ..."""
+        pieces = {"verify_forward": self._verify_forward, "verify_sample": self._verify_sample}
+        if self.draft_ids is None:
+            pieces["select0"] = functools.partial(self._draft_select, 0, masked=True)
+            for dd in range(1, self.D):
+                pieces[f"step{dd}"] = functools.partial(self._draft_step, dd)
+                pieces[f"select{dd}"] = functools.partial(self._draft_select, dd, masked=True)
+        return pieces
+
+    def _run_piece(self, name: str, use_graph: bool) -> None:
+        if use_graph and self.grammar_graphs is not None:
+            self.grammar_graphs[name].replay()
+        else:
+            self._grammar_pieces()[name]()
+
+    def _verify_under(self, constraint: Constraint, use_graph: bool) -> None:
+        """The verify with each row masked by the grammar's state after its path: the host computes the
+        rows' masks (mask_tree) while the GPU runs the target forward, then the masked rows are sampled."""
+        n = self.tb.n_nodes
+        cuda = self.dev.type == "cuda"
+        if cuda:  # the drafted tokens to the host behind the draft, not behind the forward
+            self._host_tokens[:n].copy_(self.tokens[:n], non_blocking=True)
+            self._tokens_copied.record()
+        self._run_piece("verify_forward", use_graph)
+        if cuda:
+            self._tokens_copied.synchronize()
+        tokens = (self._host_tokens if cuda else self.tokens)[:n].tolist()
+        self.mask_tree(constraint, tokens)
+        self._run_piece("verify_sample", use_graph)
+
+    def _draft_under(self, grammar: Constraint, use_graph: bool) -> None:
+        """_draft with each depth's candidates under the grammar's state after the spine so far (grammar:
+        the request's Constraint.spine() copy, walked here). Between the pieces the host reads the spine
+        token (a sync per depth), advances the grammar while the GPU runs the next step, and loads that
+        step's mask (one copy from a pinned row; its flag 0 while reasoning or once the grammar refused
+        the spine, below which no verify row is reached anyway)."""
+        state: Constraint | None = grammar
+        self._load_draft_mask(state)
+        self._run_piece("select0", use_graph)
+        for dd in range(1, self.D):
+            spine = int(self.tokens[dd])  # a sync: the previous selection's spine token
+            self._run_piece(f"step{dd}", use_graph)
+            if state is not None and not state.try_advance(spine):
+                state = None
+            self._load_draft_mask(state)
+            self._run_piece(f"select{dd}", use_graph)
+
+    def _load_draft_mask(self, grammar: Constraint | None) -> None:
+        """The next selection's mask and flag into the draft mask row. The pinned row is rewritten only
+        after the next sync (the spine's read, the event's result), which follows this copy."""
+        host, W = self._host_draft_mask, self.draft_mask.shape[1]
+        bits = None if grammar is None else grammar.bitmask(out=host[0, :W])
+        host[0, W] = int(bits is not None)
+        self._draft_mask_row.copy_(host, non_blocking=True)
 
     def _verify(self) -> None:
+        self._verify_forward()
+        self._verify_sample()
+
+    def _verify_forward(self) -> None:
+        """The target forward over the R tree rows, through the lm_head."""
         cfg, w, v, eps = self.cfg, self.w, self.tr, self.cfg.rms_norm_eps
         r, L = self.runner, self.runner.pos
         C, nv, dv = cfg.conv_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -605,6 +672,9 @@ class GPUSpecEngine:
             delta = v.delta
         rmsnorm1p(v.h, w.norm, eps, delta=delta, out=v.out)  # hidden states, kept for the MTP feed
         w.lm_head(v.out, out=self.logits_bf16)
+
+    def _verify_sample(self) -> None:
+        """Each row's choice: its logits under its grammar mask (if its flag is set), then sampled."""
         apply_token_mask(self.logits_bf16, self.token_masks, self.token_masks_on)
         sample_tokens(  # reads the bf16 logits as their f32 values (lumo.model's cast, no launch)
             self.logits_bf16,
