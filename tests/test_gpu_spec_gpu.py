@@ -469,3 +469,31 @@ def test_structured_output_tree_equals_plain(variant, params):
     spec = GPUSpecDecoder(eng, params, use_graph=True, adaptive=ScriptedAdaptive([True, True, False]))
     got = spec_tokens(spec, p, 48)
     assert got == plain_tokens(variant, p, 48, params)[:48] and not eng.token_masks_on.any()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_structured_output_with_a_draft_vocabulary_equals_plain(variant):
+    """A JSON schema with a draft vocabulary (whose columns are not token ids): the drafter unconstrained
+    from the draft graph, the verify rows masked between the grammar's verify graphs; plain's tokens."""
+    from lumo.engine.grammar import GrammarCompiler, StructuredOutputs
+
+    cfg, _, path = packed(variant)
+    _, w = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    tok = Tokenizer.from_dir(path)
+    ids = draft_vocab_ids(1024, cfg.vocab_size, tok.added_token_ids())
+    gw = pack_weights(cfg, w, DEV, mtp=True, draft_ids=ids)
+    compiler = GrammarCompiler(tok.to_json(), cfg.vocab_size, tok.eos_token_ids)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    so = StructuredOutputs(json=schema)
+    eos = set(tok.eos_token_ids)
+    eng = GPUSpecEngine(GPURunner(cfg, gw, CAPACITY), TreeConfig())
+    masked_rows = 0
+    for i, p in enumerate(prompts(variant)[:5]):
+        plain = GPUDecoder(runners(variant)[0], GREEDY, use_graph=False)
+        spec = GPUSpecDecoder(eng, GREEDY, use_graph=True, adaptive=ScriptedAdaptive([True, True, False]))
+        want = _constrained(plain, compiler.constraint(so), p, 48, eos)
+        got = _constrained(spec, compiler.constraint(so), p, len(want), eos)
+        assert eng.grammar_graphs is not None and "select0" not in eng.grammar_graphs
+        assert got[: len(want)] == want, f"prompt {i}: first difference at {first_diff(got, want)}"
+        masked_rows += int(eng.token_masks_on.sum())
+    assert masked_rows > 0
