@@ -97,10 +97,11 @@ def test_forced_grammar_in_both_forms(form, call):
     assert not _takes(form, required, "Sure! " + paris)  # no text instead of or before the call
     assert not _takes(form, required, call("get_wether", {"city": "Paris"}))
     assert not _takes(form, required, call("get_weather", {"town": "Paris"}))  # a parameter not in the schema
-    if form == "json":  # the arguments follow the schema (XML values are free text, typed by the parser)
-        assert not _takes(form, required, call("get_weather", {"city": "Rome"}))
-    else:
-        assert _takes(form, required, call("get_weather", {"city": "Rome </param> still the value"}))
+    # the arguments follow the schema in both forms: an enum, a required parameter, an integer, the order
+    assert not _takes(form, required, call("get_weather", {"city": "Rome"}))
+    assert not _takes(form, required, call("get_weather", {"days": 3}))
+    assert not _takes(form, required, call("get_weather", {"city": "Paris", "days": "three"}))
+    assert not _takes(form, required, call("get_weather", {"days": 3, "city": "Oslo"}))
     auto = ChatCompletionRequest.model_validate({**required, "tool_choice": "auto"})
     assert forced_tool_calls(_Tok(form), auto) is None
     # after the reasoning: "\n\n" (Qwen's) may come first, not more; thinking only where the prompt allows it
@@ -136,6 +137,60 @@ def test_forced_grammar_schemas(form, call):
         for tag in ("</function>", "<parameter=x>", "</parameter>"):
             assert not _takes(form, req, call("ping", {"a": f"x\n{tag}\ny"})), tag
         assert _takes(form, req, call("ping", {"a": "x </param> <b> y"}))
+
+
+def test_forced_xml_values_follow_the_schema():
+    """The XML form's values are what toolparse reads for each parameter's schema: JSON where no string is
+    among its types (an array whose items are a `$ref` into the tool's $defs, resolved; a boolean also as
+    Jinja writes it), text where one is; each parameter at most once, the required ones present."""
+    plan = {
+        "type": "function",
+        "function": {
+            "name": "plan",
+            "parameters": {
+                "$defs": {
+                    "Stop": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string"}},
+                        "required": ["city"],
+                    }
+                },
+                "type": "object",
+                "properties": {
+                    "stops": {"type": "array", "items": {"$ref": "#/$defs/Stop"}},
+                    "fast": {"type": "boolean"},
+                    "note": {"type": "string"},
+                },
+                "required": ["stops"],
+            },
+        },
+    }
+    req = {"messages": USER, "tools": [plan], "tool_choice": "required"}
+    stops = '[{"city": "Oslo"}, {"city": "Bergen"}]'
+    for fast in ("true", "False"):
+        assert _takes("xml", req, _xml("plan", {"stops": stops, "fast": fast}))
+    assert _takes("xml", req, _xml("plan", {"stops": "[]", "note": "any </param> text, 3 lines\n\n"}))
+    for bad in (
+        {"stops": "Oslo"},  # not JSON
+        {"stops": '[{"town": "Oslo"}]'},  # an item without its required city
+        {"stops": stops, "fast": "yes"},
+        {"fast": "true"},  # stops is required
+    ):
+        assert not _takes("xml", req, _xml("plan", bad)), bad
+    twice = _xml("plan", {"stops": "[]"}).replace(
+        "</function>", "<parameter=stops>\n[]\n</parameter>\n</function>"
+    )
+    assert not _takes("xml", req, twice)
+    # what the grammar lets through, toolparse types as the schema says
+    from lumo.server.toolparse import parse_tool_call
+
+    body = (
+        _xml("plan", {"stops": stops, "fast": "False"})
+        .removeprefix("<tool_call>\n")
+        .removesuffix("\n</tool_call>")
+    )
+    call = parse_tool_call(body, {"plan": plan["function"]["parameters"]["properties"]})
+    assert json.loads(call.arguments) == {"stops": [{"city": "Oslo"}, {"city": "Bergen"}], "fast": False}
 
 
 def test_tool_tags_without_their_own_tokens_are_text():

@@ -9,7 +9,16 @@ from ..engine.grammar import LEAD, StructuredOutputs
 from ..tokenizer import TokenizerError
 from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from .toolparse import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN, ParsedDelta, ToolCall, ToolCallPiece
+from .toolparse import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_CLOSE,
+    TOOL_OPEN,
+    ParsedDelta,
+    ToolCall,
+    ToolCallPiece,
+    is_text,
+)
 
 
 def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
@@ -73,10 +82,8 @@ def forced_tool_calls(tokenizer: Any, req: ChatCompletionRequest) -> StructuredO
     newlines may come first (Qwen writes "\n\n" after `</think>`; more would let a model pad forever).
     A JSON call's arguments follow the tool's parameters schema (its own, so its `$ref`s resolve;
     json.dumps' separators, as the templates write calls; llguidance's lenient mode: keywords it does not
-    know are ignored, as the model's template would). An XML call's parameter names are the schema's
-    properties (any name where the schema has no `properties`), their values text up to `</parameter>`
-    holding none of the tags that end a value in toolparse (required parameters and repeats are not
-    enforced). None for "auto", "none" or no choice."""
+    know are ignored, as the model's template would). An XML call follows it too (_xml_call_rules).
+    None for "auto", "none" or no choice."""
     choice = req.tool_choice
     if not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
@@ -98,15 +105,23 @@ def _lark_tag(tokenizer: Any, tag: str) -> str:
     return f"<[{i}]>" if i is not None else json.dumps(tag)
 
 
+# llguidance's JSON options for a call's arguments: JSON as json.dumps and Jinja's tojson write it (what the
+# templates show the model), and keywords llguidance does not know ignored.
+_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
+
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    options = {**(schema.get("x-guidance") or {}), **_JSON_OPTIONS}
+    return f"%json {json.dumps({**schema, 'x-guidance': options})}"
+
+
 def _json_call_rules(functions: list) -> list[str]:
     """`{"name": "f", "arguments": ARGS}`, ARGS each tool's parameters schema in a %json rule of its own."""
-    options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
     rules = ["body: " + " | ".join(f"c{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
         schema = f.parameters if isinstance(f.parameters, dict) else {"type": "object"}
-        schema = {**schema, "x-guidance": {**(schema.get("x-guidance") or {}), **options}}
         head = '{"name": ' + json.dumps(f.name) + ', "arguments": '
-        rules += [f'c{i}: {json.dumps(head)} a{i} "}}"', f"a{i}: %json {json.dumps(schema)}"]
+        rules += [f'c{i}: {json.dumps(head)} a{i} "}}"', f"a{i}: {_json_rule(schema)}"]
     return rules
 
 
@@ -116,22 +131,50 @@ _XML_VALUE = (
     r"value[lazy]: /(?s:.*)\n<\/parameter>\n/"
     r" & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>)(?s:.*)<\/parameter>\n/"
 )
+_XML_END = r'"\n</parameter>\n"'  # a value's end in Lark
 
 
 def _xml_call_rules(functions: list) -> list[str]:
-    """`<function=NAME>` and its parameters, each `<parameter=P>` (P among the schema's properties) and a
-    value (_XML_VALUE), then `</function>`."""
+    """`<function=NAME>\n`, its parameters (`<parameter=P>\nVALUE\n</parameter>\n` each), `</function>`.
+    Where the tool's schema lists properties, its parameters are those, in the schema's order (llguidance
+    orders a JSON object's properties so too), each at most once and every required one present; a value
+    is what toolparse will read for its schema: JSON of it where no string is among its types (an integer,
+    an object ...; a boolean also as Jinja writes it, `True` / `False`), one of a string enum's (or
+    const's) texts, else text (_XML_VALUE). Without listed properties: any names, text values."""
     functions_alt = " | ".join(f"f{i}" for i in range(len(functions)))
     rules = [f'body: "<function=" ({functions_alt}) "</function>"']
     for i, f in enumerate(functions):
-        props = f.parameters.get("properties") if isinstance(f.parameters, dict) else None
-        head = json.dumps(f.name + ">\n")
-        if isinstance(props, dict) and not props:  # the schema lists no parameters: none
-            rules.append(f"f{i}: {head}")
+        schema = f.parameters if isinstance(f.parameters, dict) else {}
+        props, head = schema.get("properties"), json.dumps(f.name + ">\n")
+        if not isinstance(props, dict):
+            rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" /[^>\\n]+/ ">\\n" value']
             continue
-        names = " | ".join(json.dumps(p) for p in props) if isinstance(props, dict) else r"/[^>\n]+/"
-        rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" ({names}) ">\\n" value']
+        required = set(schema.get("required") or ())
+        seq = [head]
+        for j, (name, prop) in enumerate(props.items()):
+            p = f"p{i}_{j}"
+            seq.append(p if name in required else f"{p}?")
+            value = _xml_value(p, prop, schema, rules)
+            rules.append(f'{p}: "<parameter=" {json.dumps(name)} ">\\n" {value}')
+        rules.append(f"f{i}: " + " ".join(seq))
     return [*rules, _XML_VALUE]
+
+
+def _xml_value(p: str, prop: Any, schema: dict[str, Any], rules: list[str]) -> str:
+    """Parameter p's value and end as a Lark expression (rules: where a JSON value's rule goes)."""
+    if not isinstance(prop, dict):
+        return "value"
+    if is_text(prop):
+        texts = prop["enum"] if "enum" in prop else [prop["const"]] if "const" in prop else None
+        if isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts):
+            return "(" + " | ".join(json.dumps(t) for t in texts) + ") " + _XML_END
+        return "value"
+    if prop.get("type") == "boolean":
+        return '("true" | "false" | "True" | "False") ' + _XML_END
+    # the tool's definitions go along, so that the value's `$ref`s resolve in its own %json rule
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema and k not in prop}
+    rules.append(f"{p}_json: {_json_rule({**prop, **defs})}")
+    return f"{p}_json {_XML_END}"
 
 
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:

@@ -400,7 +400,7 @@ class _XmlArguments:
             self.buf = "" if final else self.buf[i:]
             return False
         self.key, self.buf = self.buf[start:k].strip(), self.buf[k + 1 :]
-        self.typed, self.lead, self.value = not _is_text(self.props.get(self.key)), True, ""
+        self.typed, self.lead, self.value = not is_text(self.props.get(self.key)), True, ""
         out.append(("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False) + ": ")
         out.append("" if self.typed else '"')
         self.n += 1
@@ -440,7 +440,7 @@ def _types(schema: Any) -> set[Any]:
     return set(types) if isinstance(types, list) else {types}
 
 
-def _is_text(schema: Any) -> bool:
+def is_text(schema: Any) -> bool:
     """A parameter without a schema type, or one that may be a string, keeps its text as a string (as in
     vLLM's qwen3_coder parser)."""
     return bool(_types(schema) & {None, "string"})
@@ -449,7 +449,7 @@ def _is_text(schema: Any) -> bool:
 def _typed_value(value: str, schema: Any) -> Any:
     """The XML form carries every value as text; the tool's JSON schema says what it really is."""
     types = _types(schema)
-    if _is_text(schema):
+    if is_text(schema):
         return value
     if "boolean" in types and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
