@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
-# Session 38's GPU checks: the draft and verify under a grammar in graph pieces (GPUSpecEngine.grammar_graphs:
-# the spine's masked selections, the verify's forward apart from its masked sampling, the host's row masks
-# computed while the forward runs), then bench_grammar's GPU table. llguidance travels in .gpu-deps:
+# Session 38's GPU checks, after sessions 36-37's (gpu_session37.sh). llguidance travels in .gpu-deps:
 #   pip install --target .gpu-deps llguidance
-#   run(carry=[".gpu-deps"], command="bash bench/gpu_session38.sh")
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session38.sh grammar")   # then: final
+#   grammar  the draft and verify under a grammar in graph pieces (GPUSpecEngine.grammar_graphs: the spine's
+#            masked selections, the verify's forward apart from its masked sampling, the host's row masks
+#            computed while the forward runs), then bench_grammar's GPU table
+#   final    the same with a draft vocabulary, and the speculative tests the refactored draft runs through
 set -u
 export PYTHONPATH=.:.gpu-deps PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
 source "$(dirname "$0")/gpu_group.sh"  # $P, group()
 python -c "import llguidance" || echo "llguidance missing: the structured-output tests will fail"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-group 330 t_spec $P -s tests/test_gpu_spec_gpu.py -k "structured or graph_replay or penalized or chain"
-group 150 b_grammar python bench/bench_grammar.py --gpu
-tail -16 "$out/b_grammar.log"
+case ${1:-grammar} in
+grammar)
+  group 330 t_spec $P -s tests/test_gpu_spec_gpu.py -k "structured or graph_replay or penalized or chain"
+  group 150 b_grammar python bench/bench_grammar.py --gpu
+  tail -16 "$out/b_grammar.log"
+  ;;
+final)
+  group 100 t_dv $P -s tests/test_gpu_spec_gpu.py -k "structured_output_with_a_draft_vocabulary"
+  group 320 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and not 27b"
+  group 110 t_llm $P tests/test_llm_gpu.py tests/test_prefix_gpu.py
+  ;;
+esac
