@@ -5,7 +5,8 @@
 #   grammar  the draft and verify under a grammar in graph pieces (GPUSpecEngine.grammar_graphs: the spine's
 #            masked selections, the verify's forward apart from its masked sampling, the host's row masks
 #            computed while the forward runs), then bench_grammar's GPU table
-#   final    the same with a draft vocabulary, and the speculative tests the refactored draft runs through
+#   final    the same (the grammar graphs now captured at their first use) and with a draft vocabulary,
+#            greedy tree == plain (BF16, NVFP4), LLM and prefix caching
 set -u
 export PYTHONPATH=.:.gpu-deps PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
@@ -19,8 +20,8 @@ grammar)
   tail -16 "$out/b_grammar.log"
   ;;
 final)
-  group 100 t_dv $P -s tests/test_gpu_spec_gpu.py -k "structured_output_with_a_draft_vocabulary"
-  group 320 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and not 27b"
+  group 250 t_structured $P -s tests/test_gpu_spec_gpu.py -k "structured"  # incl. a draft vocabulary
+  group 230 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and not 27b and not drafter"
   group 110 t_llm $P tests/test_llm_gpu.py tests/test_prefix_gpu.py
   ;;
 esac

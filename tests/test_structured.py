@@ -123,6 +123,20 @@ def test_mask_follows_the_grammar():
         con.advance(tok().encode("x"))
 
 
+def test_bitmask_rows_are_checked():
+    """llguidance writes a mask through a raw pointer: a row too short, of another dtype or not contiguous
+    is a ValueError, never a write past it."""
+    con = compiler().constraint(SPECS["choice"])
+    for row in (
+        torch.zeros(con.words - 1, dtype=torch.int32),
+        torch.zeros(con.words, dtype=torch.int64),
+        torch.zeros(2 * con.words, dtype=torch.int32)[::2],
+    ):
+        with pytest.raises(ValueError, match="bitmask row"):
+            con.bitmask(out=row)
+    assert con.bitmask(out=torch.zeros(con.words + 1, dtype=torch.int32)) is not None
+
+
 def test_json_may_start_after_two_blanks():
     """JSON has no whitespace between its tokens, but up to two spaces or newlines may come first (a
     thinking model's "\n\n" after `</think>`), not three (a small model would pad forever)."""

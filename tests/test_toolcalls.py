@@ -351,7 +351,8 @@ def test_xml_call_streams_its_arguments():
 def _xml_reference(body: str) -> tuple[dict, bool]:
     """The XML form's arguments by regular expressions over the whole body (the parser's specification):
     a parameter's value runs to `</parameter>`, the next `<parameter=` or the end of the function; and
-    whether every parameter name came once."""
+    whether every parameter name came once. (Not modelled: a typed value whose JSON holds one of those
+    tags in a string, test_xml_typed_values_hold_tags_in_their_json.)"""
     import re
 
     from lumo.server.toolparse import _typed_value
@@ -398,6 +399,42 @@ def test_xml_arguments_match_the_whole_body_parse():
             if unique:
                 raw = _run(pieces, False, True, raw=True)[2]
                 assert raw == [("get_weather", json.dumps(want, ensure_ascii=False))], (body, pieces)
+
+
+def test_xml_typed_values_hold_tags_in_their_json():
+    """A typed value ends at the first tag before which it is whole JSON (a boolean also as Jinja writes
+    it), so its strings may hold `</parameter>`, `<parameter=` and `</function>`; one that is never whole
+    (the model wrote no JSON) ends at its first tag, as before. Whole and streamed character by character."""
+    opts = {"a": "x</parameter>\n<parameter=city>\ny", "b": ["</function>"]}
+    body = (
+        f"<function=get_weather>\n<parameter=opts>\n{json.dumps(opts)}\n</parameter>\n"
+        "<parameter=metric>\nFalse\n</parameter>\n<parameter=city>\nOslo\n</parameter>\n</function>"
+    )
+    want = {"opts": opts, "metric": False, "city": "Oslo"}
+    bad = "<function=get_weather>\n<parameter=days>\nthree </function> x\n</parameter>\n</function>"
+    for text, args in ((body, want), (bad, {"days": "three "})):
+        call = "<tool_call>\n" + text + "\n</tool_call>"
+        assert (
+            json.loads(
+                parse_tool_call(
+                    text, {"get_weather": TOOLS[0]["function"]["parameters"]["properties"]}
+                ).arguments
+            )
+            == args
+        )
+        for pieces in ([call], list(call)):
+            assert _run(pieces, False, True) == ("", "", [("get_weather", args)]), pieces
+
+
+def test_malformed_schema_types_are_text():
+    """A `type` that is not a name (an object, a nested list) does not break the parser: text."""
+    from lumo.server.toolparse import is_text
+
+    assert (
+        is_text({"type": {"x": 1}})
+        and is_text({"type": ["string", ["x"]]})
+        and not is_text({"type": "integer"})
+    )
 
 
 def test_parts_keep_the_text_order():

@@ -63,13 +63,15 @@ def compiler() -> GrammarCompiler:
 THINK = tuple(Tokenizer.from_dir(embedded_model_path()).token_to_id(t) for t in ("<think>", "</think>"))
 
 
-def _takes(form: str, req: dict, text: str, prompt: tuple[int, ...] = THINK) -> bool:
+def _takes(form: str, req: dict, text: str | list[str], prompt: tuple[int, ...] = THINK) -> bool:
     """The forced grammar takes `text` whole (then only an end token may follow); the prompt's think tags
-    say where the output starts (default: a closed block, the grammar from the first token)."""
+    say where the output starts (default: a closed block, the grammar from the first token). A list of
+    texts is tokenized piece by piece (a tag spelt in ordinary tokens, not as its own token)."""
     spec = forced_tool_calls(_Tok(form), ChatCompletionRequest.model_validate(req))
     con = compiler().constraint(spec, prompt)
     try:
-        con.advance(Tokenizer.from_dir(embedded_model_path()).encode(text))
+        tok = Tokenizer.from_dir(embedded_model_path())
+        con.advance([i for piece in ([text] if isinstance(text, str) else text) for i in tok.encode(piece)])
     except RuntimeError:
         return False
     return con.matcher.is_accepting()
@@ -181,6 +183,13 @@ def test_forced_xml_values_follow_the_schema():
         "</function>", "<parameter=stops>\n[]\n</parameter>\n</function>"
     )
     assert not _takes("xml", req, twice)
+    # a JSON string may hold the tags (toolparse ends a typed value where it is whole); free text may not
+    # hold `</tool_call>` either, which would end the call early
+    tags = '[{"city": "</parameter>\\n<parameter=note>"}, {"city": "</function>"}]'
+    assert _takes("xml", req, _xml("plan", {"stops": tags}))
+    spelt = _xml("plan", {"stops": "[]", "note": "a </tool_call> b"}).split("</tool_call> b")
+    assert not _takes("xml", req, [spelt[0] + "</tool_", "call> b" + spelt[1]])
+    assert _takes("xml", req, [spelt[0] + "</tool_", "cal> b" + spelt[1]])
     # what the grammar lets through, toolparse types as the schema says
     from lumo.server.toolparse import parse_tool_call
 
@@ -284,3 +293,24 @@ def test_responses_tool_choice_required(served):
         "Paris",
         "Oslo",
     )
+
+
+def test_forced_xml_names_and_odd_types():
+    """A name the XML form cannot carry is a 400 naming `tools`; a malformed `type` is text, not a 500."""
+    from lumo.server.errors import APIError
+
+    def tool(name: str, props: dict) -> dict:
+        return {
+            "type": "function",
+            "function": {"name": name, "parameters": {"type": "object", "properties": props}},
+        }
+
+    for name, props in (("a>b", {}), ("f", {"x>y": {}}), ("f", {" x": {}}), ("f", {"a\nb": {}})):
+        req = ChatCompletionRequest.model_validate(
+            {"messages": USER, "tools": [tool(name, props)], "tool_choice": "required"}
+        )
+        with pytest.raises(APIError) as e:
+            forced_tool_calls(_Tok("xml"), req)
+        assert e.value.status == 400 and e.value.param == "tools"
+    odd = {"messages": USER, "tools": [tool("f", {"x": {"type": {"a": 1}}})], "tool_choice": "required"}
+    assert _takes("xml", odd, _xml("f", {"x": "any text"}))

@@ -218,8 +218,9 @@ class GPUSpecEngine:
         self._host_draft_mask = torch.zeros(1, Wd + 1, dtype=i32, pin_memory=pin)
         self.tk_ws = topk_workspace(1, Vd, dev)
         self.graphs: dict[str, torch.cuda.CUDAGraph] | None = None
-        # an event's pieces under a grammar, between which the host works (_grammar_pieces)
+        # an event's pieces under a grammar, between which the host works (_grammar_pieces, _run_piece)
         self.grammar_graphs: dict[str, torch.cuda.CUDAGraph] | None = None
+        self._pieces: dict[str, Callable[[], None]] | None = None
         self._carry: torch.Tensor | None = None
         self.root_only = torch.full((self.cap,), -1, dtype=i32, device=dev)  # `accepted` of a plain step
         self.root_only[0] = 0
@@ -418,7 +419,6 @@ class GPUSpecEngine:
         for t, s in zip(self._state(), saved, strict=True):
             t.copy_(s)
         self.graphs = _capture(steps)
-        self.grammar_graphs = _capture(self._grammar_pieces())  # the same kernels, warm already
 
     # ------------------------------------------------------------------------------------------
     # Shared pieces.
@@ -579,10 +579,16 @@ class GPUSpecEngine:
         return pieces
 
     def _run_piece(self, name: str, use_graph: bool) -> None:
-        if use_graph and self.grammar_graphs is not None:
+        """One of _grammar_pieces: from its graph when the event's graphs are captured (the pieces' own
+        are captured at their first use: requests without a grammar never pay for them), else eagerly."""
+        if use_graph and self.graphs is not None:
+            if self.grammar_graphs is None:
+                self.grammar_graphs = _capture(self._grammar_pieces())  # the kernels are warm already
             self.grammar_graphs[name].replay()
         else:
-            self._grammar_pieces()[name]()
+            if self._pieces is None:
+                self._pieces = self._grammar_pieces()
+            self._pieces[name]()
 
     def _verify_under(self, constraint: Constraint, use_graph: bool) -> None:
         """The verify with each row masked by the grammar's state after its path: the host computes the
@@ -609,9 +615,13 @@ class GPUSpecEngine:
         self._load_draft_mask(state)
         self._run_piece("select0", use_graph)
         for dd in range(1, self.D):
+            if state is None:  # refused: the rest unmasked (the flag stays 0), without a sync
+                self._run_piece(f"step{dd}", use_graph)
+                self._run_piece(f"select{dd}", use_graph)
+                continue
             spine = int(self.tokens[dd])  # a sync: the previous selection's spine token
             self._run_piece(f"step{dd}", use_graph)
-            if state is not None and not state.try_advance(spine):
+            if not state.try_advance(spine):
                 state = None
             self._load_draft_mask(state)
             self._run_piece(f"select{dd}", use_graph)

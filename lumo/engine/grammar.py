@@ -309,6 +309,8 @@ class _NoRollback(Exception):
 
 def _mask_into(matcher, row: torch.Tensor, words: int) -> bool:
     """The matcher's next-token bitmask into row ([W] int32, CPU); False if the matcher is in error."""
+    if row.dtype != torch.int32 or row.device.type != "cpu" or not row.is_contiguous() or row.numel() < words:
+        raise ValueError(f"a bitmask row must be {words} contiguous int32 words on the CPU")
     matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
     return not matcher.is_error()
 

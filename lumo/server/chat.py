@@ -125,11 +125,11 @@ def _json_call_rules(functions: list) -> list[str]:
     return rules
 
 
-# An XML parameter's value: text, then "\n</parameter>\n"; no tag inside that ends a value early in
-# toolparse (`</parameter>`, `<parameter=`, `</function>`).
+# An XML parameter's value: text, then "\n</parameter>\n"; no tag inside that ends a value or the call
+# early in toolparse (`</parameter>`, `<parameter=`, `</function>`, `</tool_call>`).
 _XML_VALUE = (
     r"value[lazy]: /(?s:.*)\n<\/parameter>\n/"
-    r" & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>)(?s:.*)<\/parameter>\n/"
+    r" & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)<\/parameter>\n/"
 )
 _XML_END = r'"\n</parameter>\n"'  # a value's end in Lark
 
@@ -140,12 +140,20 @@ def _xml_call_rules(functions: list) -> list[str]:
     orders a JSON object's properties so too), each at most once and every required one present; a value
     is what toolparse will read for its schema: JSON of it where no string is among its types (an integer,
     an object ...; a boolean also as Jinja writes it, `True` / `False`), one of a string enum's (or
-    const's) texts, else text (_XML_VALUE). Without listed properties: any names, text values."""
+    const's) texts, else text (_XML_VALUE). Types are followed as far as toolparse reads them: a property
+    that is only a `$ref`, an `anyOf`, or an enum of non-strings without a `type` is text, as vLLM's
+    qwen3_coder parser keeps it. Parameters the listed properties leave out are refused (as OpenAI's
+    strict mode would). Without listed properties: any names, text values. A name that the form cannot
+    carry (a `>`, a newline, blanks at its ends) is a 400."""
     functions_alt = " | ".join(f"f{i}" for i in range(len(functions)))
     rules = [f'body: "<function=" ({functions_alt}) "</function>"']
     for i, f in enumerate(functions):
         schema = f.parameters if isinstance(f.parameters, dict) else {}
         props, head = schema.get("properties"), json.dumps(f.name + ">\n")
+        for name in [f.name, *(props if isinstance(props, dict) else ())]:
+            if not name or name != name.strip() or any(c in name for c in ">\n"):
+                msg = f"tool {f.name!r}: the name {name!r} cannot be written in the template's XML call form"
+                raise APIError(400, msg, "tools")
         if not isinstance(props, dict):
             rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" /[^>\\n]+/ ">\\n" value']
             continue

@@ -364,7 +364,6 @@ class _XmlArguments:
         self.key: str | None = None  # the open parameter (None: between parameters)
         self.typed = False  # its value is held whole (a non-string schema type), else streamed
         self.lead = True  # its first character (a newline to drop) is still to come
-        self.value = ""  # a typed value so far
         self.n = 0  # parameters opened
         self.done = False  # </function> seen
 
@@ -400,7 +399,7 @@ class _XmlArguments:
             self.buf = "" if final else self.buf[i:]
             return False
         self.key, self.buf = self.buf[start:k].strip(), self.buf[k + 1 :]
-        self.typed, self.lead, self.value = not is_text(self.props.get(self.key)), True, ""
+        self.typed, self.lead = not is_text(self.props.get(self.key)), True
         out.append(("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False) + ": ")
         out.append("" if self.typed else '"')
         self.n += 1
@@ -410,7 +409,12 @@ class _XmlArguments:
         """Inside a parameter's value: pass on what is certain; True when the parameter ended."""
         if self.lead and self.buf:
             self.buf, self.lead = (self.buf[1:] if self.buf.startswith("\n") else self.buf), False
-        ends = [(i, t) for t in (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE) if (i := self.buf.find(t)) >= 0]
+        if self.typed:  # held whole in the buffer until it ends
+            ends = self._typed_ends(final)
+            if not ends and not final:
+                return False
+        else:
+            ends = [(i, t) for t in (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE) if (i := self.buf.find(t)) >= 0]
         if ends or final:
             e, tag = min(ends) if ends else (len(self.buf), "")
             piece = self.buf[:e]
@@ -426,18 +430,48 @@ class _XmlArguments:
         self.buf = self.buf[len(self.buf) - keep :]
         return False
 
+    def _typed_ends(self, final: bool) -> list[tuple[int, str]]:
+        """A typed value ends at the first tag before which it is whole (JSON, or a boolean as Jinja
+        writes it): a tag inside one of its JSON strings is text. One that never is (the model wrote no
+        JSON) ends at its first tag, once the call ends."""
+        tags = (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE)
+        ends = sorted((i, t) for t in tags for i in _find_all(self.buf, t))
+        for i, tag in ends:
+            piece = self.buf[:i]
+            if _whole(piece[:-1] if piece.endswith("\n") else piece, self.props.get(self.key)):
+                return [(i, tag)]
+        return ends[:1] if final else []
+
     def _take(self, text: str, out: list[str], end: bool) -> None:
-        if self.typed:
-            self.value += text
-            if end:
-                out.append(json.dumps(_typed_value(self.value, self.props.get(self.key)), ensure_ascii=False))
+        if self.typed:  # whole (_value holds it until it ends)
+            out.append(json.dumps(_typed_value(text, self.props.get(self.key)), ensure_ascii=False))
             return
         out.append(json.dumps(text, ensure_ascii=False)[1:-1] + ('"' if end else ""))
 
 
-def _types(schema: Any) -> set[Any]:
+def _types(schema: Any) -> set[str | None]:
+    """The schema's type names; None for a missing or malformed type (a value kept as text)."""
     types = schema.get("type") if isinstance(schema, dict) else None
-    return set(types) if isinstance(types, list) else {types}
+    return {t if isinstance(t, str) else None for t in (types if isinstance(types, list) else [types])}
+
+
+def _find_all(text: str, tag: str) -> list[int]:
+    out, i = [], text.find(tag)
+    while i >= 0:
+        out.append(i)
+        i = text.find(tag, i + 1)
+    return out
+
+
+def _whole(value: str, schema: Any) -> bool:
+    """A typed value as toolparse reads it is complete (_typed_value would not keep it as text)."""
+    if "boolean" in _types(schema) and value.strip().lower() in ("true", "false"):
+        return True
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
 
 
 def is_text(schema: Any) -> bool:
