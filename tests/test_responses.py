@@ -243,6 +243,21 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": [{"role": "robot", "content": "a"}]}, "input[0]", "robot"),
         ({"input": "a", "max_output_tokens": 0}, "max_output_tokens", ""),
         ({}, "input", ""),
+        # malformed items and fields: 400s naming them, not 500s (session 38)
+        (
+            {"input": [{"role": "user", "content": "x"}, {"type": "reasoning", "content": 5}]},
+            "input[1]",
+            "reasoning",
+        ),
+        (
+            {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 5}]}]},
+            "input[0]",
+            "text",
+        ),
+        ({"input": "a", "text": {"format": "json"}}, "text", "object"),
+        ({"input": "a", "text": {"format": 5}}, "text", "object"),
+        ({"input": "a", "tool_choice": "bogus"}, "tool_choice", ""),
+        ({"input": "a", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools", ""),
     ],
 )
 def test_bad_requests(server, body, param, words):

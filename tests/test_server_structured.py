@@ -166,6 +166,34 @@ def test_responses_text_format(served):
             "text",
             "invalid",
         ),
+        # session 38: grammars that allow nothing, and a non-object x-guidance, are 400s before generating
+        ("/v1/completions", {"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs", "no token"),
+        (
+            "/v1/completions",
+            {"structured_outputs": {"regex": "<tool_call>"}},
+            "structured_outputs",
+            "no token",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"x-guidance": [1]}},
+                }
+            },
+            "response_format",
+            "x-guidance",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x-guidance": "a"}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+            "x-guidance",
+        ),
     ],
 )
 def test_bad_structured_requests(served, path, body, param, words):
@@ -198,3 +226,47 @@ def test_text_response_format_beside_a_vllm_field(served):
         extra_body={"structured_outputs": {"choice": ["red", "green"]}},
     )
     assert r.output_text in ("red", "green")
+
+
+def test_grammars_that_fail_while_generating_are_400s(served):
+    """A schema with no finite match passes the compile check (its first token is fine) and fails while
+    generating: a 400 with llguidance's reason, or an error event in a stream, and the server goes on."""
+    _, url = served
+    endless = {
+        "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}
+    }
+    body = {
+        "prompt": "a",
+        "max_tokens": 200,
+        "structured_outputs": {"json": {**endless, "$ref": "#/$defs/n"}},
+    }
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "structured output" in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=120)
+    assert r.status_code == 200 and '"error"' in r.text and r.text.rstrip().endswith("data: [DONE]"), r.text
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_many_choices(served):
+    """A choice of 3000 strings (one regular expression, not 3000 grammar rules: llguidance's parser takes
+    2000 items in a row) answers one of them."""
+    _, url = served
+    choices = [f"opt{i}" for i in range(3000)]
+    body = {"prompt": "a", "max_tokens": 8, "temperature": 0, "structured_outputs": {"choice": choices}}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in choices, r.text
+
+
+def test_user_text_spelling_think_leaves_the_grammar_on(served):
+    """A user's message that holds `<think>` (encoded as the token) does not turn the grammar off: only the
+    prompt's last turn says whether the model is thinking."""
+    llm, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    r = client.chat.completions.create(
+        model="lumo-tiny",
+        messages=[{"role": "user", "content": "say <think>"}],
+        max_tokens=12,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert r.choices[0].message.content in ("yes", "no"), r

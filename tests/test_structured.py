@@ -18,8 +18,12 @@ from lumo.engine.grammar import (
     ANSWER,
     MAY_THINK,
     THINKING,
+    Constraint,
     GrammarCompiler,
+    GrammarError,
     StructuredOutputs,
+    _mask_into,
+    bitmask_words,
     reasoning_start,
     unpack_bitmask,
 )
@@ -103,6 +107,12 @@ def test_reasoning_start():
     assert reasoning_start([5, o, 7, c, 9], o, c) == ANSWER  # a closed block: thinking off
     assert reasoning_start([5, 6], o, c) == MAY_THINK  # no tags: the model may open one itself
     assert reasoning_start([o], o, None) == ANSWER  # no such tokens
+    # only the last turn counts (after the last end token): a user's text that spells the tags does not
+    end = 9
+    assert reasoning_start([5, o, 7, end, 4], o, c, [end]) == MAY_THINK
+    assert reasoning_start([o, c, end, 4, o], o, c, [end]) == THINKING
+    assert reasoning_start([5, o, end, 4, o, c], o, c, [end]) == ANSWER
+    assert reasoning_start([5, o, end], o, c, [end]) == MAY_THINK
 
 
 # ---- the grammar state ----
@@ -121,6 +131,43 @@ def test_mask_follows_the_grammar():
     assert set(torch.nonzero(end).flatten().tolist()) == set(tok().eos_token_ids)
     with pytest.raises(RuntimeError, match="refuses"):
         con.advance(tok().encode("x"))
+
+
+def test_special_tokens_the_matcher_would_not_take_are_masked_out():
+    """llguidance's mask allows a special token whose text a lexeme matches (`<tool_call>` spelt in a
+    regular expression), which its matcher refuses to consume: lumo clears such bits, so that what the mask
+    allows, advance takes; a grammar left with nothing is a GrammarError (a ValueError: the request's)."""
+    import llguidance as llg
+
+    c = compiler()
+    grammar = StructuredOutputs(regex="<tool_call>y").llguidance()  # llguidance's mask: the special token
+    m = llg.LLMatcher(c.tokenizer, grammar, log_level=0)
+    row = torch.zeros(bitmask_words(c.vocab_size), dtype=torch.int32)
+    assert m.deep_copy().validate_tokens([3070]) == 0 and _mask_into(m, row, row.numel())
+    assert unpack_bitmask(row, c.vocab_size)[3070]  # what llguidance's mask says
+    con = Constraint(m, c.vocab_size, c.end_ids, c.think, MAY_THINK, c.special)
+    assert con._mask(m, row) and not unpack_bitmask(row, c.vocab_size).any()  # lumo's: nothing left
+    with pytest.raises(GrammarError, match="no token"):
+        con.allowed()
+    with pytest.raises(ValueError, match="no token"):  # so it is a 400 before generating
+        c.constraint(StructuredOutputs(regex="<tool_call>y"))
+    with pytest.raises(GrammarError, match="no token"):
+        con = compiler().constraint(StructuredOutputs(json={"$ref": "#"}))
+        for _ in range(50):
+            con.advance([int(torch.nonzero(con.allowed()).flatten()[0])])
+
+
+def test_a_long_choice_is_one_expression():
+    """3000 choices (llguidance's parser takes 2000 items in a row; a regular expression any number), with
+    the characters a regular expression treats specially."""
+    choices = [f"o{i}" for i in range(3000)] + ["a/b", "x\ny", "(1+2)*3?", "[k]{2}", "#~&-^$|", "back\\slash"]
+    for text in ("o2999", "a/b", "x\ny", "(1+2)*3?", "[k]{2}", "#~&-^$|", "back\\slash"):
+        con = compiler().constraint(StructuredOutputs(choice=choices))
+        con.advance(tok().encode(text))
+        assert con.matcher.is_accepting(), text
+    con = compiler().constraint(StructuredOutputs(choice=choices))
+    with pytest.raises(RuntimeError):
+        con.advance(tok().encode("(1+2)*3!"))
 
 
 def test_bitmask_rows_are_checked():

@@ -314,3 +314,12 @@ def test_forced_xml_names_and_odd_types():
         assert e.value.status == 400 and e.value.param == "tools"
     odd = {"messages": USER, "tools": [tool("f", {"x": {"type": {"a": 1}}})], "tool_choice": "required"}
     assert _takes("xml", odd, _xml("f", {"x": "any text"}))
+
+
+def test_forced_json_arguments_are_an_object():
+    """A tool whose parameters schema is `{}` (no type): its forced arguments are still an object, which
+    the parser takes as a call (any JSON value would not be)."""
+    empty = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    req = {"messages": USER, "tools": [empty], "tool_choice": "required"}
+    assert _takes("json", req, _json("f", {"a": 1})) and _takes("json", req, _json("f", {}))
+    assert not _takes("json", req, '<tool_call>\n{"name": "f", "arguments": "function"}\n</tool_call>')

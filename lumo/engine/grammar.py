@@ -15,11 +15,15 @@ proposes under the grammar along its spine (`Constraint.spine`: each draft step'
 state after the spine so far), which changes what is proposed, never the output: on the embedded model
 under a JSON schema 2.97 -> 8.84 accepted drafts per event (the CPU reference, 6 prompts x 64 tokens).
 
-Reasoning models: when the prompt leaves the model thinking (its last `<think>` after its last `</think>`),
-the grammar starts after the `</think>` token (vLLM's default with a reasoning parser); the reasoning is
-free text. When the prompt has no think tags at all (Qwen3's hybrid templates let the model open `<think>`
-itself), the first token may also be `<think>`, and then the grammar waits for `</think>` too; a prompt
-with a closed block (thinking turned off) gets the grammar from the first token.
+Reasoning models: when the prompt's last turn (after its last end token: a chat's earlier messages, a
+user's text that spells `<think>` among them, do not count) leaves the model thinking (its last `<think>`
+after its last `</think>`), the grammar starts after the `</think>` token (vLLM's default with a reasoning
+parser); the reasoning is free text. When that turn has no think tags at all (Qwen3's hybrid templates let
+the model open `<think>` itself), the first token may also be `<think>`, and then the grammar waits for
+`</think>` too; a turn with a closed block (thinking turned off) gets the grammar from the first token.
+
+A grammar's own failures while generating (no token allowed where it has no finite match, llguidance's
+limits) are `GrammarError`s: a ValueError, the request's fault (a 400), not the engine's.
 """
 
 from __future__ import annotations
@@ -103,7 +107,9 @@ class StructuredOutputs:
                 or not all(isinstance(c, str) for c in self.choice)
             ):
                 raise ValueError("choice must be a non-empty list of strings")
-            return llg.grammar_from("choice", list(self.choice))
+            # one regular expression (a lexeme), not a grammar rule per choice: llguidance's parser allows
+            # 2000 items in a row, its lexer any number of alternatives
+            return llg.LLMatcher.grammar_from_regex("|".join(_regex_literal(c) for c in self.choice))
         _need_str(self.grammar, "grammar")
         try:
             return llg.grammar_from("grammar", self.grammar)
@@ -115,9 +121,16 @@ class StructuredOutputs:
         options win over lumo's whitespace default."""
         import llguidance as llg
 
-        options = {"whitespace_flexible": self.any_whitespace, **(schema.get("x-guidance") or {})}
+        own = schema.get("x-guidance") or {}
+        if not isinstance(own, Mapping):
+            raise ValueError(f"a JSON schema's x-guidance must be an object, got {type(own).__name__}")
+        options = {"whitespace_flexible": self.any_whitespace, **own}
         body = json.dumps({**schema, "x-guidance": options})
         return llg.LLMatcher.grammar_from_lark(f"start: lead? body\nlead: {LEAD}\nbody: %json {body}")
+
+
+class GrammarError(ValueError):
+    """The request's grammar failed while generating (see the module docstring)."""
 
 
 def _need_str(x: Any, name: str) -> None:
@@ -129,6 +142,16 @@ def _one_line(msg: str, limit: int = 300) -> str:
     """llguidance's multi-line error on one line (a 400's message, a CLI error)."""
     text = " ".join(msg.split()) or "invalid grammar"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
+
+
+def _regex_literal(text: str) -> str:
+    """A regular expression (llguidance's Rust syntax) matching exactly `text`."""
+    return "".join(
+        "\\" + c if c in _REGEX_META else c if c.isprintable() else f"\\x{{{ord(c):x}}}" for c in text
+    )
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -161,6 +184,15 @@ class GrammarCompiler:
             self.tokenizer = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(end_ids))
         except Exception as e:  # noqa: BLE001 - llguidance raises plain exceptions for tokenizers it cannot read
             raise ValueError(f"structured outputs cannot use this tokenizer: {_one_line(str(e))}") from None
+        # llguidance's special tokens (the end tokens aside): its mask may allow one whose text a lexeme
+        # matches, which its matcher then refuses to consume (it takes them only as `<[id]>`), so a mask's
+        # special bits are checked against the matcher (Constraint._mask)
+        ends, words = set(self.end_ids), {}
+        for i in range(vocab_size):
+            if i not in ends and self.tokenizer.is_special_token(i):
+                words.setdefault(i // 32, []).append(i)
+        # (word, its special bits, their tokens): a few words (added tokens sit together), read per mask
+        self.special = tuple((w, sum(1 << (t % 32) for t in ids), tuple(ids)) for w, ids in words.items())
         self._matcher = functools.lru_cache(maxsize=cache)(self._compile)
 
     def _compile(self, grammar: str):
@@ -169,13 +201,18 @@ class GrammarCompiler:
         m = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"invalid structured output: {_one_line(m.get_error())}")
+        # a grammar that allows nothing at all is the request's mistake now, not later
+        try:
+            Constraint(m.deep_copy(), self.vocab_size, self.end_ids, special=self.special).bitmask()
+        except GrammarError as e:
+            raise ValueError(f"invalid {e}") from None
         return m
 
     def constraint(self, spec: StructuredOutputs, prompt_ids: Sequence[int] = ()) -> Constraint:
         """A request's constraint, its start (thinking or not) read from the prompt (reasoning_start)."""
         matcher = self._matcher(spec.llguidance()).deep_copy()
-        start = reasoning_start(prompt_ids, *self.think)
-        return Constraint(matcher, self.vocab_size, self.end_ids, self.think, start)
+        start = reasoning_start(prompt_ids, *self.think, self.end_ids)
+        return Constraint(matcher, self.vocab_size, self.end_ids, self.think, start, self.special)
 
 
 class Constraint:
@@ -189,9 +226,11 @@ class Constraint:
         end_ids: Sequence[int] = (),
         think: tuple[int | None, int | None] = (None, None),
         start: str = ANSWER,
+        special: tuple[tuple[int, int, tuple[int, ...]], ...] = (),
     ):
         self.matcher, self.vocab_size = matcher, vocab_size
         self.words = bitmask_words(vocab_size)
+        self.special = special  # GrammarCompiler.special
         # The end tokens (allowed where the grammar may end) leave the state as it is: the request ends
         # there, or goes on (ignore_eos) with the grammar where it was, in plain decoding and in a tree alike.
         self.end_ids = frozenset(end_ids)
@@ -202,8 +241,21 @@ class Constraint:
         self.walk_with_copies = False
 
     def _fill(self, row: torch.Tensor) -> None:
-        if not _mask_into(self.matcher, row, self.words):
-            raise RuntimeError(f"structured output: {_one_line(self.matcher.get_error())}")
+        if not self._mask(self.matcher, row):
+            raise GrammarError(f"structured output: {_grammar_failure(self.matcher)}")
+        if not row.any():  # only special tokens it would not consume (a text lexeme spelling `<tool_call>`)
+            raise GrammarError(f"structured output: {_NO_TOKEN}")
+
+    def _mask(self, matcher, row: torch.Tensor) -> bool:
+        """The matcher's mask into row, less the special tokens it would not consume; False on its error."""
+        if not _mask_into(matcher, row, self.words):
+            return False
+        for w, special_bits, ids in self.special:
+            if int(row[w]) & special_bits:
+                for t in ids:
+                    if (int(row[w]) >> (t % 32)) & 1 and matcher.validate_tokens([t]) != 1:
+                        _set_bit(row, t, False)
+        return True
 
     def bitmask(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """[W] int32 (CPU) of the tokens allowed next, into `out` if given; None while reasoning."""
@@ -230,6 +282,9 @@ class Constraint:
             if self.reasoning:
                 self.reasoning = t != self.think_close
             elif t not in self.end_ids and self.matcher.try_consume_tokens([int(t)]) != 1:
+                # the grammar failed or allows nothing here (a tree's row was then left unmasked): its
+                # fault, not the sampler's
+                self._fill(torch.empty(self.words, dtype=torch.int32))
                 raise RuntimeError(f"structured output: token {t} was emitted but the grammar refuses it")
 
     def spine(self) -> Constraint:
@@ -243,7 +298,7 @@ class Constraint:
         """advance([token]); False if the grammar refuses it (the constraint is then of no further use)."""
         try:
             self.advance([token])
-        except RuntimeError:
+        except (RuntimeError, GrammarError):
             return False
         return True
 
@@ -275,7 +330,7 @@ class Constraint:
 
         def visit(i: int, m, reasoning: bool, may_think: bool = False) -> None:
             if not reasoning:
-                on[i] = _mask_into(m, out[i], self.words)
+                on[i] = self._mask(m, out[i])
                 if not on[i]:  # the matcher failed here: no mask, and nothing below
                     if not copies:
                         raise _NoRollback
@@ -315,22 +370,43 @@ def _mask_into(matcher, row: torch.Tensor, words: int) -> bool:
     return not matcher.is_error()
 
 
+def _grammar_failure(matcher) -> str:
+    """A failed matcher's error on one line; llguidance's `NoExtensionBias` (no token allowed) said so."""
+    error = matcher.get_error()
+    return _NO_TOKEN if "NoExtensionBias" in error else _one_line(error)
+
+
+_NO_TOKEN = "the grammar allows no token here (a schema or grammar with no finite match?)"
+
+
 def _allow(bits: torch.Tensor, token: int) -> None:
     """Set token's bit in a [W] int32 bitmask."""
-    word = (int(bits[token // 32]) & 0xFFFFFFFF) | (1 << (token % 32))
+    _set_bit(bits, token, True)
+
+
+def _set_bit(bits: torch.Tensor, token: int, on: bool) -> None:
+    word = int(bits[token // 32]) & 0xFFFFFFFF
+    word = word | (1 << (token % 32)) if on else word & ~(1 << (token % 32))
     bits[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
 
-def reasoning_start(prompt_ids: Sequence[int], think_open: int | None, think_close: int | None) -> str:
-    """THINKING when the prompt leaves the model thinking (its last `<think>` token after its last
+def reasoning_start(
+    prompt_ids: Sequence[int], think_open: int | None, think_close: int | None, end_ids: Sequence[int] = ()
+) -> str:
+    """Of the prompt's last turn (the tokens after its last end token, `<|im_end|>` closing a chat's
+    earlier messages): THINKING when it leaves the model thinking (its last `<think>` token after its last
     `</think>`), MAY_THINK when it has neither (the model may open `<think>` itself), ANSWER otherwise (a
     closed block: thinking off) or when the vocabulary has no such tokens."""
     if think_open is None or think_close is None:
         return ANSWER
+    ends = set(end_ids)
+    turn = len(prompt_ids)
+    while turn > 0 and prompt_ids[turn - 1] not in ends:
+        turn -= 1
     last = {think_open: -1, think_close: -1}
-    for i, t in enumerate(prompt_ids):
-        if t in last:
-            last[t] = i
+    for i in range(turn, len(prompt_ids)):
+        if prompt_ids[i] in last:
+            last[prompt_ids[i]] = i
     if last[think_open] > last[think_close]:
         return THINKING
     return MAY_THINK if last[think_open] == last[think_close] == -1 else ANSWER

@@ -111,7 +111,10 @@ _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flex
 
 
 def _json_rule(schema: dict[str, Any]) -> str:
-    options = {**(schema.get("x-guidance") or {}), **_JSON_OPTIONS}
+    own = schema.get("x-guidance") or {}
+    if not isinstance(own, dict):
+        raise APIError(400, f"a tool's x-guidance must be an object, got {type(own).__name__}", "tools")
+    options = {**own, **_JSON_OPTIONS}
     return f"%json {json.dumps({**schema, 'x-guidance': options})}"
 
 
@@ -119,7 +122,8 @@ def _json_call_rules(functions: list) -> list[str]:
     """`{"name": "f", "arguments": ARGS}`, ARGS each tool's parameters schema in a %json rule of its own."""
     rules = ["body: " + " | ".join(f"c{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
-        schema = f.parameters if isinstance(f.parameters, dict) else {"type": "object"}
+        schema = f.parameters if isinstance(f.parameters, dict) else {}
+        schema = schema if "type" in schema else {"type": "object", **schema}  # arguments are an object
         head = '{"name": ' + json.dumps(f.name) + ', "arguments": '
         rules += [f'c{i}: {json.dumps(head)} a{i} "}}"', f"a{i}: {_json_rule(schema)}"]
     return rules

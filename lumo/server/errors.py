@@ -40,8 +40,20 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [p for p in loc if p != "body"]
+# pydantic's names of a union's members in an error's location (`stop.str`, `tool_choice.literal[...]`,
+# `content.list[...]`, a model's class name): not the request's fields
+_TYPE_NAMES = {"str", "int", "float", "bool", "none", "bytes", "list", "dict", "any"}
+
+
+def _is_field(p: Any) -> bool:
+    """A field name, list index or dict key, not a union member's type or model name."""
+    if not isinstance(p, str):
+        return True
+    return p not in _TYPE_NAMES and "[" not in p and not (p.isidentifier() and p[:1].isupper())
+
+
+def loc_to_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [p for p in loc if p != "body" and _is_field(p)]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
@@ -54,7 +66,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return JSONResponse(error_body(400, f"malformed JSON body: {detail}".rstrip(": ")), status_code=400)
-    param = _loc_to_param(tuple(first.get("loc", ())))
+    param = loc_to_param(tuple(first.get("loc", ())))
     if param is None:
         msg = "the request body must be a JSON object"
     else:

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import APIError
+from .errors import APIError, loc_to_param
 from .protocol import GUIDED, ChatCompletionRequest
 from .toolparse import ParsedDelta
 
@@ -57,8 +57,8 @@ class ResponsesRequest(BaseModel):
             if getattr(self, name):
                 msg = f"{name} is not supported: lumo keeps no responses or prompts (send the whole input)"
                 raise APIError(400, msg, name)
-        fmt = (self.text or {}).get("format") or {}
-        kind = fmt.get("type", "text")
+        fmt = text_format(self.text)
+        kind = fmt["type"]
         if kind not in ("text", "json_object", "json_schema"):
             raise APIError(
                 400, f"text.format {kind!r} is not supported (text, json_object, json_schema)", "text"
@@ -90,8 +90,24 @@ class ResponsesRequest(BaseModel):
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             err = e.errors()[0]
-            where = ".".join(str(p) for p in err["loc"])
-            raise APIError(400, f"input: {where}: {err['msg']}", "input") from None
+            loc = [_RESPONSES_NAMES.get(p, p) if i == 0 else p for i, p in enumerate(err["loc"])]
+            param = loc_to_param(tuple(loc)) or "input"
+            raise APIError(400, f"{param}: {err['msg']}", param.split(".")[0].split("[")[0]) from None
+
+
+# the chat request's fields under their Responses names (a validation error names the request's own)
+_RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+
+
+def text_format(text: Any) -> dict[str, Any]:
+    """The request's `text.format` (`{"type": "text"}` when absent), checked to be an object with a type."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return {"type": "text"}
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type", "text"), str):
+        msg = "text.format must be an object with a type (text, json_object, json_schema)"
+        raise APIError(400, msg, "text")
+    return {"type": "text", **fmt}
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -150,7 +166,12 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            parts = [{"text": parts}] if isinstance(parts, str) else parts
+            ok = isinstance(parts, list)
+            texts = [p.get("text", "") for p in parts if isinstance(p, dict)] if ok else []
+            if not ok or not all(isinstance(t, str) for t in texts):
+                raise APIError(400, f"{where}: a reasoning item's content is a list of text parts", where)
+            reasoning = "".join(texts)
         else:
             raise APIError(400, f"input item type {kind!r} is not supported", where)
     return out
@@ -292,7 +313,7 @@ def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
         "top_p": body.top_p,
         "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [],
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _copy(text_format(body.text))},
         "truncation": "disabled",
         "metadata": body.metadata or {},
         "error": None,

@@ -165,6 +165,9 @@ class EngineWorker:
                 m.cancelled.inc()
             else:
                 m.e2e.observe(time.perf_counter() - job.t_arrival)
+        except ValueError as exc:  # the request's fault (a grammar that fails while generating): a 400
+            log.warning("request failed: %s", exc)
+            job._post(exc)
         except Exception as exc:  # the engine failed on this request: report it there, keep serving
             log.exception("generation failed")
             job._post(exc)
