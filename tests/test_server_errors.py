@@ -94,6 +94,12 @@ BAD = [
     ("logit-bias-neg", COMP, {"prompt": "a", "logit_bias": {"-1": 1}}, 400, "logit_bias", "vocabulary"),
     ("logit-bias-value", COMP, {"prompt": "a", "logit_bias": {"5": "x"}}, 422, "logit_bias.5", "number"),
     ("logit-bias-list", CHAT, {"messages": USER, "logit_bias": [5]}, 422, "logit_bias", ""),
+    # the request's field, not pydantic's name of a union member (`stop.str`); booleans are no token ids
+    ("stop-int", COMP, {"prompt": "a", "stop": 5}, 422, "stop", ""),
+    ("tool-choice-any", CHAT, {"messages": USER, "tool_choice": "any"}, 422, "tool_choice", ""),
+    ("content-int", CHAT, {"messages": [{"role": "user", "content": 5}]}, 422, "messages[0].content", ""),
+    ("prompt-bools", COMP, {"prompt": [True, False]}, 422, "prompt", ""),
+    ("prompt-floats", COMP, {"prompt": [1.0, 2.0]}, 422, "prompt", ""),
     (
         "stop-ids-range",
         COMP,

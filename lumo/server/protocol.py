@@ -248,7 +248,7 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch runs one pr
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
     echo: bool | None = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
