@@ -282,7 +282,7 @@ def test_harmless_openai_fields_are_accepted(server):
 def test_full_queue_gets_503_and_server_recovers(server):
     long = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
 
-    async def scenario() -> httpx.Response:
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
 
             async def stream(started: asyncio.Event) -> None:
@@ -298,12 +298,15 @@ def test_full_queue_gets_503_and_server_recovers(server):
             while await _ametric(c, "lumo_num_requests_waiting") < 1:
                 await asyncio.sleep(0.01)
             r = await c.post(COMP, json={"prompt": "y", "max_tokens": 2})
+            # a streamed one too: a 503 before its stream starts, not an error event in a 200
+            r_stream = await c.post(CHAT, json={"messages": USER, "max_tokens": 2, "stream": True})
             for t in streams:  # hang up on both
                 t.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
-            return r
+            return r, r_stream
 
-    assert "busy" in _check_error(asyncio.run(scenario()), 503)["message"]
+    for r in asyncio.run(scenario()):
+        assert "busy" in _check_error(r, 503)["message"]
     # both streams were dropped: the engine is free again
     t0 = time.monotonic()
     r = httpx.post(server.url + COMP, json={"prompt": "y", "max_tokens": 4, "temperature": 0}, timeout=30)

@@ -653,8 +653,11 @@ class _Server:
                 yield chunk_of(delta_json(d))
         yield chunk_of({}, finish_reason(reason, parser.n_tool_calls))
 
-    @staticmethod
-    def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
+    def _streaming(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """A stream, or a 503 if the queue is full now (its jobs are queued once it runs, where a full
+        queue could only be an error event: clients that retry on 503 would not see it)."""
+        if self.worker.queue_length() >= self.worker.max_queue:
+            raise APIError(503, f"server busy: {self.worker.max_queue} requests already waiting; retry later")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
