@@ -241,7 +241,7 @@ class _Server:
         if chat is None:
             text, param = body.prompt, "prompt"
         else:
-            text, param = render_prompt(tok, chat), "messages"
+            text, param = await asyncio.to_thread(render_prompt, tok, chat), "messages"
         ids = await self._encode(text, param)
         strs = [tok.id_to_token(i) for i in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.llm.max_model_len, "tokens": ids, "token_strs": strs}
@@ -456,7 +456,7 @@ class _Server:
         body.check_supported()
         by_id = body.token_settings(self._vocab_size)  # logit_bias, stop_token_ids
         tok = self.llm.tokenizer
-        prompt = render_prompt(tok, body)
+        prompt = await asyncio.to_thread(render_prompt, tok, body)  # a long chat takes a while: off the loop
         prompt_ids = await self._encode(prompt, "messages")
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
         _check_min_tokens(body, max_tokens)
@@ -510,7 +510,7 @@ class _Server:
         chat.check_supported()
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
-        prompt = render_prompt(tok, chat)
+        prompt = await asyncio.to_thread(render_prompt, tok, chat)
         prompt_ids = await self._encode(prompt, "input")
         try:
             max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
