@@ -6,7 +6,7 @@
 #            masked selections, the verify's forward apart from its masked sampling, the host's row masks
 #            computed while the forward runs), then bench_grammar's GPU table
 #   final    the same (the grammar graphs now captured at their first use) and with a draft vocabulary,
-#            greedy tree == plain (NVFP4, 50 x 256), LLM and prefix caching
+#            greedy tree == plain (NVFP4, 50 x 256), LLM and prefix caching, bench_grammar's GPU table
 set -u
 export PYTHONPATH=.:.gpu-deps PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
@@ -20,8 +20,10 @@ grammar)
   tail -16 "$out/b_grammar.log"
   ;;
 final)
-  group 250 t_structured $P -s tests/test_gpu_spec_gpu.py -k "structured"  # incl. a draft vocabulary
-  group 150 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and nvfp4 and not 27b and not drafter"
-  group 110 t_llm $P tests/test_llm_gpu.py tests/test_prefix_gpu.py
+  group 200 t_structured $P -s tests/test_gpu_spec_gpu.py -k "structured"  # incl. a draft vocabulary
+  group 140 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and nvfp4 and not 27b and not drafter"
+  group 100 t_llm $P tests/test_llm_gpu.py tests/test_prefix_gpu.py
+  group 100 b_grammar python bench/bench_grammar.py --gpu
+  tail -6 "$out/b_grammar.log"
   ;;
 esac
