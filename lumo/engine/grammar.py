@@ -28,6 +28,7 @@ limits) are `GrammarError`s: a ValueError, the request's fault (a 400), not the 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 from collections.abc import Mapping, Sequence
@@ -241,27 +242,35 @@ class Constraint:
         self.walk_with_copies = False
 
     def _fill(self, row: torch.Tensor) -> None:
-        if not self._mask(self.matcher, row):
+        cleared = self._mask(self.matcher, row)
+        if cleared < 0:
             raise GrammarError(f"structured output: {_grammar_failure(self.matcher)}")
-        if not row.any():  # only special tokens it would not consume (a text lexeme spelling `<tool_call>`)
+        if cleared and not row.any():  # only special tokens it would not consume were left
             raise GrammarError(f"structured output: {_NO_TOKEN}")
 
-    def _mask(self, matcher, row: torch.Tensor) -> bool:
-        """The matcher's mask into row, less the special tokens it would not consume; False on its error."""
-        if not _mask_into(matcher, row, self.words):
-            return False
+    def _mask(self, matcher, row: torch.Tensor) -> int:
+        """The matcher's mask into row (a checked [W] row: _check_rows), less the special tokens it would not
+        consume: how many those were, -1 on the matcher's error. The special words are read and written in
+        place (ctypes: a torch scalar read costs microseconds, per row of every event)."""
+        ptr = row.data_ptr()
+        matcher.unsafe_compute_mask_ptr(ptr, self.words * 4)
+        if matcher.is_error():
+            return -1
+        cleared = 0
         for w, special_bits, ids in self.special:
-            if int(row[w]) & special_bits:
+            word = ctypes.c_uint32.from_address(ptr + 4 * w)
+            if word.value & special_bits:
                 for t in ids:
-                    if (int(row[w]) >> (t % 32)) & 1 and matcher.validate_tokens([t]) != 1:
-                        _set_bit(row, t, False)
-        return True
+                    if (word.value >> (t % 32)) & 1 and matcher.validate_tokens([t]) != 1:
+                        word.value &= ~(1 << (t % 32))
+                        cleared += 1
+        return cleared
 
     def bitmask(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """[W] int32 (CPU) of the tokens allowed next, into `out` if given; None while reasoning."""
         if self.reasoning:
             return None
-        out = torch.empty(self.words, dtype=torch.int32) if out is None else out
+        out = torch.empty(self.words, dtype=torch.int32) if out is None else _check_rows(out, self.words)
         self._fill(out)
         if self.may_think:
             _allow(out, self.think_open)
@@ -315,6 +324,7 @@ class Constraint:
         matcher per node, and keeps to copies for the rest of the request (as it does after a matcher
         failure on a drafted path, which poisons a matcher that rolls back)."""
         n = len(parent)
+        _check_rows(out[:n], self.words)
         children: list[list[int]] = [[] for _ in range(n)]
         for i in range(1, n):
             children[parent[i]].append(i)
@@ -330,7 +340,7 @@ class Constraint:
 
         def visit(i: int, m, reasoning: bool, may_think: bool = False) -> None:
             if not reasoning:
-                on[i] = self._mask(m, out[i])
+                on[i] = self._mask(m, out[i]) >= 0
                 if not on[i]:  # the matcher failed here: no mask, and nothing below
                     if not copies:
                         raise _NoRollback
@@ -362,12 +372,13 @@ class _NoRollback(Exception):
     """A tree walk's matcher could not roll back (or failed): walk again with copies."""
 
 
-def _mask_into(matcher, row: torch.Tensor, words: int) -> bool:
-    """The matcher's next-token bitmask into row ([W] int32, CPU); False if the matcher is in error."""
-    if row.dtype != torch.int32 or row.device.type != "cpu" or not row.is_contiguous() or row.numel() < words:
+def _check_rows(rows: torch.Tensor, words: int) -> torch.Tensor:
+    """llguidance writes masks through a raw pointer: rows must be contiguous int32 on the CPU, each of at
+    least `words` words (a ValueError, never a write past them)."""
+    width = rows.shape[-1] if rows.dim() else 0
+    if rows.dtype != torch.int32 or rows.device.type != "cpu" or not rows.is_contiguous() or width < words:
         raise ValueError(f"a bitmask row must be {words} contiguous int32 words on the CPU")
-    matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
-    return not matcher.is_error()
+    return rows
 
 
 def _grammar_failure(matcher) -> str:
@@ -381,12 +392,7 @@ _NO_TOKEN = "the grammar allows no token here (a schema or grammar with no finit
 
 def _allow(bits: torch.Tensor, token: int) -> None:
     """Set token's bit in a [W] int32 bitmask."""
-    _set_bit(bits, token, True)
-
-
-def _set_bit(bits: torch.Tensor, token: int, on: bool) -> None:
-    word = int(bits[token // 32]) & 0xFFFFFFFF
-    word = word | (1 << (token % 32)) if on else word & ~(1 << (token % 32))
+    word = (int(bits[token // 32]) & 0xFFFFFFFF) | (1 << (token % 32))
     bits[token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
 
