@@ -323,3 +323,39 @@ def test_forced_json_arguments_are_an_object():
     req = {"messages": USER, "tools": [empty], "tool_choice": "required"}
     assert _takes("json", req, _json("f", {"a": 1})) and _takes("json", req, _json("f", {}))
     assert not _takes("json", req, '<tool_call>\n{"name": "f", "arguments": "function"}\n</tool_call>')
+
+
+def test_forced_xml_pydantic_schemas():
+    """What pydantic writes for a tool's parameters: Optional[int] (`anyOf` integer / null), a nested model
+    and a string Enum (`$ref`s into `$defs`): the forced XML values follow them, and toolparse types them
+    the same way (an int, an object, the enum's text)."""
+    from lumo.server.toolparse import ChatOutputParser
+
+    params = {
+        "$defs": {
+            "Color": {"enum": ["red", "blue"], "title": "Color", "type": "string"},
+            "Size": {"properties": {"w": {"type": "integer"}}, "required": ["w"], "type": "object"},
+            "Mode": {"enum": ["fast", "slow"]},  # no type: the enum's values say string
+        },
+        "properties": {
+            "n": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None},
+            "color": {"$ref": "#/$defs/Color"},
+            "size": {"$ref": "#/$defs/Size"},
+            "mode": {"$ref": "#/$defs/Mode"},
+        },
+        "required": ["color"],
+        "type": "object",
+    }
+    tool = {"type": "function", "function": {"name": "paint", "parameters": params}}
+    req = {"messages": USER, "tools": [tool], "tool_choice": "required"}
+    good = {"n": "5", "color": "red", "size": '{"w": 3}', "mode": "slow"}
+    assert _takes("xml", req, _xml("paint", good))
+    assert _takes("xml", req, _xml("paint", {"n": "null", "color": "blue"}))
+    for bad in ({"n": "five", "color": "red"}, {"color": "green"}, {"color": "red", "size": "big"}):
+        assert not _takes("xml", req, _xml("paint", bad)), bad
+    assert not _takes("xml", req, _xml("paint", {"color": "red", "mode": "medium"}))
+    parser = ChatOutputParser(tools=[tool])
+    delta = parser.feed(_xml("paint", good))
+    delta.extend(parser.finish())
+    (call,) = delta.calls()
+    assert json.loads(call.arguments) == {"n": 5, "color": "red", "size": {"w": 3}, "mode": "slow"}

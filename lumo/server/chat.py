@@ -17,7 +17,8 @@ from .toolparse import (
     ParsedDelta,
     ToolCall,
     ToolCallPiece,
-    is_text,
+    resolve_refs,
+    schema_types,
 )
 
 
@@ -144,11 +145,11 @@ def _xml_call_rules(functions: list) -> list[str]:
     orders a JSON object's properties so too), each at most once and every required one present; a value
     is what toolparse will read for its schema: JSON of it where no string is among its types (an integer,
     an object ...; a boolean also as Jinja writes it, `True` / `False`), one of a string enum's (or
-    const's) texts, else text (_XML_VALUE). Types are followed as far as toolparse reads them: a property
-    that is only a `$ref`, an `anyOf`, or an enum of non-strings without a `type` is text, as vLLM's
-    qwen3_coder parser keeps it. Parameters the listed properties leave out are refused (as OpenAI's
-    strict mode would). Without listed properties: any names, text values. A name that the form cannot
-    carry (a `>`, a newline, blanks at its ends) is a 400."""
+    const's) texts, else text (_XML_VALUE). A parameter's types are toolparse's (schema_types: its `type`,
+    or those a `$ref`, an `anyOf` / `oneOf` or an enum's values imply, so pydantic's Optional[int] is JSON
+    and a `$ref` to a string enum one of its texts). Parameters the listed properties leave out are refused
+    (as OpenAI's strict mode would). Without listed properties: any names, text values. A name that the form
+    cannot carry (a `>`, a newline, blanks at its ends) is a 400."""
     functions_alt = " | ".join(f"f{i}" for i in range(len(functions)))
     rules = [f'body: "<function=" ({functions_alt}) "</function>"']
     for i, f in enumerate(functions):
@@ -176,12 +177,15 @@ def _xml_value(p: str, prop: Any, schema: dict[str, Any], rules: list[str]) -> s
     """Parameter p's value and end as a Lark expression (rules: where a JSON value's rule goes)."""
     if not isinstance(prop, dict):
         return "value"
-    if is_text(prop):
-        texts = prop["enum"] if "enum" in prop else [prop["const"]] if "const" in prop else None
+    types = schema_types(prop, schema)  # toolparse's view: a `$ref`, `anyOf` or enum says them too
+    if types & {None, "string"}:
+        target = resolve_refs(prop, schema)
+        target = target if isinstance(target, dict) else {}
+        texts = target["enum"] if "enum" in target else [target["const"]] if "const" in target else None
         if isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts):
             return "(" + " | ".join(json.dumps(t) for t in texts) + ") " + _XML_END
         return "value"
-    if prop.get("type") == "boolean":
+    if types == {"boolean"}:
         return '("true" | "false" | "True" | "False") ' + _XML_END
     # the tool's definitions go along, so that the value's `$ref`s resolve in its own %json rule
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema and k not in prop}

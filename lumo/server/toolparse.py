@@ -291,14 +291,72 @@ class ChatOutputParser:
 
 
 def _parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """function name -> {parameter name: JSON schema}."""
+    """function name -> {parameter name: JSON schema}, each parameter's types said outright
+    (`{"type": [...]}`) where its schema implies them (typed_schema)."""
     out: dict[str, dict[str, Any]] = {}
     for t in tools:
         fn = t.get("function") or {}
-        props = (fn.get("parameters") or {}).get("properties") or {}
+        params = fn.get("parameters") or {}
+        props = (params.get("properties") or {}) if isinstance(params, dict) else None
         if isinstance(fn.get("name"), str) and isinstance(props, dict):
-            out[fn["name"]] = props
+            out[fn["name"]] = {name: typed_schema(p, params) for name, p in props.items()}
     return out
+
+
+def typed_schema(prop: Any, root: dict[str, Any]) -> Any:
+    """A parameter's schema with its types said outright where they are implied: through a `$ref` into
+    the tool's definitions, an `anyOf` / `oneOf` (pydantic's Optional[int]), an enum's or const's values;
+    as it is where it says nothing of them (any value: text)."""
+    types = schema_types(prop, root)
+    return prop if None in types or (isinstance(prop, dict) and "type" in prop) else {"type": sorted(types)}
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"))
+
+
+def schema_types(schema: Any, root: Any = None, depth: int = 0) -> set[str | None]:
+    """The JSON types a value of `schema` may have; None among them: any (no type said, or a malformed
+    one). root: the tool's parameters schema, whose `$defs` / `definitions` a local `$ref` names."""
+    if not isinstance(schema, dict) or depth > 16:
+        return {None}
+    if "type" in schema:
+        types = schema["type"]
+        return {t if isinstance(t, str) else None for t in (types if isinstance(types, list) else [types])}
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        return schema_types(_resolve(ref, root), root, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        members = schema.get(key)
+        if isinstance(members, list) and members:
+            return set().union(*(schema_types(m, root, depth + 1) for m in members))
+    values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
+    values = values if values is not None else [schema["const"]] if "const" in schema else []
+    if values:
+        return {"null" if v is None else "object" if isinstance(v, dict) else _json_type(v) for v in values}
+    return {None}
+
+
+def resolve_refs(schema: Any, root: Any) -> Any:
+    """The schema a chain of local `$ref`s leads to (the schema itself without one; None if broken)."""
+    for _ in range(16):
+        if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
+            return schema
+        schema = _resolve(schema["$ref"], root)
+    return None
+
+
+def _json_type(v: Any) -> str | None:
+    return next((name for kind, name in _JSON_TYPES if isinstance(v, kind)), None)
+
+
+def _resolve(ref: str, root: Any) -> Any:
+    """A local `$ref` (`#/$defs/Name`, `#/definitions/Name`, any `#/a/b` path) in root; None if absent."""
+    if not ref.startswith("#") or not isinstance(root, dict):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:]:
+        node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+    return node
 
 
 def parse_tool_call(body: str, schemas: dict[str, dict[str, Any]] | None = None) -> ToolCall | None:
@@ -450,9 +508,8 @@ class _XmlArguments:
 
 
 def _types(schema: Any) -> set[str | None]:
-    """The schema's type names; None for a missing or malformed type (a value kept as text)."""
-    types = schema.get("type") if isinstance(schema, dict) else None
-    return {t if isinstance(t, str) else None for t in (types if isinstance(types, list) else [types])}
+    """A parameter's types (_parameter_schemas said them outright where its schema implied them)."""
+    return schema_types(schema)
 
 
 def _find_all(text: str, tag: str) -> list[int]:
