@@ -7,6 +7,8 @@
 #            computed while the forward runs), then bench_grammar's GPU table
 #   final    the same (the grammar graphs now captured at their first use) and with a draft vocabulary,
 #            greedy tree == plain (NVFP4, 50 x 256), LLM and prefix caching, bench_grammar's GPU table
+#   next     what session 38 could not run: bench_grammar's GPU table on the final code (the ctypes mask
+#            path), the structured tests again, and the kernel tests last run before session 36
 set -u
 export PYTHONPATH=.:.gpu-deps PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=${LUMO_CACHE_DIR:-/tmp/lk}
 out=${OUT:-/tmp}
@@ -25,5 +27,12 @@ final)
   group 100 t_llm $P tests/test_llm_gpu.py tests/test_prefix_gpu.py
   group 100 b_grammar python bench/bench_grammar.py --gpu
   tail -6 "$out/b_grammar.log"
+  ;;
+next)
+  group 100 b_grammar python bench/bench_grammar.py --gpu
+  tail -6 "$out/b_grammar.log"
+  group 150 t_structured $P -s tests/test_gpu_spec_gpu.py -k "structured"
+  group 300 t_kernels $P tests/test_attention_gpu.py tests/test_conv_gpu.py tests/test_gdn_gpu.py \
+    tests/test_norms_gpu.py tests/test_rope_kv_gpu.py tests/test_linear_gpu.py
   ;;
 esac
