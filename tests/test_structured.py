@@ -441,3 +441,18 @@ def test_llm_refuses_what_cannot_work():
         llm().generate("x", max_tokens=8, min_tokens=2, structured_outputs={"json_object": True})
     with pytest.raises(ValueError, match="invalid structured output"):
         llm().generate("x", max_tokens=8, structured_outputs={"regex": "(("})
+
+
+def test_a_spine_where_the_grammar_fails_does_not_fail_the_request():
+    """A drafted spine can reach a state where the grammar allows nothing (here only a special token it
+    would refuse): the drafter stops masking there (allowed_or_none: None), while plain decoding, which
+    never takes that spine, is unaffected; the state itself still fails for whoever samples there."""
+    con = compiler().constraint(StructuredOutputs(regex="x<tool_call>y|zz"), [3067, *tok().encode("Q")])
+    assert con.allowed_or_none() is not None
+    spine = con.spine()
+    spine.advance(tok().encode("x"))
+    assert spine.allowed_or_none() is None
+    with pytest.raises(GrammarError, match="no token"):
+        spine.allowed()
+    con.advance(tok().encode("zz"))  # the request's own state: fine
+    assert con.matcher.is_accepting()

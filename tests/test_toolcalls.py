@@ -448,3 +448,19 @@ def test_parts_keep_the_text_order():
         total.extend(p.finish())
         assert [k for k, _ in total.parts] == ["reasoning", "content", "tool", "content"]
         assert [v for k, v in total.parts if k != "tool"] == ["r", "A", "B"]
+
+
+def test_parameter_types_follow_refs_once():
+    """schema_types follows each `$ref` once: a schema whose references repeat or cycle costs its size
+    (a request's tools are read on the event loop), and a cycle reads as any type (text)."""
+    import time
+
+    from lumo.server.toolparse import schema_types
+
+    root = {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}] * 64}}}
+    t0 = time.perf_counter()
+    assert schema_types({"$ref": "#/$defs/A"}, root) == {None}
+    chain = {f"A{i}": {"anyOf": [{"$ref": f"#/$defs/A{i + 1}"}] * 4} for i in range(40)}
+    chain["A40"] = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+    assert schema_types({"$ref": "#/$defs/A0"}, {"$defs": chain}) == {"integer", "null"}
+    assert time.perf_counter() - t0 < 1.0  # 4^40 walks without the memo

@@ -359,3 +359,21 @@ def test_forced_xml_pydantic_schemas():
     delta.extend(parser.finish())
     (call,) = delta.calls()
     assert json.loads(call.arguments) == {"n": 5, "color": "red", "size": {"w": 3}, "mode": "slow"}
+
+
+def test_forced_xml_refs_outside_the_definitions_are_text():
+    """A typed parameter whose `$ref` its own JSON rule could not resolve (`#/properties/a`, as
+    zod-to-json-schema writes a reused schema; `#`; its own `$defs`) takes free text, not a 400."""
+    params = {
+        "type": "object",
+        "$defs": {"S": {"type": "integer"}},
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"$ref": "#/properties/a"},
+            "c": {"type": "array", "$defs": {"T": {"type": "string"}}, "items": {"$ref": "#/$defs/S"}},
+        },
+    }
+    req = {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]}
+    req["tool_choice"] = "required"
+    assert _takes("xml", req, _xml("f", {"a": "1", "b": "two", "c": "[3]"}))
+    assert not _takes("xml", req, _xml("f", {"a": "one"}))  # a plain typed parameter stays JSON

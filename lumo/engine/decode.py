@@ -227,8 +227,11 @@ class SpecDecoder(PlainDecoder):
                 # the drafter proposes under the bias and the penalties (the spine so far generated)
                 spine = None if self.history is None else self.history.with_tokens(tokens[1:d])
                 logits = adjust(logits, self.params, spine)
-            if grammar is not None:
-                logits = mask_logits(logits, grammar.allowed())
+            allowed = None if grammar is None else grammar.allowed_or_none()
+            if allowed is not None:
+                logits = mask_logits(logits, allowed)
+            elif grammar is not None and not grammar.reasoning:
+                grammar = None  # the grammar fails here: plain decoding would too, should it get here
             if self.draft_ids is None:
                 top = torch.topk(logits, k).indices.tolist()
             else:

@@ -48,7 +48,7 @@ from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
-from .grammar import Constraint, bitmask_words
+from .grammar import Constraint, GrammarError, bitmask_words
 from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
@@ -627,10 +627,14 @@ class GPUSpecEngine:
             self._run_piece(f"select{dd}", use_graph)
 
     def _load_draft_mask(self, grammar: Constraint | None) -> None:
-        """The next selection's mask and flag into the draft mask row. The pinned row is rewritten only
-        after the next sync (the spine's read, the event's result), which follows this copy."""
+        """The next selection's mask and flag into the draft mask row (flag 0 where the grammar fails on the
+        spine: a draft must not fail the request). The pinned row is rewritten only after the next sync
+        (the spine's read, the event's result), which follows this copy."""
         host, W = self._host_draft_mask, self.draft_mask.shape[1]
-        bits = None if grammar is None else grammar.bitmask(out=host[0, :W])
+        try:
+            bits = None if grammar is None else grammar.bitmask(out=host[0, :W])
+        except GrammarError:
+            bits = None
         host[0, W] = int(bits is not None)
         self._draft_mask_row.copy_(host, non_blocking=True)
 

@@ -276,6 +276,14 @@ class Constraint:
             _allow(out, self.think_open)
         return out
 
+    def allowed_or_none(self) -> torch.Tensor | None:
+        """allowed(), but None also where the grammar fails (a GrammarError): a drafter's spine, which the
+        target may never take, must not fail the request."""
+        try:
+            return self.allowed()
+        except GrammarError:
+            return None
+
     def allowed(self) -> torch.Tensor | None:
         """[V] bool of the tokens allowed next (None: any token, while reasoning)."""
         bits = self.bitmask()

@@ -187,10 +187,34 @@ def _xml_value(p: str, prop: Any, schema: dict[str, Any], rules: list[str]) -> s
         return "value"
     if types == {"boolean"}:
         return '("true" | "false" | "True" | "False") ' + _XML_END
+    if not _refs_resolve_in_definitions(prop, schema):
+        return "value"  # its JSON rule could not resolve them (`#/properties/...`, `#`): text, as before
     # the tool's definitions go along, so that the value's `$ref`s resolve in its own %json rule
-    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema and k not in prop}
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     rules.append(f"{p}_json: {_json_rule({**prop, **defs})}")
     return f"{p}_json {_XML_END}"
+
+
+def _refs_resolve_in_definitions(prop: dict[str, Any], schema: dict[str, Any]) -> bool:
+    """Every `$ref` in a parameter's schema names the tool's `$defs` / `definitions` (which its own %json
+    rule gets a copy of), and the parameter has no definitions of its own that the copy would replace."""
+    if "$defs" in prop or "definitions" in prop:
+        return False
+    stack: list[Any] = [prop]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None and not (
+                isinstance(ref, str)
+                and ref.startswith(("#/$defs/", "#/definitions/"))
+                and resolve_refs(node, schema) is not None
+            ):
+                return False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return True
 
 
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:

@@ -314,21 +314,29 @@ def typed_schema(prop: Any, root: dict[str, Any]) -> Any:
 _JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"))
 
 
-def schema_types(schema: Any, root: Any = None, depth: int = 0) -> set[str | None]:
+def schema_types(
+    schema: Any, root: Any = None, depth: int = 0, refs: dict[str, set] | None = None
+) -> set[str | None]:
     """The JSON types a value of `schema` may have; None among them: any (no type said, or a malformed
-    one). root: the tool's parameters schema, whose `$defs` / `definitions` a local `$ref` names."""
-    if not isinstance(schema, dict) or depth > 16:
+    one). root: the tool's parameters schema, whose `$defs` / `definitions` a local `$ref` names. Each
+    `$ref` is followed once (refs: their types; a cycle reads as any type), so a request's schema costs
+    its size, however its references repeat."""
+    if not isinstance(schema, dict) or depth > 200:
         return {None}
     if "type" in schema:
         types = schema["type"]
         return {t if isinstance(t, str) else None for t in (types if isinstance(types, list) else [types])}
+    refs = {} if refs is None else refs
     ref = schema.get("$ref")
     if isinstance(ref, str):
-        return schema_types(_resolve(ref, root), root, depth + 1)
+        if ref not in refs:
+            refs[ref] = {None}  # until known: a reference back to it (a cycle) is any type
+            refs[ref] = schema_types(_resolve(ref, root), root, depth + 1, refs)
+        return refs[ref]
     for key in ("anyOf", "oneOf"):
         members = schema.get(key)
         if isinstance(members, list) and members:
-            return set().union(*(schema_types(m, root, depth + 1) for m in members))
+            return set().union(*(schema_types(m, root, depth + 1, refs) for m in members))
     values = schema.get("enum") if isinstance(schema.get("enum"), list) else None
     values = values if values is not None else [schema["const"]] if "const" in schema else []
     if values:
@@ -421,6 +429,7 @@ class _XmlArguments:
         self.buf = ""
         self.key: str | None = None  # the open parameter (None: between parameters)
         self.typed = False  # its value is held whole (a non-string schema type), else streamed
+        self.tried = 0  # see _parameter
         self.lead = True  # its first character (a newline to drop) is still to come
         self.n = 0  # parameters opened
         self.done = False  # </function> seen
@@ -458,6 +467,7 @@ class _XmlArguments:
             return False
         self.key, self.buf = self.buf[start:k].strip(), self.buf[k + 1 :]
         self.typed, self.lead = not is_text(self.props.get(self.key)), True
+        self.tried = 0  # a typed value's tag positions below this were tried (not whole before them)
         out.append(("{" if self.n == 0 else ", ") + json.dumps(self.key, ensure_ascii=False) + ": ")
         out.append("" if self.typed else '"')
         self.n += 1
@@ -495,9 +505,12 @@ class _XmlArguments:
         tags = (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE)
         ends = sorted((i, t) for t in tags for i in _find_all(self.buf, t))
         for i, tag in ends:
+            if i < self.tried:  # the value is held whole in buf, which only grows: tried already
+                continue
             piece = self.buf[:i]
             if _whole(piece[:-1] if piece.endswith("\n") else piece, self.props.get(self.key)):
                 return [(i, tag)]
+            self.tried = i + 1
         return ends[:1] if final else []
 
     def _take(self, text: str, out: list[str], end: bool) -> None:

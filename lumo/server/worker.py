@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.grammar import GrammarError
+from ..engine.llm import PromptTooLongError
 from .errors import APIError
 from .metrics import ServerMetrics
 
@@ -166,7 +168,8 @@ class EngineWorker:
             else:
                 m.e2e.observe(time.perf_counter() - job.t_arrival)
         except ValueError as exc:  # the request's fault (a grammar that fails while generating): a 400
-            log.warning("request failed: %s", exc)
+            expected = isinstance(exc, GrammarError | PromptTooLongError)
+            log.warning("request failed: %s", exc, exc_info=not expected)
             job._post(exc)
         except Exception as exc:  # the engine failed on this request: report it there, keep serving
             log.exception("generation failed")
