@@ -227,9 +227,9 @@ class SpecDecoder(PlainDecoder):
                 # the drafter proposes under the bias and the penalties (the spine so far generated)
                 spine = None if self.history is None else self.history.with_tokens(tokens[1:d])
                 logits = adjust(logits, self.params, spine)
-            allowed = None if grammar is None else grammar.allowed_or_none()
-            if allowed is not None:
-                logits = mask_logits(logits, allowed)
+            bits = None if grammar is None else grammar.draft_bitmask()
+            if bits is not None:
+                logits = mask_logits(logits, unpack_bitmask(bits, self.cfg.vocab_size))
             elif grammar is not None and not grammar.reasoning:
                 grammar = None  # the grammar fails here: plain decoding would too, should it get here
             if self.draft_ids is None:

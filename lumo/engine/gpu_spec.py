@@ -48,7 +48,7 @@ from .adaptive import AdaptiveSpec
 from .decode import SpecStats
 from .gpu_decode import GPUBackend
 from .gpu_weights import GPUGDN, SMALL_M, GPUAttn, GPULayer, swiglu, swiglu_scratch
-from .grammar import Constraint, GrammarError, bitmask_words
+from .grammar import Constraint, bitmask_words
 from .logprobs import PromptLogprobs, ScoresTokens
 from .runner import GPURunner, beside, join
 from .sampling import SamplingParams
@@ -260,11 +260,10 @@ class GPUSpecEngine:
         self.ban_until.copy_(self.runner.ban_until.expand(self.R))
         self.token_masks_on.zero_()
 
-    def mask_tree(self, constraint: Constraint, tokens: list[int] | None = None) -> None:
+    def mask_tree(self, constraint: Constraint, tokens: list[int]) -> None:
         """After the draft: each verify row's allowed tokens, from the grammar state after its path
-        (Constraint.tree_bitmasks). tokens: the tree's drafted tokens, if the host has them (else a copy)."""
+        (Constraint.tree_bitmasks; tokens: the tree's drafted tokens, on the host)."""
         n = self.tb.n_nodes
-        tokens = self.tokens[:n].tolist() if tokens is None else tokens
         on = constraint.tree_bitmasks(tokens, self.tb.parent[:n].tolist(), self._host_masks)
         self._host_masks_on[:n] = torch.tensor(on, dtype=torch.int32)  # padding rows stay 0
         # pinned sources, reused only after the event's result is read (a sync): no copy is in flight then
@@ -615,15 +614,12 @@ class GPUSpecEngine:
         self._load_draft_mask(state)
         self._run_piece("select0", use_graph)
         for dd in range(1, self.D):
-            if state is None:  # refused: the rest unmasked (the flag stays 0), without a sync
-                self._run_piece(f"step{dd}", use_graph)
-                self._run_piece(f"select{dd}", use_graph)
-                continue
-            spine = int(self.tokens[dd])  # a sync: the previous selection's spine token
+            # a sync for the previous selection's spine token; none once refused (the flag stays 0)
+            spine = None if state is None else int(self.tokens[dd])
             self._run_piece(f"step{dd}", use_graph)
-            if not state.try_advance(spine):
-                state = None
-            self._load_draft_mask(state)
+            if state is not None:
+                state = state if state.try_advance(spine) else None
+                self._load_draft_mask(state)
             self._run_piece(f"select{dd}", use_graph)
 
     def _load_draft_mask(self, grammar: Constraint | None) -> None:
@@ -631,10 +627,7 @@ class GPUSpecEngine:
         spine: a draft must not fail the request). The pinned row is rewritten only after the next sync
         (the spine's read, the event's result), which follows this copy."""
         host, W = self._host_draft_mask, self.draft_mask.shape[1]
-        try:
-            bits = None if grammar is None else grammar.bitmask(out=host[0, :W])
-        except GrammarError:
-            bits = None
+        bits = None if grammar is None else grammar.draft_bitmask(out=host[0, :W])
         host[0, W] = int(bits is not None)
         self._draft_mask_row.copy_(host, non_blocking=True)
 

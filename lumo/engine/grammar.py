@@ -276,11 +276,11 @@ class Constraint:
             _allow(out, self.think_open)
         return out
 
-    def allowed_or_none(self) -> torch.Tensor | None:
-        """allowed(), but None also where the grammar fails (a GrammarError): a drafter's spine, which the
+    def draft_bitmask(self, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """bitmask(), but None also where the grammar fails (a GrammarError): a drafter's spine, which the
         target may never take, must not fail the request."""
         try:
-            return self.allowed()
+            return self.bitmask(out)
         except GrammarError:
             return None
 

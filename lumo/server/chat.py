@@ -17,6 +17,7 @@ from .toolparse import (
     ParsedDelta,
     ToolCall,
     ToolCallPiece,
+    is_text,
     resolve_refs,
     schema_types,
 )
@@ -177,15 +178,14 @@ def _xml_value(p: str, prop: Any, schema: dict[str, Any], rules: list[str]) -> s
     """Parameter p's value and end as a Lark expression (rules: where a JSON value's rule goes)."""
     if not isinstance(prop, dict):
         return "value"
-    types = schema_types(prop, schema)  # toolparse's view: a `$ref`, `anyOf` or enum says them too
-    if types & {None, "string"}:
+    if is_text(prop, schema):  # toolparse's view: a `$ref`, `anyOf` or enum says the types too
         target = resolve_refs(prop, schema)
         target = target if isinstance(target, dict) else {}
         texts = target["enum"] if "enum" in target else [target["const"]] if "const" in target else None
         if isinstance(texts, list) and texts and all(isinstance(t, str) for t in texts):
             return "(" + " | ".join(json.dumps(t) for t in texts) + ") " + _XML_END
         return "value"
-    if types == {"boolean"}:
+    if schema_types(prop, schema) == {"boolean"}:
         return '("true" | "false" | "True" | "False") ' + _XML_END
     if not _refs_resolve_in_definitions(prop, schema):
         return "value"  # its JSON rule could not resolve them (`#/properties/...`, `#`): text, as before

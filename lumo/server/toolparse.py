@@ -520,11 +520,6 @@ class _XmlArguments:
         out.append(json.dumps(text, ensure_ascii=False)[1:-1] + ('"' if end else ""))
 
 
-def _types(schema: Any) -> set[str | None]:
-    """A parameter's types (_parameter_schemas said them outright where its schema implied them)."""
-    return schema_types(schema)
-
-
 def _find_all(text: str, tag: str) -> list[int]:
     out, i = [], text.find(tag)
     while i >= 0:
@@ -535,7 +530,7 @@ def _find_all(text: str, tag: str) -> list[int]:
 
 def _whole(value: str, schema: Any) -> bool:
     """A typed value as toolparse reads it is complete (_typed_value would not keep it as text)."""
-    if "boolean" in _types(schema) and value.strip().lower() in ("true", "false"):
+    if "boolean" in schema_types(schema) and value.strip().lower() in ("true", "false"):
         return True
     try:
         json.loads(value)
@@ -544,15 +539,15 @@ def _whole(value: str, schema: Any) -> bool:
     return True
 
 
-def is_text(schema: Any) -> bool:
+def is_text(schema: Any, root: Any = None) -> bool:
     """A parameter without a schema type, or one that may be a string, keeps its text as a string (as in
-    vLLM's qwen3_coder parser)."""
-    return bool(_types(schema) & {None, "string"})
+    vLLM's qwen3_coder parser). root: the tool's parameters schema (schema_types)."""
+    return bool(schema_types(schema, root) & {None, "string"})
 
 
 def _typed_value(value: str, schema: Any) -> Any:
     """The XML form carries every value as text; the tool's JSON schema says what it really is."""
-    types = _types(schema)
+    types = schema_types(schema)
     if is_text(schema):
         return value
     if "boolean" in types and value.strip().lower() in ("true", "false"):
