@@ -258,6 +258,34 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": "a", "text": {"format": 5}}, "text", "object"),
         ({"input": "a", "tool_choice": "bogus"}, "tool_choice", ""),
         ({"input": "a", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools", ""),
+        # a chat message's error names the input item it came from, not the chat message's index
+        (
+            {"instructions": "s", "input": [{"type": "function_call", "call_id": "c", "name": 5}]},
+            "input",
+            "input[0].name:",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "reasoning", "content": [{"text": "hm"}]},
+                    {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                    {"type": "function_call", "call_id": "b", "name": None},
+                ]
+            },
+            "input",
+            "input[3].name:",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "q"},
+                    {"type": "function_call_output", "call_id": 5, "output": "x"},
+                ]
+            },
+            "input",
+            "input[1].call_id:",
+        ),
     ],
 )
 def test_bad_requests(server, body, param, words):

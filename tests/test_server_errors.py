@@ -148,6 +148,14 @@ BAD = [
     ("logprobs-string", COMP, {"prompt": "a", "logprobs": "3"}, 422, "logprobs", ""),
     ("logprobs-true", COMP, {"prompt": "a", "logprobs": True}, 422, "logprobs", ""),
     ("logprobs-float", COMP, {"prompt": "a", "logprobs": 2.0}, 422, "logprobs", ""),
+    # numbers and flags are not coerced from booleans or strings (OpenAI's API refuses them too)
+    ("temperature-bool", CHAT, {"messages": USER, "temperature": True}, 422, "temperature", "number"),
+    ("top-p-str", COMP, {"prompt": "a", "top_p": "0.5"}, 422, "top_p", "number"),
+    ("n-bool", COMP, {"prompt": "a", "n": True}, 422, "n", "integer"),
+    ("max-tokens-float", CHAT, {"messages": USER, "max_tokens": 5.5}, 422, "max_tokens", "integer"),
+    ("seed-str", CHAT, {"messages": USER, "seed": "7"}, 422, "seed", "integer"),
+    ("stream-str", COMP, {"prompt": "a", "stream": "false"}, 422, "stream", "boolean"),
+    ("bias-bool", CHAT, {"messages": USER, "logit_bias": {"5": True}}, 422, "logit_bias.5", "number"),
     ("chat-logprobs-string", CHAT, {"messages": USER, "logprobs": "yes"}, 422, "logprobs", ""),
     (
         "top-logprobs-str",

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from ..engine.grammar import StructuredOutputs
 from ..engine.logprobs import MAX_LOGPROBS
@@ -19,7 +19,7 @@ from .errors import APIError
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class FunctionCall(BaseModel):
@@ -108,22 +108,22 @@ class _Common(BaseModel):
     """Sampling and streaming fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # lumo/vLLM extension; 0 or -1 = off
-    seed: int | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # lumo/vLLM extension; 0 or -1 = off
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    n: int | None = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, generated one after the other
-    stream: bool | None = False
+    n: StrictInt | None = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, generated one after the other
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     # Penalties and min-p (OpenAI's two, vLLM's repetition_penalty and min_p; lumo.engine.sampling)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0, le=10.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     # token id (a string, as JSON keys are) -> bias added to its logit; values clamped to [-100, 100]
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     # vLLM's output options: end-of-sequence tokens generated like others (benchmark clients), tokens that
     # end a choice like one, the stop string kept in the text, special tokens' text shown
     ignore_eos: StrictBool | None = None
@@ -249,10 +249,10 @@ MAX_PROMPTS = 256  # prompts in one /v1/completions request (a batch runs one pr
 
 class CompletionRequest(_Common):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
-    echo: bool | None = False
+    max_tokens: StrictInt | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
+    echo: StrictBool | None = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
-    best_of: int | None = None
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -295,11 +295,11 @@ class CompletionRequest(_Common):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # false: one call, where tool_choice forces calls ("auto": the model decides how many)
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension, e.g. {"enable_thinking": false}

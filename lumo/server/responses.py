@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from .errors import APIError, loc_to_param
 from .protocol import GUIDED, ChatCompletionRequest
@@ -37,17 +37,17 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # lumo/vLLM extension, as in the chat API
-    seed: int | None = None
-    stream: bool | None = False
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1)  # lumo/vLLM extension, as in the chat API
+    seed: StrictInt | None = None
+    stream: StrictBool | None = False
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
 
@@ -69,7 +69,9 @@ class ResponsesRequest(BaseModel):
                 raise APIError(400, "text.format json_schema needs schema, a JSON schema object", "text")
             response_format["json_schema"] = {"name": fmt.get("name"), "schema": fmt["schema"]}
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
-        messages += _messages(self.input)
+        items, origin = _messages(self.input)
+        origin = [[-1]] * len(messages) + origin  # -1: instructions
+        messages += items
         if not messages:
             raise APIError(400, "input must not be empty", "input")
         body = {
@@ -90,13 +92,30 @@ class ResponsesRequest(BaseModel):
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             err = e.errors()[0]
-            loc = [_RESPONSES_NAMES.get(p, p) if i == 0 else p for i, p in enumerate(err["loc"])]
-            param = loc_to_param(tuple(loc)) or "input"
+            param = loc_to_param(_item_loc(tuple(err["loc"]), origin)) or "input"
             raise APIError(400, f"{param}: {err['msg']}", param.split(".")[0].split("[")[0]) from None
 
 
 # the chat request's fields under their Responses names (a validation error names the request's own)
 _RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
+# a chat message's fields under their input items' names
+_ITEM_NAMES = {"tool_call_id": "call_id", "id": "call_id", "function": None}
+
+
+def _item_loc(loc: tuple[Any, ...], origin: list[list[int]]) -> tuple[Any, ...]:
+    """A chat request's error location in the Responses request's terms: a message's fields are its input
+    item's (origin: _messages'), a merged tool call's those of its own function_call item."""
+    if len(loc) > 1 and loc[0] == "messages" and isinstance(loc[1], int) and loc[1] < len(origin):
+        items, rest = origin[loc[1]], loc[2:]
+        item = items[0]
+        call = rest[1] if rest[:1] == ("tool_calls",) and len(rest) > 1 else None
+        if isinstance(call, int) and call + 1 < len(items):
+            item, rest = items[call + 1], rest[2:]
+        if item < 0:
+            return ("instructions",)
+        named = (_ITEM_NAMES.get(p, p) if isinstance(p, str) else p for p in rest)
+        return ("input", item, *(p for p in named if p is not None))
+    return tuple(_RESPONSES_NAMES.get(p, p) if i == 0 else p for i, p in enumerate(loc))
 
 
 def text_format(text: Any) -> dict[str, Any]:
@@ -127,11 +146,14 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input's items as chat messages."""
+def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """The input's items as chat messages, and each message's origin: the item it came from, then its
+    tool calls' items (function_call items merge into one assistant message, which a message item may
+    open; a reasoning item goes into the message after it)."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], [[0]]
     out: list[dict[str, Any]] = []
+    origin: list[list[int]] = []
     reasoning = None  # a reasoning item's text, for the assistant message that follows it
     for i, item in enumerate(items):
         where = f"input[{i}]"
@@ -149,6 +171,7 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 msg["reasoning_content"] = reasoning
             reasoning = None
             out.append(msg)
+            origin.append([i])
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
@@ -158,12 +181,15 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if reasoning is not None:
                     last["reasoning_content"], reasoning = reasoning, None
                 out.append(last)
+                origin.append([i])
             last.setdefault("tool_calls", []).append(call)
+            origin[-1].append(i)
         elif kind == "function_call_output":
             reasoning = None  # reasoning belongs to the assistant turn right after it
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+            origin.append([i])
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             parts = [{"text": parts}] if isinstance(parts, str) else parts
@@ -174,7 +200,7 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             reasoning = "".join(texts)
         else:
             raise APIError(400, f"input item type {kind!r} is not supported", where)
-    return out
+    return out, origin
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
