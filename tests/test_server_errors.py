@@ -14,11 +14,13 @@ import asyncio
 import json
 import re
 import time
+from typing import Any
 
 import httpx
 import openai
 
-from lumo.server.testing import serve_subprocess
+from lumo.server.testing import ScriptedLLM, serve_subprocess
+from lumo.server.worker import Job
 from lumo.testing import make_tiny_checkpoint
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
@@ -320,6 +322,48 @@ def test_full_queue_gets_503_and_server_recovers(server):
     r = httpx.post(server.url + COMP, json={"prompt": "y", "max_tokens": 4, "temperature": 0}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     assert time.monotonic() - t0 < 5
+
+
+class _QueueFiller(ScriptedLLM):
+    """A scripted engine that fills the server's queue with other (cancelled) requests just before each
+    generation's last chunk: the next choice of the request is then queued with the queue full."""
+
+    worker: Any = None
+    filled: int = 0
+
+    def generate_stream(self, prompt, max_tokens=256, **kw):
+        chunks = list(super().generate_stream(prompt, max_tokens, **kw))
+        yield from chunks[:-1]
+        while self.worker.queue_length() < self.worker.max_queue:
+            other = Job([1], 1, {}, asyncio.new_event_loop())
+            other.cancel()  # skipped by the worker when its turn comes
+            self.worker.submit(other)
+            self.filled += 1
+        yield chunks[-1]
+
+
+def test_full_queue_never_fails_an_admitted_request_half_done(tmp_path):
+    """A request's later choices are queued as its earlier ones end; a queue that has filled meanwhile must
+    not turn the finished choices into a 503 (lost work): the request was admitted with its first."""
+    from fastapi.testclient import TestClient
+
+    from lumo.server.app import create_app
+
+    llm = _QueueFiller.with_test_tokenizer(tmp_path, "one two three", chunk=4)
+    app = create_app(llm, max_queue=1)
+    llm.worker = app.state.server.worker
+    with TestClient(app) as client:
+        for path, body in ((COMP, {"prompt": "y"}), (CHAT, {"messages": USER})):
+            for stream in (False, True):
+                filled = llm.filled
+                r = client.post(path, json={**body, "n": 3, "stream": stream})
+                assert r.status_code == 200, r.text
+                if stream:
+                    stops = re.findall(r'"finish_reason": ?"stop"', r.text)
+                    assert len(stops) == 3 and '"error"' not in r.text, r.text
+                else:
+                    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
+                assert llm.filled - filled >= 2  # the queue was full when choices 1 and 2 were queued
 
 
 async def _ametric(c: httpx.AsyncClient, name: str) -> float:

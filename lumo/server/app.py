@@ -321,9 +321,15 @@ class _Server:
             raise APIError(400, str(e), field) from None
         return structured
 
-    def _submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> Job:
+    def _submit(
+        self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any], admitted: bool
+    ) -> Job:
+        """Queue a job. A request is admitted (or refused with a 503) by its first job's queueing, or for a
+        stream by `_streaming`; its later jobs (choices, a batch's prompts) are then `admitted`: a full queue
+        never fails a request half done (they hold one place each, one at a time, so the queue stays
+        bounded by max_queue plus the requests in flight)."""
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
-        return self.worker.submit(job)
+        return self.worker.submit(job, admitted=admitted)
 
     async def _collected(self, job: Job, request: Request) -> AsyncIterator[Any]:
         """A non-streamed job's chunks; a client that hangs up cancels it, an engine error is an APIError."""
@@ -384,13 +390,12 @@ class _Server:
             items.append((ids, budget, echo))
         n = body.choices
 
-        def start(c: int) -> _CompletionOutput:
+        def start(c: int, admitted: bool) -> _CompletionOutput:
             """Choice c's job (prompt c // n, its choice c % n), queued when its turn comes: a request holds
             one place in the queue at a time."""
             ids, budget, echo = items[c // n]
-            job = self._submit(
-                ids, budget, {**body.sampling(c % n), **by_id, "structured_outputs": structured}
-            )
+            sampling = {**body.sampling(c % n), **by_id, "structured_outputs": structured}
+            job = self._submit(ids, budget, sampling, admitted)
             return _CompletionOutput(tok, job, ids, echo, score_only)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -402,7 +407,7 @@ class _Server:
         for i in range(len(items) * n):
             if i and await request.is_disconnected():
                 break  # the client went away: the rest of the batch would go unread
-            out = start(i)
+            out = start(i, admitted=i > 0)
             outs.append(out)
             text, logprobs, reason = "", None, None
             async for chunk in self._collected(out.job, request):
@@ -428,7 +433,7 @@ class _Server:
 
         async def choices() -> AsyncIterator[str]:
             for i in range(count):
-                out = start(i)
+                out = start(i, admitted=True)
                 outs.append(out)
                 reason = None
                 async for chunk in out.job.events():
@@ -464,11 +469,10 @@ class _Server:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         continued = continued_text(body)
 
-        def start(j: int) -> tuple[Job, ChatOutputParser]:
+        def start(j: int, admitted: bool) -> tuple[Job, ChatOutputParser]:
             """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
-            job = self._submit(
-                prompt_ids, max_tokens, {**body.sampling(j), **by_id, "structured_outputs": structured}
-            )
+            sampling = {**body.sampling(j), **by_id, "structured_outputs": structured}
+            job = self._submit(prompt_ids, max_tokens, sampling, admitted)
             parser = ChatOutputParser(
                 in_reasoning=opens_reasoning(prompt, continued),
                 parse_tools=body.parse_tools,
@@ -486,7 +490,7 @@ class _Server:
         for j in range(body.choices):
             if j and await request.is_disconnected():
                 break
-            job, parser = start(j)
+            job, parser = start(j, admitted=j > 0)
             text, n_tok, reason, lps = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
@@ -524,10 +528,9 @@ class _Server:
         )
         build = ResponseBuilder(response_head(body, self.served_name))
 
-        def submit() -> Job:
-            return self._submit(
-                prompt_ids, max_tokens, {**chat.sampling(0), **by_id, "structured_outputs": structured}
-            )
+        def submit(admitted: bool) -> Job:
+            sampling = {**chat.sampling(0), **by_id, "structured_outputs": structured}
+            return self._submit(prompt_ids, max_tokens, sampling, admitted)
 
         def result(job: Job, n_gen: int, reason: str | None, reasoning: str) -> tuple[str, dict]:
             """The terminal status and response after the last item closed."""
@@ -537,7 +540,7 @@ class _Server:
             return status, build.response(status, usage, why)
 
         if not body.stream:
-            job = submit()
+            job = submit(admitted=False)
             text, n_gen, reason, _ = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
@@ -550,7 +553,8 @@ class _Server:
         async def events() -> AsyncIterator[str]:
             yield _event(build.event("response.created", response=build.response("in_progress")))
             yield _event(build.event("response.in_progress", response=build.response("in_progress")))
-            jobs.append(submit())  # queued once the stream runs: a client gone before leaves nothing
+            # queued once the stream runs (admitted by _streaming): a client gone before leaves nothing
+            jobs.append(submit(admitted=True))
             n_gen, reason, reasoning = 0, None, ""
             async for chunk in jobs[0].events():
                 n_gen += len(chunk.token_ids)
@@ -603,7 +607,7 @@ class _Server:
 
         async def choices() -> AsyncIterator[str]:
             for j in range(n):
-                job, parser = start(j)
+                job, parser = start(j, admitted=True)
                 jobs.append(job)
                 async for event in self._chat_choice(j, job, parser, head, extra, n_gen):
                     yield event
@@ -654,8 +658,9 @@ class _Server:
         yield chunk_of({}, finish_reason(reason, parser.n_tool_calls))
 
     def _streaming(self, events: AsyncIterator[str]) -> StreamingResponse:
-        """A stream, or a 503 if the queue is full now (its jobs are queued once it runs, where a full
-        queue could only be an error event: clients that retry on 503 would not see it)."""
+        """A stream, or a 503 if the queue is full now: the stream's admission (its jobs are queued once
+        it runs, `admitted`, where a full queue could only be an error event that clients retrying on 503
+        would not see)."""
         if self.worker.queue_length() >= self.worker.max_queue:
             raise APIError(503, f"server busy: {self.worker.max_queue} requests already waiting; retry later")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -90,9 +90,11 @@ class EngineWorker:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def submit(self, job: Job) -> Job:
+    def submit(self, job: Job, admitted: bool = False) -> Job:
+        """Queue a job; a 503 if max_queue are waiting, unless it is part of a request already `admitted`
+        (app.py: a choice after the first, a stream's)."""
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
+            if len(self._waiting) >= self.max_queue and not admitted:
                 raise APIError(503, f"server busy: {self.max_queue} requests already waiting; retry later")
             self._waiting.append(job)
             self._cond.notify()
