@@ -58,6 +58,20 @@ XML_ARGS = {
 # (name, output text, in_reasoning, parse_tools, expected content, expected reasoning, expected calls)
 CASES = [
     ("plain", "Hello, world!  How are you?", False, True, "Hello, world!  How are you?", "", []),
+    # the output's own leading and trailing whitespace is kept (a continued line's indentation, the text
+    # before a stop string); whitespace that only separates parts is not
+    ("own-whitespace", "    return x\n\n", False, True, "    return x\n\n", "", []),
+    ("trailing-blank", "# ", False, True, "# ", "", []),
+    ("after-think", "<think>\nhm\n</think>\n\n  Answer. ", False, True, "Answer. ", "\nhm\n", []),
+    (
+        "around-call",
+        ' a \n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n ',
+        False,
+        True,
+        " a",
+        "",
+        [("a", {})],
+    ),
     (
         "angle-brackets",
         "a < b and <tool> or <think or </tool_call",

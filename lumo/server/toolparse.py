@@ -134,7 +134,8 @@ class ChatOutputParser:
     in_reasoning: the prompt already opened `<think>` (the template did), so the output starts inside the
     reasoning and only `</think>` will appear. tools: the request's OpenAI tool list, whose JSON schemas type
     the XML form's parameter values. parse_tools=False leaves `<tool_call>` text in the content.
-    Whitespace that only separates parts (after `</think>`, around tool calls, at the end) is dropped.
+    Whitespace that only separates parts (after `</think>`, around tool calls) is dropped; the output's own
+    leading and trailing whitespace (a continued line's indentation, the text before a stop string) is kept.
     """
 
     def __init__(
@@ -146,7 +147,7 @@ class ChatOutputParser:
         self._schemas = _parameter_schemas(tools or [])
         self._buf = ""  # text not yet classified
         self._held_ws = ""  # trailing content whitespace, sent only if more content follows
-        self._at_start = True  # no content since the start or the last tag: leading whitespace is dropped
+        self._at_start = False  # no content since the last tag: leading whitespace is dropped
         self._xml: _XmlArguments | None = None  # the XML call streaming now
         self.n_tool_calls = 0
 
@@ -167,8 +168,9 @@ class ChatOutputParser:
             self._end_xml_call(self._xml.feed(buf, final=True), out)
         elif self._mode == _TOOL:
             self._close_tool_call(buf, out, closed=False)
-        else:
-            self._content(buf, out, boundary=True)
+        else:  # the end: trailing whitespace is the output's own, unless a tag came just before it
+            self._content(buf, out, boundary=False)
+            out.add_content(self._held_ws)
         self._held_ws = ""
         return out
 
