@@ -337,9 +337,52 @@ class _QueueFiller(ScriptedLLM):
         while self.worker.queue_length() < self.worker.max_queue:
             other = Job([1], 1, {}, asyncio.new_event_loop())
             other.cancel()  # skipped by the worker when its turn comes
-            self.worker.submit(other)
+            self.worker.submit(other, self.worker.admit())
             self.filled += 1
         yield chunks[-1]
+
+
+def test_concurrent_streams_get_503_or_a_whole_stream(server):
+    """Streams arriving together: each is admitted (its place held before its stream starts) or refused
+    with a 503, never a 200 whose stream is only a "server busy" error event."""
+    long = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+
+    async def one(c: httpx.AsyncClient, got: list[str], seen: asyncio.Event) -> None:
+        async with c.stream("POST", COMP, json=long) as r:  # open until every stream is classified
+            if r.status_code == 503:
+                got.append("503")
+                return
+            assert r.status_code == 200
+            lines = r.aiter_lines()
+            try:
+                async with asyncio.timeout(2.0):
+                    while not (line := await anext(lines)).startswith("data: "):
+                        pass
+                    assert '"error"' not in line, line
+                    got.append("running")
+            except TimeoutError:
+                got.append("waiting")  # admitted, its turn not come yet
+            await seen.wait()
+
+    async def scenario() -> list[str]:
+        got: list[str] = []
+        seen = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            tasks = [asyncio.create_task(one(c, got, seen)) for _ in range(6)]
+            while len(got) < 6 and not any(t.done() and t.exception() for t in tasks):
+                await asyncio.sleep(0.02)
+            seen.set()
+            await asyncio.gather(*tasks)
+        return got
+
+    got = asyncio.run(scenario())
+    # --max-queue 1: one runs, at most one waits (a stream admitted while the first still held its place
+    # is refused), the others were refused before their streams began
+    assert len(got) == 6 and got.count("running") == 1 and got.count("waiting") <= 1, got
+    deadline = time.monotonic() + 10
+    while _metric(server.url, "lumo_num_requests_running") + _metric(server.url, "lumo_num_requests_waiting"):
+        assert time.monotonic() < deadline, "the abandoned streams were not cancelled"
+        time.sleep(0.05)
 
 
 def test_full_queue_never_fails_an_admitted_request_half_done(tmp_path):

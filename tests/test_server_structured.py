@@ -58,7 +58,7 @@ def test_chat_json_schema_equals_llm(served):
         temperature=0,
         structured_outputs={"json": PERSON},
     )
-    assert text == want.text.lstrip() and r.choices[0].finish_reason == want.finish_reason
+    assert text == want.text and r.choices[0].finish_reason == want.finish_reason  # blanks before it kept
     if want.finish_reason == "stop":
         assert set(json.loads(text)) == {"name", "age"}
     else:
@@ -79,7 +79,7 @@ def test_chat_json_object_streamed(served):
         seed=5,
         structured_outputs={"json_object": True},
     )
-    assert text == want.text.lstrip() and text.startswith("{")
+    assert text == want.text and text.lstrip().startswith("{")  # up to two blanks may come first
 
 
 @pytest.mark.parametrize(
@@ -126,7 +126,7 @@ def test_responses_text_format(served):
         temperature=0,
         structured_outputs={"json": PERSON},
     )
-    assert r.output_text == want.text.lstrip()
+    assert r.output_text == want.text
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import ResponseBuilder, ResponsesRequest, response_head, response_usage
 from .toolparse import ChatOutputParser
-from .worker import EngineWorker, Job
+from .worker import EngineWorker, Job, Ticket
 
 ENDPOINTS = (
     "/v1/completions",
@@ -322,14 +322,11 @@ class _Server:
         return structured
 
     def _submit(
-        self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any], admitted: bool
+        self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any], ticket: Ticket
     ) -> Job:
-        """Queue a job. A request is admitted (or refused with a 503) by its first job's queueing, or for a
-        stream by `_streaming`; its later jobs (choices, a batch's prompts) are then `admitted`: a full queue
-        never fails a request half done (they hold one place each, one at a time, so the queue stays
-        bounded by max_queue plus the requests in flight)."""
+        """Queue one of an admitted request's jobs (EngineWorker.submit)."""
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
-        return self.worker.submit(job, admitted=admitted)
+        return self.worker.submit(job, ticket)
 
     async def _collected(self, job: Job, request: Request) -> AsyncIterator[Any]:
         """A non-streamed job's chunks; a client that hangs up cancels it, an engine error is an APIError."""
@@ -390,12 +387,14 @@ class _Server:
             items.append((ids, budget, echo))
         n = body.choices
 
-        def start(c: int, admitted: bool) -> _CompletionOutput:
+        ticket = self.worker.admit()  # a 503 now, or a place held for the first job
+
+        def start(c: int) -> _CompletionOutput:
             """Choice c's job (prompt c // n, its choice c % n), queued when its turn comes: a request holds
             one place in the queue at a time."""
             ids, budget, echo = items[c // n]
             sampling = {**body.sampling(c % n), **by_id, "structured_outputs": structured}
-            job = self._submit(ids, budget, sampling, admitted)
+            job = self._submit(ids, budget, sampling, ticket)
             return _CompletionOutput(tok, job, ids, echo, score_only)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -407,7 +406,7 @@ class _Server:
         for i in range(len(items) * n):
             if i and await request.is_disconnected():
                 break  # the client went away: the rest of the batch would go unread
-            out = start(i, admitted=i > 0)
+            out = start(i)
             outs.append(out)
             text, logprobs, reason = "", None, None
             async for chunk in self._collected(out.job, request):
@@ -433,7 +432,7 @@ class _Server:
 
         async def choices() -> AsyncIterator[str]:
             for i in range(count):
-                out = start(i, admitted=True)
+                out = start(i)
                 outs.append(out)
                 reason = None
                 async for chunk in out.job.events():
@@ -469,10 +468,12 @@ class _Server:
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
         continued = continued_text(body)
 
-        def start(j: int, admitted: bool) -> tuple[Job, ChatOutputParser]:
+        ticket = self.worker.admit()  # a 503 now, or a place held for the first job
+
+        def start(j: int) -> tuple[Job, ChatOutputParser]:
             """Choice j's job and output parser, queued when its turn comes (one place in the queue)."""
             sampling = {**body.sampling(j), **by_id, "structured_outputs": structured}
-            job = self._submit(prompt_ids, max_tokens, sampling, admitted)
+            job = self._submit(prompt_ids, max_tokens, sampling, ticket)
             parser = ChatOutputParser(
                 in_reasoning=opens_reasoning(prompt, continued),
                 parse_tools=body.parse_tools,
@@ -490,7 +491,7 @@ class _Server:
         for j in range(body.choices):
             if j and await request.is_disconnected():
                 break
-            job, parser = start(j, admitted=j > 0)
+            job, parser = start(j)
             text, n_tok, reason, lps = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
@@ -528,9 +529,11 @@ class _Server:
         )
         build = ResponseBuilder(response_head(body, self.served_name))
 
-        def submit(admitted: bool) -> Job:
+        ticket = self.worker.admit()  # a 503 now, or a place held for the job
+
+        def submit() -> Job:
             sampling = {**chat.sampling(0), **by_id, "structured_outputs": structured}
-            return self._submit(prompt_ids, max_tokens, sampling, admitted)
+            return self._submit(prompt_ids, max_tokens, sampling, ticket)
 
         def result(job: Job, n_gen: int, reason: str | None, reasoning: str) -> tuple[str, dict]:
             """The terminal status and response after the last item closed."""
@@ -540,7 +543,7 @@ class _Server:
             return status, build.response(status, usage, why)
 
         if not body.stream:
-            job = submit(admitted=False)
+            job = submit()
             text, n_gen, reason, _ = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
@@ -553,8 +556,7 @@ class _Server:
         async def events() -> AsyncIterator[str]:
             yield _event(build.event("response.created", response=build.response("in_progress")))
             yield _event(build.event("response.in_progress", response=build.response("in_progress")))
-            # queued once the stream runs (admitted by _streaming): a client gone before leaves nothing
-            jobs.append(submit(admitted=True))
+            jobs.append(submit())  # queued once the stream runs: a client gone before leaves nothing
             n_gen, reason, reasoning = 0, None, ""
             async for chunk in jobs[0].events():
                 n_gen += len(chunk.token_ids)
@@ -576,7 +578,7 @@ class _Server:
             yield _event(build.event(f"response.{status}", response=final))
 
         async def guarded() -> AsyncIterator[str]:
-            """An engine error (or a full queue) ends the stream with `error` and `response.failed`."""
+            """An engine error ends the stream with `error` and `response.failed`."""
             try:
                 async for e in events():
                     yield e
@@ -607,7 +609,7 @@ class _Server:
 
         async def choices() -> AsyncIterator[str]:
             for j in range(n):
-                job, parser = start(j, admitted=True)
+                job, parser = start(j)
                 jobs.append(job)
                 async for event in self._chat_choice(j, job, parser, head, extra, n_gen):
                     yield event
@@ -658,11 +660,8 @@ class _Server:
         yield chunk_of({}, finish_reason(reason, parser.n_tool_calls))
 
     def _streaming(self, events: AsyncIterator[str]) -> StreamingResponse:
-        """A stream, or a 503 if the queue is full now: the stream's admission (its jobs are queued once
-        it runs, `admitted`, where a full queue could only be an error event that clients retrying on 503
-        would not see)."""
-        if self.worker.queue_length() >= self.worker.max_queue:
-            raise APIError(503, f"server busy: {self.worker.max_queue} requests already waiting; retry later")
+        """A stream of an admitted request (its ticket holds its place: a full queue was a 503 before the
+        stream, never an error event inside it that clients retrying on 503 would not see)."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 

@@ -2,7 +2,9 @@
 
 The LLM is not thread-safe, so exactly one worker thread calls it, one request at a time: tokens of
 different requests never mix. Requests wait in FIFO order; when `max_queue` are already waiting the next
-one is refused (503). Each job hands its chunks to the event loop through its own asyncio queue. A job
+one is refused (503). A request is admitted once (`admit`: a place held for it, a stream's before its
+stream starts), and its jobs (choices, a batch's prompts, one at a time) are then queued whatever the
+queue's length. Each job hands its chunks to the event loop through its own asyncio queue. A job
 whose client went away is cancelled: if still waiting it is skipped, if running its generator is closed
 after the current token, which frees the engine for the next request at once.
 """
@@ -63,12 +65,30 @@ class Job:
             yield item
 
 
+class Ticket:
+    """An admitted request (EngineWorker.admit): a place in the queue held until its first job takes it
+    (or the ticket is released or dropped: a stream whose client left before it started)."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self._worker, self.held = worker, True
+
+    def release(self) -> None:
+        with self._worker._cond:
+            if self.held:
+                self.held = False
+                self._worker._held -= 1
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class EngineWorker:
     def __init__(self, llm: Any, metrics: ServerMetrics, max_queue: int = 64) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
         self.llm, self.metrics, self.max_queue = llm, metrics, max_queue
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # reentrant: a ticket may be dropped while it is held
+        self._held = 0  # places held by tickets whose first job is not queued yet
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
         self._stopping = False
@@ -90,12 +110,19 @@ class EngineWorker:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def submit(self, job: Job, admitted: bool = False) -> Job:
-        """Queue a job; a 503 if max_queue are waiting, unless it is part of a request already `admitted`
-        (app.py: a choice after the first, a stream's)."""
+    def admit(self) -> Ticket:
+        """Admit a request: a 503 if max_queue requests are waiting (or hold their place) already."""
         with self._cond:
-            if len(self._waiting) >= self.max_queue and not admitted:
+            if len(self._waiting) + self._held >= self.max_queue:
                 raise APIError(503, f"server busy: {self.max_queue} requests already waiting; retry later")
+            self._held += 1
+            return Ticket(self)
+
+    def submit(self, job: Job, ticket: Ticket) -> Job:
+        """Queue one of an admitted request's jobs: the first takes the place its ticket held, the later
+        ones (one at a time per request) go past a full queue, so a request is never refused half done."""
+        with self._cond:
+            ticket.release()
             self._waiting.append(job)
             self._cond.notify()
         return job
