@@ -156,6 +156,8 @@ BAD = [
     ("n-bool", COMP, {"prompt": "a", "n": True}, 422, "n", "integer"),
     ("max-tokens-float", CHAT, {"messages": USER, "max_tokens": 5.5}, 422, "max_tokens", "integer"),
     ("seed-str", CHAT, {"messages": USER, "seed": "7"}, 422, "seed", "integer"),
+    ("seed-over-int64", COMP, {"prompt": "a", "seed": 2**64}, 422, "seed", ""),
+    ("seed-under-int64", CHAT, {"messages": USER, "seed": -(2**63) - 1}, 422, "seed", ""),
     ("stream-str", COMP, {"prompt": "a", "stream": "false"}, 422, "stream", "boolean"),
     ("bias-bool", CHAT, {"messages": USER, "logit_bias": {"5": True}}, 422, "logit_bias.5", "number"),
     ("chat-logprobs-string", CHAT, {"messages": USER, "logprobs": "yes"}, 422, "logprobs", ""),
@@ -340,6 +342,32 @@ class _QueueFiller(ScriptedLLM):
             self.worker.submit(other, self.worker.admit())
             self.filled += 1
         yield chunks[-1]
+
+
+def test_seeds_at_the_int64_ends(server):
+    """The largest seed with n = 2 (choice 1's seed wraps to the smallest) and the smallest one work."""
+    for seed in (2**63 - 1, -(2**63)):
+        body = {"prompt": "a", "max_tokens": 3, "temperature": 1.0, "seed": seed, "n": 2}
+        r = httpx.post(server.url + COMP, json=body, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+def test_deeply_nested_tool_arguments_are_not_a_500(server):
+    """Arguments nested past json's depth are text to the template (its own error, if any, is a 400)."""
+    deep = '{"a":' * 1000 + "1" + "}" * 1000
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [*USER, {"role": "assistant", "tool_calls": [call]}, {"role": "tool", "content": "ok"}]
+    items = [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f"}]
+    items[1]["arguments"] = deep
+    for path, body in (
+        (CHAT, {"messages": messages, "max_tokens": 2}),
+        ("/tokenize", {"messages": messages}),
+        ("/v1/responses", {"input": items, "max_output_tokens": 2}),
+    ):
+        r = httpx.post(server.url + path, json=body, timeout=30)
+        assert r.status_code in (200, 400), (path, r.text)
+        if r.status_code == 400:
+            _check_error(r, 400)
 
 
 def test_concurrent_streams_get_503_or_a_whole_stream(server):

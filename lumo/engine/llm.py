@@ -383,6 +383,8 @@ class LLM:
         if t < GREEDY_BELOW:
             t = 0.0
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else _integer(seed, "seed")
+        if not -(2**63) <= seed < 2**63:  # the GPU keeps it in an int64; vLLM's range too
+            raise ValueError(f"seed must lie in [-2^63, 2^63), got {seed}")
         bias = self._logit_bias(logit_bias)
         return SamplingParams(
             temperature=t,

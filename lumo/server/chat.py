@@ -42,7 +42,7 @@ def _arguments(args: str | dict[str, Any]) -> str | dict[str, Any]:
     if isinstance(args, str):
         try:
             obj = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: text
             return args
         return obj if isinstance(obj, dict) else args
     return args

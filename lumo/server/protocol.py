@@ -112,7 +112,7 @@ class _Common(BaseModel):
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # lumo/vLLM extension; 0 or -1 = off
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM's
     stop: str | list[str] | None = None
     n: StrictInt | None = Field(default=1, ge=1, le=MAX_CHOICES)  # choices, generated one after the other
     stream: StrictBool | None = False
@@ -223,14 +223,15 @@ class _Common(BaseModel):
 
     def sampling(self, choice: int = 0) -> dict[str, Any]:
         """LLM.generate_stream's keyword arguments for choice `choice` of n: with a seed, choice j samples
-        with seed + j (choice 0 is the request with n = 1); without one, each choice its own draw."""
+        with seed + j, wrapped into int64 (choice 0 is the request with n = 1); without one, each choice its
+        own draw."""
         # top_k 0 / -1 both mean "off" to OpenAI-style clients; lumo's engine spells it 0
         top_k = None if self.top_k is None else max(self.top_k, 0)
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": top_k,
-            "seed": None if self.seed is None else self.seed + choice,
+            "seed": None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63,  # int64
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "frequency_penalty": self.frequency_penalty,

@@ -42,7 +42,7 @@ class ResponsesRequest(BaseModel):
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # lumo/vLLM extension, as in the chat API
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: StrictBool | None = False
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None

@@ -376,7 +376,7 @@ def parse_tool_call(body: str, schemas: dict[str, dict[str, Any]] | None = None)
         return _parse_xml(s, (schemas or {}))
     try:
         obj = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -385,7 +385,7 @@ def parse_tool_call(body: str, schemas: dict[str, dict[str, Any]] | None = None)
         try:  # a model that double-encodes its arguments: keep the string if it is JSON already
             json.loads(args)
             return ToolCall(obj["name"], args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
@@ -536,7 +536,7 @@ def _whole(value: str, schema: Any) -> bool:
         return True
     try:
         json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 
@@ -556,5 +556,5 @@ def _typed_value(value: str, schema: Any) -> Any:
         return value.strip().lower() == "true"
     try:
         return json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return value
