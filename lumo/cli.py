@@ -264,14 +264,15 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     t_first = t_first or t1
     decode = t1 - t_first
-    rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+    # the first token comes from the prefill: a decode rate needs two
+    decoded = f"{(n - 1) / decode:.1f} tokens/s decode" if n > 1 and decode > 0 else "no decode steps"
     stats = getattr(llm.last_decoder, "stats", None)
     spec = f", {stats.mean_accepted:.2f} accepted drafts/event" if stats and stats.events else ""
     if stats and getattr(stats, "plain_steps", 0):  # adaptive speculation decoded part of it plainly
         spec += f" over {stats.events} events and {stats.plain_steps} plain steps"
     print(
         f"[lumo] {n} tokens ({reason}), prefill {1000 * (t_first - t0):.0f} ms, "
-        f"{rate:.1f} tokens/s decode{spec}, model {llm.model_name} on {llm.device} ({llm.backend})",
+        f"{decoded}{spec}, model {llm.model_name} on {llm.device} ({llm.backend})",
         file=sys.stderr,
     )
     return 0

@@ -275,6 +275,8 @@ def _hub_offline() -> bool:
 def resolve_model_path(model: str | Path) -> Path:
     """A local checkpoint directory, or a hub id fetched (json, safetensors, tokenizer, templates) or taken
     from the local cache; with HF_HUB_OFFLINE set only the cache is used."""
+    if not str(model).strip():  # Path("") is the current directory
+        raise WeightError("the model path is empty")
     p = Path(model).expanduser()
     if p.is_dir():
         return p

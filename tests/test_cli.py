@@ -97,6 +97,7 @@ def test_generate_chat_stop_and_spec(tmp_path):
     "args, words",
     [
         (["generate", "--model", "/no/such/dir", "--prompt", "x"], "does not exist"),
+        (["generate", "--model", "", "--prompt", "x"], "model path is empty"),
         (["generate", "--model", "{bad}", "--prompt", "x", "--device", "cpu"], "bad"),
         (["quantize", "/no/such/dir", "/tmp/lumo-out-never"], "/no/such/dir"),
         (["generate", "--prompt", "x", "--device", "cpu", "--draft-quant", "nvfp4"], "kernels backend"),
@@ -181,6 +182,7 @@ def test_quantize_round_trip(tmp_path):
         (["--presence-penalty", "3"], "presence_penalty must lie in [-2, 2]"),
         (["--repetition-penalty", "0"], "repetition_penalty must lie in (0, 10]"),
         (["--max-model-len", "0"], "max_model_len"),
+        (["--max-model-len", "99999999"], "exceeds the model's context"),
         (["--spec", "tree"], "MTP head"),
         (["--logit-bias", "13"], "TOKEN_ID=VALUE"),
         (["--logit-bias", "99999999=1"], "outside the vocabulary"),

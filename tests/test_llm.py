@@ -95,6 +95,8 @@ def test_bad_max_model_len(tmp_path):
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
     with pytest.raises(ValueError, match="max_model_len must be an integer"):
         LLM(ckpt, device="cpu", max_model_len="8")
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        LLM(ckpt, device="cpu", max_model_len=10**8)
 
 
 def test_draft_quant_is_checked(tmp_path):

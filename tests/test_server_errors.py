@@ -252,6 +252,9 @@ def test_huge_prompt_is_refused_without_tokenising(server):
 def test_malformed_json(server):
     r = httpx.post(server.url + CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert "malformed JSON" in _check_error(r, 400)["message"]
+    # a JSON body under another content type: the message says what to send
+    r = httpx.post(server.url + COMP, content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    assert "Content-Type: application/json" in _check_error(r, 422)["message"]
 
 
 def test_unknown_route_and_method(server):

@@ -175,7 +175,11 @@ class LLM:
         limit = self.config.max_position_embeddings
         if max_model_len is not None and _integer(max_model_len, "max_model_len") < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
-        self.max_model_len = min(max_model_len or limit, limit)
+        if max_model_len is not None and max_model_len > limit:  # vLLM refuses it too
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context (max_position_embeddings {limit})"
+            )
+        self.max_model_len = max_model_len or limit
         # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
         # otherwise (the torch backend's tree event forwards each node separately: exact, but slower).
         if spec == "auto":

@@ -60,7 +60,7 @@ def loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
+def _validation_error(exc: RequestValidationError, content_type: str = "application/json") -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
@@ -69,6 +69,8 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     param = loc_to_param(tuple(first.get("loc", ())))
     if param is None:
         msg = "the request body must be a JSON object"
+        if "json" not in content_type.lower():  # FastAPI reads a JSON body only under a JSON content type
+            msg += f" sent as Content-Type: application/json (got {content_type or 'none'!r})"
     else:
         msg = f"{param}: {first.get('msg', 'invalid value')}"
         bad = first.get("input")
@@ -83,8 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc, request.headers.get("content-type", ""))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
