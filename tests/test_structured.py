@@ -157,6 +157,38 @@ def test_special_tokens_the_matcher_would_not_take_are_masked_out():
             con.advance([int(torch.nonzero(con.allowed()).flatten()[0])])
 
 
+def test_json_regex_and_choice_masks_drop_special_tokens_without_asking():
+    """JSON schemas, regular expressions and choices never name a special token, so their masks drop every
+    special bit (no matcher call per token): the same masks as asking the matcher, state by state, and the
+    same GrammarError where llguidance's mask allows only a special token (a regular expression that spells
+    one, which its matcher takes only as text it cannot consume); a Lark grammar that names one keeps it."""
+    c = compiler()
+    specials = sorted({t for _, _, ids in c.special for t in ids})
+    for spec, text in (
+        (StructuredOutputs(json={"type": "array", "items": {"type": "string"}}), '["a <b> c","d"]'),
+        (StructuredOutputs(regex="[a-z<>_/ ]+"), "ab <c> d"),
+        (StructuredOutputs(choice=["<x>", "b"]), "<x>"),
+        (StructuredOutputs(regex="ab<think>x"), "ab"),
+    ):
+        con = c.constraint(spec, c.think)  # a closed think block: the grammar from the first token
+        assert not con.check_special
+        asked = c.constraint(spec, c.think)
+        asked.check_special = True
+        for t in tok().encode(text):
+            fast, slow = con.allowed(), asked.allowed()
+            assert torch.equal(fast, slow) and not fast[specials].any()
+            con.advance([t])
+            asked.advance([t])
+    raw = torch.zeros(bitmask_words(c.vocab_size), dtype=torch.int32)
+    con.matcher.unsafe_compute_mask_ptr(raw.data_ptr(), raw.numel() * 4)
+    assert unpack_bitmask(raw, c.vocab_size)[3068]  # llguidance's mask: <think>, only
+    for each in (con, asked):
+        with pytest.raises(GrammarError, match="no token"):
+            each.allowed()
+    named = c.constraint(StructuredOutputs(grammar='start: <[3070]> "y"'), c.think)
+    assert named.check_special and named.allowed()[3070]
+
+
 def test_a_long_choice_is_one_expression():
     """3000 choices (llguidance's parser takes 2000 items in a row; a regular expression any number), with
     the characters a regular expression treats specially."""

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 FORMS = ("json", "regex", "choice", "grammar", "json_object")
@@ -213,7 +214,11 @@ class GrammarCompiler:
         """A request's constraint, its start (thinking or not) read from the prompt (reasoning_start)."""
         matcher = self._matcher(spec.llguidance()).deep_copy()
         start = reasoning_start(prompt_ids, *self.think, self.end_ids)
-        return Constraint(matcher, self.vocab_size, self.end_ids, self.think, start, self.special)
+        # llguidance takes special tokens only where a grammar names them (`<[id]>`, `<|name|>` in Lark):
+        # JSON schemas, regular expressions and choices never do, so their masks drop every special bit
+        # without asking the matcher token by token
+        check = spec.grammar is not None
+        return Constraint(matcher, self.vocab_size, self.end_ids, self.think, start, self.special, check)
 
 
 class Constraint:
@@ -228,10 +233,12 @@ class Constraint:
         think: tuple[int | None, int | None] = (None, None),
         start: str = ANSWER,
         special: tuple[tuple[int, int, tuple[int, ...]], ...] = (),
+        check_special: bool = True,
     ):
         self.matcher, self.vocab_size = matcher, vocab_size
         self.words = bitmask_words(vocab_size)
         self.special = special  # GrammarCompiler.special
+        self.check_special = check_special  # ask the matcher about each (else all are refused)
         # The end tokens (allowed where the grammar may end) leave the state as it is: the request ends
         # there, or goes on (ignore_eos) with the grammar where it was, in plain decoding and in a tree alike.
         self.end_ids = frozenset(end_ids)
@@ -245,7 +252,7 @@ class Constraint:
         cleared = self._mask(self.matcher, row)
         if cleared < 0:
             raise GrammarError(f"structured output: {_grammar_failure(self.matcher)}")
-        if cleared and not row.any():  # only special tokens it would not consume were left
+        if cleared and not np.count_nonzero(row.numpy()):  # only special tokens it refuses were left
             raise GrammarError(f"structured output: {_NO_TOKEN}")
 
     def _mask(self, matcher, row: torch.Tensor) -> int:
@@ -259,7 +266,12 @@ class Constraint:
         cleared = 0
         for w, special_bits, ids in self.special:
             word = ctypes.c_uint32.from_address(ptr + 4 * w)
-            if word.value & special_bits:
+            if not word.value & special_bits:
+                continue
+            if not self.check_special:
+                cleared += (word.value & special_bits).bit_count()
+                word.value &= ~special_bits
+            else:
                 for t in ids:
                     if (word.value >> (t % 32)) & 1 and matcher.validate_tokens([t]) != 1:
                         word.value &= ~(1 << (t % 32))
@@ -384,7 +396,7 @@ def _check_rows(rows: torch.Tensor, words: int) -> torch.Tensor:
     """llguidance writes masks through a raw pointer: rows must be contiguous int32 on the CPU, each of at
     least `words` words (a ValueError, never a write past them)."""
     width = rows.shape[-1] if rows.dim() else 0
-    if rows.dtype != torch.int32 or rows.device.type != "cpu" or not rows.is_contiguous() or width < words:
+    if rows.dtype != torch.int32 or not rows.is_cpu or not rows.is_contiguous() or width < words:
         raise ValueError(f"a bitmask row must be {words} contiguous int32 words on the CPU")
     return rows
 
