@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,64 @@ def _bool(v: Any, key: str) -> bool:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE scaling of config.json's rope_parameters / rope_scaling (lumo.rope computes its table)."""
+
+    rope_type: str  # "linear" or "yarn"
+    factor: float  # how many times the original context the positions are stretched over
+    # yarn only: the context the model was trained at, the ramp's turn counts, cos / sin's factor
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], max_pos: int) -> RopeScaling | None:
+    """rope_parameters' scaling as transformers reads it (rope_type, or the older `type`); None unscaled.
+    Types lumo does not compute (dynamic NTK, llama3, longrope, ...) are a ConfigError, never ignored."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ConfigError(f"config.json: rope_type {kind!r} is not supported (default, linear, yarn)")
+    factor = rope.get("factor")
+    if kind == "linear":
+        factor = _float(factor, "rope_parameters.factor")
+        if factor <= 0:
+            raise ConfigError(f"config.json: rope_parameters.factor must be > 0, got {factor}")
+        return RopeScaling("linear", factor)
+    # the context it was trained at: a top-level original_max_position_embeddings first (transformers')
+    orig = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
+    orig = _int({"original_max_position_embeddings": orig}, "original_max_position_embeddings")
+    factor = max_pos / orig if factor is None else _float(factor, "rope_parameters.factor")
+    if factor <= 0:
+        raise ConfigError(f"config.json: rope_parameters.factor must be > 0, got {factor}")
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and all_dim:
+            attention = _yarn_mscale(factor, _float(mscale, "mscale")) / _yarn_mscale(
+                factor, _float(all_dim, "mscale_all_dim")
+            )
+        else:
+            attention = _yarn_mscale(factor)
+    return RopeScaling(
+        "yarn",
+        factor,
+        orig,
+        _float(rope.get("beta_fast") or 32, "rope_parameters.beta_fast"),
+        _float(rope.get("beta_slow") or 1, "rope_parameters.beta_slow"),
+        _float(attention, "rope_parameters.attention_factor"),
+        _bool(rope.get("truncate", True), "rope_parameters.truncate"),
+    )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The Qwen3.5/3.8 hybrid text model: only the fields lumo reads (names follow config.json)."""
 
@@ -87,6 +146,7 @@ class ModelConfig:
     attn_output_gate: bool = True
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "qwen3_5_text"
+    rope_scaling: RopeScaling | None = None  # linear / yarn RoPE (lumo.rope); None: the plain table
 
     # ---- derived sizes (the shape vocabulary used everywhere) ----
     @property
@@ -151,8 +211,9 @@ class ModelConfig:
         if not isinstance(rope, dict):
             raise ConfigError(f"config.json: rope_parameters must be an object, got {rope!r}")
         rope_theta = _float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
+        # transformers' Qwen3.5 / Qwen3-Next configs default to a quarter of each head rotated
         prf = _float(
-            rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)), "partial_rotary_factor"
+            rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)), "partial_rotary_factor"
         )
         if not 0 < prf <= 1:
             raise ConfigError(f"config.json: partial_rotary_factor must lie in (0, 1], got {prf}")
@@ -162,6 +223,9 @@ class ModelConfig:
             raise ConfigError(f"config.json: eos_token_id must be an integer or a list of them, got {eos!r}")
         nh = _int(d, "num_attention_heads")
         hidden = _int(d, "hidden_size")
+        max_pos = _int(d, "max_position_embeddings", 32768, minimum=2)
+        if _bool(d.get("attention_bias", False), "attention_bias"):
+            raise ConfigError("attention_bias=true is not supported (no Qwen3.5/3.8 model has biases there)")
         cfg = cls(
             vocab_size=_int(d, "vocab_size"),
             hidden_size=hidden,
@@ -170,7 +234,8 @@ class ModelConfig:
             rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             num_attention_heads=nh,
             num_key_value_heads=_int(d, "num_key_value_heads", nh),
-            head_dim=_int(d, "head_dim") if d.get("head_dim") is not None else hidden // nh,
+            # transformers' default for this family (Qwen3_5TextConfig, Qwen3NextConfig), not hidden / heads
+            head_dim=_int(d, "head_dim") if d.get("head_dim") is not None else 256,
             rope_theta=rope_theta,
             partial_rotary_factor=prf,
             linear_num_key_heads=_int(d, "linear_num_key_heads"),
@@ -182,13 +247,12 @@ class ModelConfig:
             if d.get("mtp_num_hidden_layers")
             else 0,
             tie_word_embeddings=_bool(d.get("tie_word_embeddings", False), "tie_word_embeddings"),
-            max_position_embeddings=_int(d, "max_position_embeddings", 32768, minimum=2),
+            max_position_embeddings=max_pos,
             attn_output_gate=_bool(d.get("attn_output_gate", True), "attn_output_gate"),
             eos_token_ids=tuple(eos_list),
             model_type=str(model_type),
+            rope_scaling=_rope_scaling(rope, d, max_pos),
         )
-        if cfg.head_dim < 1:
-            raise ConfigError(f"config.json: head_dim must be >= 1 (hidden_size {hidden} / {nh} heads)")
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if cfg.num_attention_heads % cfg.num_key_value_heads:

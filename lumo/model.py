@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from .config import FULL, ModelConfig
+from .config import FULL, ModelConfig, RopeScaling
+from .rope import rope_table
 from .weights import AttnWeights, GDNWeights, LayerWeights, Linear, MLPWeights, ModelWeights
 
 # ---------------------------------------------------------------------------------------------
@@ -138,19 +139,26 @@ def gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float)
 
 
 def apply_partial_rope(
-    x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
 ) -> torch.Tensor:
     """RoPE (rotate_half pairs (j, j + rotary_dim/2)) on the first rotary_dim dims of each head.
 
-    x [..., T, n, d]; positions [T] or [B, T] (broadcast against x's leading dims).
+    x [..., T, n, d]; positions [T] or [B, T] (broadcast against x's leading dims); scaling: the config's
+    linear / yarn RoPE (lumo.rope), cos and sin multiplied by its attention factor.
     """
     if rotary_dim == 0:
         return x
     acc = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=acc) / rotary_dim))
+    inv_freq, factor = rope_table(rotary_dim, theta, scaling, x.device, acc)
     freqs = positions.to(x.device, acc)[..., None] * inv_freq  # [..., T, rd/2]
     emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [..., T, 1, rd]
     cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     xr, xp = _acc(x[..., :rotary_dim]), x[..., rotary_dim:]
     half = rotary_dim // 2
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
@@ -320,8 +328,8 @@ def attn_mixer(
     k = rmsnorm1p(linear(x, w.k_proj).view(B, T, nkv, d), w.k_norm, eps)  # [B, T, nkv, d]
     v = linear(x, w.v_proj).view(B, T, nkv, d)
     pos = torch.arange(start, start + T, device=x.device)
-    q = apply_partial_rope(q, pos, cfg.rotary_dim, cfg.rope_theta)
-    k = apply_partial_rope(k, pos, cfg.rotary_dim, cfg.rope_theta)
+    q = apply_partial_rope(q, pos, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    k = apply_partial_rope(k, pos, cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     if kv is not None:
         kc, vc = kv
         kc[start : start + T] = k[0]

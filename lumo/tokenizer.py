@@ -69,10 +69,14 @@ def _token_content(tok: Any) -> str | None:
     return tok if isinstance(tok, str) else None
 
 
-def _as_ids(v: Any) -> tuple[int, ...]:
+def _as_ids(v: Any, where: str) -> tuple[int, ...]:
+    """An eos_token_id field (an integer or a list of them; null: none), checked: `where` names it."""
     if v is None:
         return ()
-    return tuple(int(x) for x in v) if isinstance(v, list | tuple) else (int(v),)
+    ids = v if isinstance(v, list) else [v]
+    if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in ids):
+        raise TokenizerError(f"{where}: eos_token_id must be a token id or a list of them, got {v!r}")
+    return tuple(ids)
 
 
 def _byte_level_alphabet() -> dict[int, str]:
@@ -90,9 +94,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 class Tokenizer:
@@ -149,11 +156,12 @@ class Tokenizer:
     def _find_eos(path: Path, tok: _HFTokenizer, eos_token: str | None) -> tuple[int, ...]:
         # generation_config.json is what generate() obeys; config.json (or its text_config) next; the
         # tokenizer's own eos token last.
-        if ids := _as_ids(_read_json(path / "generation_config.json").get("eos_token_id")):
+        gen = path / "generation_config.json"
+        if ids := _as_ids(_read_json(gen).get("eos_token_id"), gen.name):
             return ids
         cfg = _read_json(path / "config.json")
         text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
-        if ids := _as_ids(cfg.get("eos_token_id", text_cfg.get("eos_token_id"))):
+        if ids := _as_ids(cfg.get("eos_token_id", text_cfg.get("eos_token_id")), "config.json"):
             return ids
         if eos_token is not None and (i := tok.token_to_id(eos_token)) is not None:
             return (i,)

@@ -421,6 +421,8 @@ def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSp
             raise WeightError(f"{hf} is not valid JSON ({e})") from None
         source, exclude = hf.name, q.get("exclude_modules")
     elif q := config.get("quantization_config"):
+        if not isinstance(q, dict):
+            raise WeightError(f"config.json: quantization_config must be an object, got {q!r}")
         method = q.get("quant_method")
         if method == "compressed-tensors":
             return _compressed_tensors_spec(q, "config.json quantization_config")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lumo.config import FULL, LINEAR, ConfigError, ModelConfig
@@ -78,12 +80,43 @@ def test_frozen():
         ({**TEXT, "eos_token_id": ["a"]}, "eos_token_id"),
         ({**TEXT, "max_position_embeddings": 1}, "max_position_embeddings"),
         ([1], "JSON object"),
+        # RoPE scalings lumo does not compute are refused, never served unscaled
+        ({**TEXT, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
+        (
+            {k: v for k, v in TEXT.items() if k != "rope_parameters"} | {"rope_scaling": {"type": "llama3"}},
+            "rope_type 'llama3'",
+        ),
+        ({**TEXT, "rope_parameters": {"rope_type": "longrope"}}, "not supported (default, linear, yarn)"),
+        ({**TEXT, "rope_parameters": {"rope_type": "linear"}}, "rope_parameters.factor must be a number"),
+        ({**TEXT, "rope_parameters": {"rope_type": "yarn", "factor": -1.0}}, "factor must be > 0"),
+        ({**TEXT, "rope_parameters": {"rope_type": "yarn", "factor": 2, "truncate": "no"}}, "truncate"),
+        ({**TEXT, "attention_bias": True}, "attention_bias=true is not supported"),
     ],
 )
 def test_errors_are_one_line(d, words):
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_hf(d)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rope_scaling_and_transformers_defaults():
+    """Qwen's YaRN recipe read as transformers reads it (the older `rope_scaling` / `type` spelling too);
+    a config that leaves partial_rotary_factor or head_dim out gets transformers' defaults for this family
+    (a quarter of each head rotated, 256-wide heads), not hidden / heads or a full rotation."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144, "rope_theta": 1e7}
+    cfg = ModelConfig.from_hf({**TEXT, "rope_parameters": yarn, "max_position_embeddings": 1010000})
+    s = cfg.rope_scaling
+    assert (s.rope_type, s.factor, s.original_max_position_embeddings) == ("yarn", 4.0, 262144)
+    assert (s.beta_fast, s.beta_slow, s.truncate) == (32.0, 1.0, True)
+    assert abs(s.attention_factor - (0.1 * math.log(4.0) + 1)) < 1e-12
+    old = {k: v for k, v in TEXT.items() if k != "rope_parameters"} | {
+        "rope_scaling": {"type": "linear", "factor": 2}
+    }
+    assert ModelConfig.from_hf(old).rope_scaling.rope_type == "linear"
+    assert ModelConfig.from_hf(TEXT).rope_scaling is None
+    bare = {k: v for k, v in TEXT.items() if k not in ("rope_parameters", "head_dim")}
+    cfg = ModelConfig.from_hf(bare)
+    assert cfg.partial_rotary_factor == 0.25 and cfg.head_dim == 256 and cfg.rotary_dim == 64
 
 
 def test_wrapper_ties_on_the_top_level_flag():

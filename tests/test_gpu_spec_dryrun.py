@@ -238,18 +238,21 @@ def _emulated_ops():
         y = gated_rmsnorm_ref(o, z, w, eps)
         return y.to(bf) if out is None else out.copy_(y)
 
-    def rope(x, pos, inv_freq):
+    def rope(x, pos, inv_freq, scale=1.0):
         x, rd = x.float(), 2 * inv_freq.numel()
         f = pos.float()[:, None] * inv_freq
         cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+        cos, sin = cos * scale, sin * scale
         xr = x[..., :rd]
         rot = torch.cat([-xr[..., rd // 2 :], xr[..., : rd // 2]], dim=-1)
         return torch.cat([xr * cos + rot * sin, x[..., rd:]], dim=-1)
 
-    def qk_norm_rope_kv(qg, k, v, q_norm, k_norm, positions, slots, kc, vc, inv_freq, eps, q_out=None):
+    def qk_norm_rope_kv(
+        qg, k, v, q_norm, k_norm, positions, slots, kc, vc, inv_freq, eps, q_out=None, rope_scale=1.0
+    ):
         d = k.shape[-1]
-        q = rope(rmsnorm1p_ref(qg[..., :d], q_norm, eps)[0], positions, inv_freq)
-        kk = rope(rmsnorm1p_ref(k, k_norm, eps)[0], positions, inv_freq)
+        q = rope(rmsnorm1p_ref(qg[..., :d], q_norm, eps)[0], positions, inv_freq, rope_scale)
+        kk = rope(rmsnorm1p_ref(k, k_norm, eps)[0], positions, inv_freq, rope_scale)
         for t, s in enumerate(slots.tolist()):
             if s >= 0:
                 kc[s], vc[s] = kk[t].to(bf), v[t]

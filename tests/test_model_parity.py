@@ -56,7 +56,8 @@ def perturb_(hf_model: torch.nn.Module, seed: int) -> None:
 
 
 @functools.cache
-def make_case(r: int, pattern: str, prf: float, nh: int, nkv: int):
+def make_case(r: int, pattern: str, prf: float, nh: int, nkv: int, rope: tuple = (), max_pos: int = 32768):
+    """rope: extra rope_parameters items (a scaling), max_pos: max_position_embeddings."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(1234)
@@ -75,7 +76,13 @@ def make_case(r: int, pattern: str, prf: float, nh: int, nkv: int):
         linear_key_head_dim=8,
         linear_value_head_dim=12,
         linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": prf},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": prf,
+            **dict(rope),
+        },
+        max_position_embeddings=max_pos,
         tie_word_embeddings=False,
     )
     hf = Qwen3_5ForCausalLM(hf_cfg).eval()
@@ -120,6 +127,35 @@ def test_logits_match_hf(case):
     err_b = rel_err(M.forward(cfg, w, batch)[0][:, -1], ref_b[:, -1])
     print(f"\n{IDS[CASES.index(case)]}: last-position logits rel err {max(errs):.2e} (batch {err_b:.2e})")
     assert max(errs) < TOL and err_b < TOL
+
+
+# RoPE scalings a config may ask for (lumo.rope), with a short original context so that positions < 90
+# reach the interpolated frequencies: Qwen's YaRN recipe (factor, original context), yarn's other knobs,
+# a factor taken from max_position_embeddings / original, linear
+SCALINGS = [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 131072),
+    ({"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.3}, 64),
+    ({"rope_type": "yarn", "factor": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}, 48),
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 24}, 96),
+    ({"rope_type": "linear", "factor": 3.0}, 32768),
+]
+
+
+@pytest.mark.parametrize(
+    "scaling, max_pos", SCALINGS, ids=["yarn-qwen", "yarn-betas", "yarn-mscale", "yarn-ratio", "linear"]
+)
+@torch.no_grad()
+def test_scaled_rope_matches_hf(scaling, max_pos):
+    """linear / yarn RoPE as transformers computes it (inv_freq and the attention factor on cos / sin);
+    the same model read without its scaling would be far off."""
+    hf, cfg, w = make_case(2, "LFLLLF", 0.5, 4, 1, tuple(scaling.items()), max_pos)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == scaling["rope_type"]
+    ids = torch.randint(0, cfg.vocab_size, (1, 90), generator=torch.Generator().manual_seed(5))
+    ref = hf(ids).logits
+    err = rel_err(M.forward(cfg, w, ids)[0], ref)
+    unscaled = rel_err(M.forward(replace(cfg, rope_scaling=None), w, ids)[0], ref)
+    print(f"\n{scaling}: rel err {err:.2e} (unscaled {unscaled:.2e})")
+    assert err < TOL and unscaled > 100 * TOL
 
 
 @torch.no_grad()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -149,3 +151,28 @@ def test_graph_replays_with_new_positions_and_slots():
         assert torch.equal(q, q_eager)
         assert torch.equal(k_g.nan_to_num(7.0), L.k_cache.nan_to_num(7.0))
         assert torch.equal(v_g.nan_to_num(7.0), L.v_cache.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("d,rd", [(256, 64), (64, 16)])
+def test_yarn_scaling(d, rd):
+    """A yarn RoPE (Qwen's recipe: factor 4 over a 262k context): the scaled table and rope_scale (cos / sin
+    times the attention factor) against the fp32 reference and lumo.model."""
+    from lumo.config import RopeScaling
+    from lumo.rope import rope_table
+
+    L = Layer(7, 4, 2, d, rd, seed=d + 7)
+    plain = L.run().clone()
+    yarn = RopeScaling("yarn", 4.0, 262144, attention_factor=0.1 * math.log(4.0) + 1)
+    L.inv_freq, scale = rope_table(rd, THETA, yarn, DEV)
+    assert scale == yarn.attention_factor and not torch.equal(L.inv_freq, rope_inv_freq(rd, THETA, DEV))
+    slots = L.slots.long()
+    q = qk_norm_rope_kv(
+        L.qg, L.k, L.v, L.q_norm, L.k_norm, L.positions, L.slots, L.k_cache, L.v_cache, L.inv_freq, EPS,
+        rope_scale=scale,
+    )  # fmt: skip
+    q_ref, k_ref = qk_norm_rope_kv_ref(L.qg, L.k, L.q_norm, L.k_norm, L.positions, rd, THETA, EPS, yarn)
+    assert rel_err(q, q_ref) < 1e-2 and rel_err(L.k_cache[slots], k_ref) < 1e-2
+    pos = L.positions.long()
+    q_model = model.apply_partial_rope(model.rmsnorm1p(L.qg[..., :d], L.q_norm, EPS), pos, rd, THETA, yarn)
+    assert frac_equal(q, q_model) > 0.98 and rel_err(q, q_model) < 5e-3
+    assert rel_err(q, plain) > 1e-2  # the scaling changed the rotated dims

@@ -85,6 +85,32 @@ def test_logits_vs_cpu_reference(variant, T):
     assert max(errs) < TOL, errs
 
 
+def test_yarn_rope_logits_vs_cpu_reference():
+    """The embedded model read with a yarn RoPE (factor 4 over a 64-token original context, so the prompt's
+    positions reach the interpolated frequencies): the runner's table and cos / sin factor (GPUWeights
+    rope_scale) against lumo.model in fp32, which matches transformers (test_model_parity)."""
+    from lumo.config import RopeScaling
+
+    cfg, w32, _, path = model("lumo-tiny")
+    _, wbf = load_model(path, device="cpu", dtype=torch.bfloat16, progress=False)
+    yarn = replace(cfg, rope_scaling=RopeScaling("yarn", 4.0, 64, attention_factor=1.1386))
+    gw = pack_weights(yarn, wbf, DEV)
+    assert gw.rope_scale == 1.1386
+    ids = rand_ids(200, cfg.vocab_size, seed=9)
+    runner = GPURunner(yarn, gw, max_len=216)
+    got = [runner.prefill(ids).cpu()]
+    for t in rand_ids(6, cfg.vocab_size, seed=10):
+        runner.seek(runner.length, t)
+        runner.decode_step(use_graph=False)
+        got.append(runner.logits[0].cpu())
+    with torch.no_grad():
+        ref = M.forward(yarn, w32, torch.tensor([ids + rand_ids(6, cfg.vocab_size, seed=10)]))[0][0, 199:]
+        plain = M.forward(cfg, w32, torch.tensor([ids]))[0][0, -1]
+    errs = [rel_err(g, r) for g, r in zip(got, ref, strict=True)]
+    print(f"yarn: logits rel err max {max(errs):.2e} (unscaled reference {rel_err(got[0], plain):.2e})")
+    assert max(errs) < TOL and rel_err(got[0], plain) > TOL  # ~0.08 on the CPU: the scaling matters
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_graph_replay_equals_eager_bitwise(variant):
     """Runner a decodes eagerly; runner b captures mid-sequence (after prefill and 3 eager steps) and

@@ -399,6 +399,24 @@ def test_eos_precedence(tok_dir, tmp_path):
     assert Tokenizer.from_dir(d).eos_token_ids == (im_end,)  # tokenizer_config's eos_token
 
 
+def test_malformed_eos_sources_are_named(tok_dir, tmp_path):
+    """A generation_config.json that is not an object, or an eos_token_id that is not token ids: one-line
+    errors naming the file (not an AttributeError, or int()'s message without a file)."""
+    d = copy_tok(tok_dir, tmp_path / "t")
+    for text, words in (
+        ("[]", "generation_config.json must hold a JSON object"),
+        ('{"eos_token_id": "<|im_end|>"}', "generation_config.json: eos_token_id must be a token id"),
+        ('{"eos_token_id": [1, true]}', "eos_token_id must be a token id"),
+    ):
+        (d / "generation_config.json").write_text(text)
+        with pytest.raises(TokenizerError, match=words) as e:
+            Tokenizer.from_dir(d)
+        assert "\n" not in str(e.value)
+    (d / "generation_config.json").write_bytes(b"\xff{}")
+    with pytest.raises(TokenizerError, match="not valid JSON"):
+        Tokenizer.from_dir(d)
+
+
 def test_missing_tokenizer_json(tok_dir, tmp_path):
     d = copy_tok(tok_dir, tmp_path / "t")
     (d / "tokenizer.json").unlink()

@@ -330,6 +330,9 @@ def test_bad_paths_and_configs(tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
     with pytest.raises(ConfigError):
         load_model(d)
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": "fp8"}))
+    with pytest.raises(WeightError, match="quantization_config must be an object"):
+        load_model(d)
     (d / "config.json").write_text("{not json")
     with pytest.raises(WeightError, match="not valid JSON"):
         load_model(d)

@@ -453,6 +453,7 @@ class GPUSpecEngine:
             self.w.inv_freq,
             self.cfg.rms_norm_eps,
             q_out=rows.q,
+            rope_scale=self.w.rope_scale,
         )
         attn_decode(
             rows.q,
@@ -751,7 +752,18 @@ class GPUSpecEngine:
             qg, k, v = self.runner._attn_views(a.qkv(x), T)
             kc, vc = self.mtp_k[i], self.mtp_v[i]
             q = qk_norm_rope_kv(
-                qg, k, v, a.q_norm, a.k_norm, positions, positions, kc, vc, self.w.inv_freq, eps
+                qg,
+                k,
+                v,
+                a.q_norm,
+                a.k_norm,
+                positions,
+                positions,
+                kc,
+                vc,
+                self.w.inv_freq,
+                eps,
+                rope_scale=self.w.rope_scale,
             )
             o = attn_prefill(q, kc, vc, q0, gate=qg[:, :, d:])
             delta = a.o_proj(o.view(T, -1))

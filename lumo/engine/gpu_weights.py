@@ -27,8 +27,8 @@ from ..kernels.linear import (
     pack_fused,
 )
 from ..kernels.norms import silu_mul
-from ..kernels.rope_kv import rope_inv_freq
 from ..quant import nvfp4_global_scale, nvfp4_quantize
+from ..rope import rope_table
 from ..weights import (
     AttnWeights,
     DenseLinear,
@@ -208,8 +208,9 @@ class GPUWeights:
     layers: list[GPULayer]
     norm: torch.Tensor  # [H] bf16, 1+w
     lm_head: GPULinear  # [V, H]
-    inv_freq: torch.Tensor  # [rotary/2] f32, lumo.model's RoPE table (rope_inv_freq)
+    inv_freq: torch.Tensor  # [rotary/2] f32, lumo.model's RoPE table (lumo.rope.rope_table)
     mtp: GPUMTP | None = None  # packed only when asked for (speculative decoding)
+    rope_scale: float = 1.0  # cos / sin's factor (a yarn RoPE's attention factor): qk_norm_rope_kv's
 
     def nbytes(self) -> int:
         """Bytes of every linear weight (what one decode step reads), lm_head included, embedding not."""
@@ -476,13 +477,15 @@ def pack_weights(
     head = None
     if mtp and w.mtp is not None:
         head = pack_mtp(cfg, w.mtp, device, w.lm_head, draft_ids, draft_nvfp4)
+    inv_freq, rope_scale = rope_table(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, device)
     return GPUWeights(
         embed=_vec(w.embed_tokens, device),
         layers=[pack_layer(cfg, lw, device) for lw in w.layers],
         norm=_vec(w.norm, device),
         lm_head=pack_linear([w.lm_head], device),
-        inv_freq=rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
+        inv_freq=inv_freq,
         mtp=head,
+        rope_scale=rope_scale,
     )
 
 

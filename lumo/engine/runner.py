@@ -346,6 +346,7 @@ class GPURunner:
             self.kv_v[i],
             self.w.inv_freq,
             self.cfg.rms_norm_eps,
+            rope_scale=self.w.rope_scale,
         )
         o = attn_prefill(q, self.kv_k[i], self.kv_v[i], start, gate=qg[:, :, d:])  # [T, nh, d]
         return a.o_proj(o.view(T, -1))
@@ -437,6 +438,7 @@ class GPURunner:
             self.w.inv_freq,
             self.cfg.rms_norm_eps,
             q_out=self.q,
+            rope_scale=self.w.rope_scale,
         )
         attn_decode(
             self.q,

@@ -11,8 +11,10 @@
 // RoPE (lumo.model.apply_partial_rope): on dims j < RD, pairs (j, j + RD/2) rotate_half style,
 //   out_j = x_j * cos(f_i) + rot_j * sin(f_i), rot_j = -x_{j+RD/2} (j < RD/2) or x_{j-RD/2}, i = j mod RD/2,
 //   f_i = float(pos) * inv_freq[i] in fp32, inv_freq [RD/2] f32 given by the launcher (computed once with
-//   the model's own torch expression), cosf/sinf (IEEE, no fast-math), each product and the sum rounded
-//   separately (__fmul_rn / __fadd_rn: no FMA contraction), then bf16. Dims >= RD pass through.
+//   the model's own torch expression), cosf/sinf (IEEE, no fast-math) each times rope_scale (a yarn
+//   scaling's attention factor, 1 otherwise: x * 1 is x, so the unscaled bits are those without it), each
+//   product and the sum rounded separately (__fmul_rn / __fadd_rn: no FMA contraction), then bf16. Dims >= RD
+//   pass through.
 //
 // Launch: grid (T, ceil((nh + nkv) / RWARPS)), block 32 * RWARPS; warp = (row t, head j): j < nh a query
 // head, else kv head j - nh (k normed + roped, v copied). Lane L owns dims L*EPL .. L*EPL+EPL-1; the RoPE
@@ -50,7 +52,7 @@ __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(_
 // v <- bf16(rmsnorm1p(v, w)) then RoPE at position pos (see the header), result in v (bf16-exact floats).
 // wv: the lane's norm weights; freq: its inv_freq values (lanes < 2 HL).
 __device__ __forceinline__ void norm_rope(float (&v)[EPL], const float (&wv)[EPL], float eps, int pos,
-                                          const float (&freq)[EPL], int lane) {
+                                          const float (&freq)[EPL], float rope_scale, int lane) {
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < EPL; ++j) ss = fmaf(v[j], v[j], ss);
@@ -70,7 +72,7 @@ __device__ __forceinline__ void norm_rope(float (&v)[EPL], const float (&wv)[EPL
 #pragma unroll
       for (int j = 0; j < EPL; ++j) {
         const float f = __fmul_rn(fpos, freq[j]);
-        const float c = cosf(f), s = sinf(f);
+        const float c = __fmul_rn(cosf(f), rope_scale), s = __fmul_rn(sinf(f), rope_scale);
         const float rot = first ? -p[j] : p[j];
         v[j] = round_bf16(__fadd_rn(__fmul_rn(v[j], c), __fmul_rn(rot, s)));
       }
@@ -83,7 +85,8 @@ extern "C" __global__ void __launch_bounds__(32 * RWARPS)
                     const bf16* __restrict__ v, long long v_rs, const bf16* __restrict__ q_norm,
                     const bf16* __restrict__ k_norm, const float* __restrict__ inv_freq,
                     const int* __restrict__ positions, const int* __restrict__ slots, bf16* __restrict__ q_out,
-                    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nh, int nkv, float eps) {
+                    bf16* __restrict__ k_cache, bf16* __restrict__ v_cache, int nh, int nkv, float eps,
+                    float rope_scale) {
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x;
   const int j = blockIdx.y * RWARPS + (threadIdx.x >> 5);
@@ -98,14 +101,14 @@ extern "C" __global__ void __launch_bounds__(32 * RWARPS)
   float x[EPL];
   if (j < nh) {
     ld_bf16<EPL>(qg + t * qg_rs + (size_t)j * 2 * D + lane * EPL, x);
-    norm_rope(x, wv, eps, pos, freq, lane);
+    norm_rope(x, wv, eps, pos, freq, rope_scale, lane);
     st_bf16<EPL>(q_out + ((size_t)t * nh + j) * D + lane * EPL, x);
     return;
   }
   const int kh = j - nh;
   const int slot = slots[t];
   ld_bf16<EPL>(k + t * k_rs + (size_t)kh * D + lane * EPL, x);
-  norm_rope(x, wv, eps, pos, freq, lane);
+  norm_rope(x, wv, eps, pos, freq, rope_scale, lane);
   if (slot < 0) return;
   const size_t dst = ((size_t)slot * nkv + kh) * D + lane * EPL;
   st_bf16<EPL>(k_cache + dst, x);

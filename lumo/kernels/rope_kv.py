@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from ..config import RopeScaling
+from ..rope import rope_table
 from .compile import Kernel, compile_kernel
 from .norms import rmsnorm1p_ref
 
@@ -23,11 +25,13 @@ def _kernel(d: int, rd: int) -> Kernel:
     return compile_kernel("rope_kv", "qk_norm_rope_kv", {"D": d, "RD": rd})
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """inv_freq [rotary_dim / 2] f32 by lumo.model.apply_partial_rope's own expression (compute it once per
-    device and pass it to qk_norm_rope_kv: on the GPU it is then bitwise the model's table)."""
-    ar = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32)
-    return 1.0 / (theta ** (ar / rotary_dim))
+def rope_inv_freq(
+    rotary_dim: int, theta: float, device: torch.device | str = "cpu", scaling: RopeScaling | None = None
+) -> torch.Tensor:
+    """inv_freq [rotary_dim / 2] f32 by lumo.model.apply_partial_rope's own table (lumo.rope; compute it
+    once per device and pass it to qk_norm_rope_kv: on the GPU it is then bitwise the model's table). A
+    scaling's cos / sin factor is qk_norm_rope_kv's rope_scale (rope_table's second value)."""
+    return rope_table(rotary_dim, theta, scaling, device)[0]
 
 
 def _check_heads(
@@ -59,12 +63,14 @@ def qk_norm_rope_kv(
     inv_freq: torch.Tensor,
     eps: float,
     q_out: torch.Tensor | None = None,
+    rope_scale: float = 1.0,
 ) -> torch.Tensor:
     """q = rope(rmsnorm1p(query)), k_cache[slots] = rope(rmsnorm1p(k)), v_cache[slots] = v.
 
     qg [T, nh, 2d] bf16 (per head [query d | gate d]); k, v [T, nkv, d] bf16 (any row stride, contiguous
     heads); q_norm, k_norm [d] bf16; positions, slots [T] int32 on the device (slot < 0: row not written);
-    k_cache, v_cache [max_len, nkv, d] bf16; inv_freq [rotary / 2] f32 from rope_inv_freq.
+    k_cache, v_cache [max_len, nkv, d] bf16; inv_freq [rotary / 2] f32 from rope_inv_freq; rope_scale: the
+    factor cos and sin are multiplied by (a yarn scaling's attention factor; 1.0 leaves every bit as is).
     Returns q_out [T, nh, d] bf16. The gate stays in qg[:, :, d:].
     """
     if qg.dim() != 3 or k.dim() != 3:
@@ -109,17 +115,24 @@ def qk_norm_rope_kv(
         return q_out
     qs, ks, vs = (ctypes.c_longlong(t.stride(0)) for t in (qg, k, v))  # long long row strides
     args = [qg, qs, k, ks, v, vs, q_norm, k_norm, inv_freq, positions, slots]
-    args += [q_out, k_cache, v_cache, nh, nkv, float(eps)]
+    args += [q_out, k_cache, v_cache, nh, nkv, float(eps), float(rope_scale)]
     _kernel(d, rd).launch((T, -(-(nh + nkv) // RWARPS)), 32 * RWARPS, args, pdl=True)
     return q_out
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+def rope_ref(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    rotary_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+) -> torch.Tensor:
     """fp32 partial RoPE of x [T, n, d] (rotate_half pairs (j, j + rotary/2) on the first rotary dims)."""
     x = x.float()
-    inv = rope_inv_freq(rotary_dim, theta, x.device)
+    inv, factor = rope_table(rotary_dim, theta, scaling, x.device)
     f = positions.to(x.device, torch.float32)[:, None] * inv  # [T, rd/2]
     cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]  # [T, 1, rd]
+    cos, sin = cos * factor, sin * factor
     xr, half = x[..., :rotary_dim], rotary_dim // 2
     rot = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
     return torch.cat([xr * cos + rot * sin, x[..., rotary_dim:]], dim=-1)
@@ -134,9 +147,12 @@ def qk_norm_rope_kv_ref(
     rotary_dim: int,
     theta: float,
     eps: float,
+    scaling: RopeScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (q [T, nh, d], k [T, nkv, d]) after norm and RoPE; the cache gets k and the untouched v."""
     d = k.shape[-1]
     q = rmsnorm1p_ref(qg[..., :d], q_norm, eps)[0]
     kn = rmsnorm1p_ref(k, k_norm, eps)[0]
-    return rope_ref(q, positions, rotary_dim, theta), rope_ref(kn, positions, rotary_dim, theta)
+    return rope_ref(q, positions, rotary_dim, theta, scaling), rope_ref(
+        kn, positions, rotary_dim, theta, scaling
+    )
