@@ -334,13 +334,14 @@ class _QueueFiller(ScriptedLLM):
     generation's last chunk: the next choice of the request is then queued with the queue full."""
 
     worker: Any = None
+    loop: Any = None  # the other requests' event loop (never run: the worker only posts to it)
     filled: int = 0
 
     def generate_stream(self, prompt, max_tokens=256, **kw):
         chunks = list(super().generate_stream(prompt, max_tokens, **kw))
         yield from chunks[:-1]
         while self.worker.queue_length() < self.worker.max_queue:
-            other = Job([1], 1, {}, asyncio.new_event_loop())
+            other = Job([1], 1, {}, self.loop)
             other.cancel()  # skipped by the worker when its turn comes
             self.worker.submit(other, self.worker.admit())
             self.filled += 1
@@ -425,7 +426,7 @@ def test_full_queue_never_fails_an_admitted_request_half_done(tmp_path):
 
     llm = _QueueFiller.with_test_tokenizer(tmp_path, "one two three", chunk=4)
     app = create_app(llm, max_queue=1)
-    llm.worker = app.state.server.worker
+    llm.worker, llm.loop = app.state.server.worker, asyncio.new_event_loop()
     with TestClient(app) as client:
         for path, body in ((COMP, {"prompt": "y"}), (CHAT, {"messages": USER})):
             for stream in (False, True):
@@ -438,6 +439,7 @@ def test_full_queue_never_fails_an_admitted_request_half_done(tmp_path):
                 else:
                     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2]
                 assert llm.filled - filled >= 2  # the queue was full when choices 1 and 2 were queued
+    llm.loop.close()
 
 
 async def _ametric(c: httpx.AsyncClient, name: str) -> float:
