@@ -79,7 +79,10 @@ class Ticket:
                 self._worker._held -= 1
 
     def __del__(self) -> None:
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit the worker may be half torn down
+            pass
 
 
 class EngineWorker:
