@@ -207,9 +207,12 @@ class ModelConfig:
             layer_types = tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n))
         if bad := set(map(str, layer_types)) - {FULL, LINEAR}:
             raise ConfigError(f"unsupported layer types {sorted(bad)}")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ConfigError(f"config.json: rope_parameters must be an object, got {rope!r}")
+        rope: dict[str, Any] = {}
+        for key in ("rope_parameters", "rope_scaling"):  # the older rope_scaling wins, as in transformers,
+            if (part := d.get(key)) is not None:  # over the theta and rotary factor it lacks
+                if not isinstance(part, dict):
+                    raise ConfigError(f"config.json: {key} must be an object, got {part!r}")
+                rope.update(part)
         rope_theta = _float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
         # transformers' Qwen3.5 / Qwen3-Next configs default to a quarter of each head rotated
         prf = _float(

@@ -113,6 +113,9 @@ def test_rope_scaling_and_transformers_defaults():
         "rope_scaling": {"type": "linear", "factor": 2}
     }
     assert ModelConfig.from_hf(old).rope_scaling.rope_type == "linear"
+    # both spellings: the older rope_scaling wins (transformers'), over rope_parameters' theta and factor
+    both = ModelConfig.from_hf({**TEXT, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    assert both.rope_scaling.rope_type == "yarn" and both.rope_theta == 1e7 and both.rotary_dim == 64
     assert ModelConfig.from_hf(TEXT).rope_scaling is None
     bare = {k: v for k, v in TEXT.items() if k not in ("rope_parameters", "head_dim")}
     cfg = ModelConfig.from_hf(bare)

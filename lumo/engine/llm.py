@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_PREFIX_SNAPSHOTS, ConfigError, TreeConfig, check_draft_quant
+from ..config import DEFAULT_PREFIX_SNAPSHOTS, ConfigError, ModelConfig, TreeConfig, check_draft_quant
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
@@ -169,17 +169,17 @@ class LLM:
         self.backend = backend
         if self.backend == "kernels" and (self.device.type != "cuda" or self.dtype != torch.bfloat16):
             raise ValueError("--backend kernels needs --device cuda and bfloat16")
+        if max_model_len is not None and _integer(max_model_len, "max_model_len") < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+        limit = _context_limit(path)
+        if max_model_len is not None and limit is not None and max_model_len > limit:  # vLLM refuses it too
+            raise ValueError(  # before minutes of loading weights
+                f"max_model_len {max_model_len} exceeds the model's context (max_position_embeddings {limit})"
+            )
         load_device = "cpu" if self.backend == "kernels" else self.device  # packing moves weights to the GPU
         self.config, self.weights = load_model(path, device=load_device, dtype=self.dtype, progress=progress)
         self.tokenizer = Tokenizer.from_dir(path)
-        limit = self.config.max_position_embeddings
-        if max_model_len is not None and _integer(max_model_len, "max_model_len") < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
-        if max_model_len is not None and max_model_len > limit:  # vLLM refuses it too
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's context (max_position_embeddings {limit})"
-            )
-        self.max_model_len = max_model_len or limit
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
         # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
         # otherwise (the torch backend's tree event forwards each node separately: exact, but slower).
         if spec == "auto":
@@ -564,6 +564,15 @@ class Ending:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings are looked for from this many tokens on (vLLM's min_tokens)
+
+
+def _context_limit(path: Path) -> int | None:
+    """The checkpoint's max_position_embeddings read from config.json alone (None where it cannot be read:
+    load_model then says what is wrong)."""
+    try:
+        return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).max_position_embeddings
+    except (OSError, ValueError):  # ConfigError and JSONDecodeError are ValueErrors
+        return None
 
 
 def _generation_defaults(path: Path) -> dict:
