@@ -193,8 +193,12 @@ def against_reference(llm) -> str:
     from . import model as M
     from .weights import load_model
 
-    ids = llm.tokenizer.encode("".join(CHECK_PROMPTS) * 4)[:64]
-    r = llm.generate(ids, max_tokens=16, temperature=0, logprobs=0, prompt_logprobs=0)
+    room = llm.max_model_len  # a short --max-model-len shortens the prompt, not the check
+    if room < 8:
+        raise SkipCheck(f"a {room}-token context is too short to compare")
+    new = min(16, room // 4)
+    ids = llm.tokenizer.encode("".join(CHECK_PROMPTS) * 4)[: min(64, room - new)]
+    r = llm.generate(ids, max_tokens=new, temperature=0, logprobs=0, prompt_logprobs=0)
     got = [*r.prompt_logprobs[1:], *r.logprobs]
     cfg, w = load_model(llm.path, device="cpu", dtype=torch.float32, progress=False)
     with torch.inference_mode():

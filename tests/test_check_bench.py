@@ -34,6 +34,11 @@ def test_check_a_tiny_checkpoint_with_speculation(tmp_path):
     assert "of the fp32 CPU model" in lines["reference"]
     assert "4 layers" in lines["model"] and "speculation tree" in lines["model"]
     assert r.stdout.strip().splitlines()[-1] == "lumo check: 5 ok, 0 failed, 1 skipped"
+    # a context shorter than the reference's 64-token prompt shortens the prompt, not the check
+    short = lumo(
+        "check", str(ckpt), "--device", "cpu", "--spec", "off", "--skip-kernels", "--max-model-len", "40"
+    )
+    assert short.returncode == 0 and "lumo check: 4 ok, 0 failed, 2 skipped" in short.stdout, short.stdout
 
 
 def test_check_reports_a_checkpoint_that_does_not_load(tmp_path):

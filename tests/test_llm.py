@@ -174,3 +174,62 @@ def test_stop_strings_wait_for_min_tokens(llm):
     late = llm.generate("hello", max_tokens=8, temperature=0, ignore_eos=True, stop=[stop], min_tokens=6)
     assert len(early.token_ids) < 6 and len(late.token_ids) >= 6
     assert late.token_ids[: len(early.token_ids)] == early.token_ids
+
+
+def test_one_generation_at_a_time(llm):
+    """Generations share the caches: one started while another is unfinished (inside a stream's loop, or
+    from a second thread) is a RuntimeError, never two corrupted outputs; a stream exhausted, closed or
+    dropped frees the LLM."""
+    import threading
+
+    ref = llm.generate("hello", max_tokens=12, temperature=0).text
+    stream = llm.generate_stream("hello", max_tokens=12, temperature=0)
+    text = next(stream).text
+    with pytest.raises(RuntimeError, match="unfinished"):
+        llm.generate("x", max_tokens=1, temperature=0)
+    text += "".join(c.text for c in stream)  # the stream itself carried on untouched
+    assert text == ref
+    for close in (True, False):  # closed, or only dropped
+        s = llm.generate_stream("hello", max_tokens=12, temperature=0)
+        next(s)
+        if close:
+            s.close()
+        del s
+        assert llm.generate("hello", max_tokens=12, temperature=0).text == ref
+    holding, release, errors = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        s = llm.generate_stream("hello", max_tokens=12, temperature=0)
+        next(s)
+        holding.set()
+        release.wait(10)
+        s.close()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    holding.wait(10)
+    try:
+        llm.generate("x", max_tokens=1)
+    except RuntimeError as e:
+        errors.append(e)
+    release.set()
+    t.join()
+    assert len(errors) == 1 and llm.generate("hello", max_tokens=12, temperature=0).text == ref
+
+
+def test_numpy_scalars_are_numbers(llm):
+    """numpy's floats and integers (not only the float64 / int64 subclasses of Python's) are accepted where
+    numbers go, as Python's are: the same tokens; numpy's bool is not a number."""
+    import numpy as np
+
+    plain = dict(temperature=0.5, top_p=0.875, seed=1, logprobs=2, logit_bias={5: 1.0})  # float32-exact
+    numpy = dict(
+        temperature=np.float32(0.5), top_p=np.float32(0.875), seed=np.uint8(1), logprobs=np.int8(2),
+        logit_bias={np.int16(5): np.float32(1.0)},
+    )  # fmt: skip
+    assert (
+        llm.generate("hello", max_tokens=6, **numpy).token_ids
+        == llm.generate("hello", max_tokens=6, **plain).token_ids
+    )
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        llm.generate("hello", max_tokens=2, temperature=np.bool_(True))

@@ -77,6 +77,8 @@ def test_bad_tree_configs():
         build_tree(TreeConfig(depth=5, budget=3))
     with pytest.raises(ValueError, match="rows"):
         build_tree(TreeConfig(depth=11, topk=3, budget=27, rows=16))
+    with pytest.raises(ValueError, match=r"80 nodes \(\+ the root\) needs 88 verify rows, at most 64"):
+        build_tree(TreeConfig(depth=30, topk=3, budget=80, rows=88))
 
 
 def random_parents(seed: int) -> list[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import operator
 import os
 import threading
@@ -12,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import DEFAULT_PREFIX_SNAPSHOTS, ConfigError, ModelConfig, TreeConfig, check_draft_quant
@@ -38,7 +40,8 @@ def _integer(v: object, what: str) -> int:
 
 
 def _number(v: object, what: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
+    """A real number argument (Python's, numpy's; not a bool or a string)."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, numbers.Real):
         raise ValueError(f"{what} must be a number, got {v!r}")
     return float(v)
 
@@ -112,7 +115,9 @@ def _check_gpu_tree(tree: TreeConfig) -> None:
 
 
 class LLM:
-    """A loaded model with its tokenizer. Not thread-safe: one generation at a time."""
+    """A loaded model with its tokenizer. One generation at a time (they share the caches): a generation
+    started while another is unfinished (a generate_stream not yet exhausted or closed, another thread's
+    call) raises a RuntimeError instead of corrupting both."""
 
     def __init__(
         self,
@@ -144,6 +149,7 @@ class LLM:
         self.adaptive_spec = bool(adaptive_spec)
         self.spec, self.tree = spec, tree or TreeConfig()
         self.last_decoder = None  # the decoder of the latest request (its .stats after speculation)
+        self._running = threading.Lock()  # held by the generation that owns the caches (_run)
         self.device = _pick_device(device)
         if dtype is None:
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
@@ -292,6 +298,8 @@ class LLM:
         )
 
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
+        """generate()'s chunks as they come (the same keyword arguments). The stream owns the LLM until it
+        is exhausted or closed (`close()`, or dropped): another generation meanwhile is a RuntimeError."""
         return self._stream(self._encode(prompt), max_tokens, **kw)
 
     def decoder(self, params: SamplingParams, max_len: int, spec: str | None = None, adaptive: bool = True):
@@ -462,7 +470,6 @@ class LLM:
             params = replace(params, stop_ids=stops, ban_until=n + min_tokens)
         logprobs, prompt_logprobs = check_logprobs(logprobs), check_logprobs(prompt_logprobs)
         constraint = None if structured is None else self.constraint(structured, prompt_ids)
-        self.last_decoder = None  # until this request's decoder exists (no stale stats)
         return self._run(prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs, constraint)
 
     def constraint(self, structured: StructuredOutputs, prompt_ids: list[int]) -> Constraint:
@@ -511,6 +518,29 @@ class LLM:
         prompt_logprobs: int | None = None,
         constraint: Constraint | None = None,
     ) -> Iterator[StreamChunk]:
+        if not self._running.acquire(blocking=False):
+            raise RuntimeError(
+                "another generation on this LLM is unfinished (a generate_stream not exhausted or closed, "
+                "or another thread's): an LLM runs one generation at a time"
+            )
+        try:
+            yield from self._generate(
+                prompt_ids, max_tokens, params, ending, logprobs, prompt_logprobs, constraint
+            )
+        finally:
+            self._running.release()
+
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        params: SamplingParams,
+        ending: Ending,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        constraint: Constraint | None,
+    ) -> Iterator[StreamChunk]:
+        self.last_decoder = None  # until this request's decoder exists (no stale stats)
         decoder = self.decoder(params, len(prompt_ids) + max_tokens)
         self.last_decoder = decoder
         decoder.logprobs, decoder.prompt_logprobs = logprobs, prompt_logprobs

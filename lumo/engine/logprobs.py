@@ -13,6 +13,7 @@ alone from a plain step or among others from an event.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +33,14 @@ def check_logprobs(k: object) -> int | None:
     """None (off) or the number of alternatives per token, 0..MAX_LOGPROBS."""
     if k is None:
         return None
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
-        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
-    return k
+    bad = ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+    try:
+        n = operator.index(k)  # Python's, numpy's or torch's integers; not a bool, a float or a string
+    except TypeError:
+        raise bad from None
+    if isinstance(k, bool) or not 0 <= n <= MAX_LOGPROBS:
+        raise bad
+    return n
 
 
 def token_logprobs(

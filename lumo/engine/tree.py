@@ -154,8 +154,13 @@ def build_tree(cfg: TreeConfig) -> TreeBuffers:
         raise ValueError(f"tree budget {cfg.budget} is smaller than its spine depth {cfg.depth}")
     sibs = sibling_depths(cfg)
     n = 1 + cfg.depth + len(sibs)
-    if n > cfg.rows or cfg.rows > 64:
-        raise ValueError(f"tree of {n} nodes does not fit {cfg.rows} rows (at most 64)")
+    if cfg.rows > 64:
+        raise ValueError(
+            f"a draft tree of {n - 1} nodes (+ the root) needs {cfg.rows} verify rows, at most 64 fit: lower "
+            "its budget or depth (--spec-budget, --spec-depth)"
+        )
+    if n > cfg.rows:
+        raise ValueError(f"tree of {n} nodes does not fit {cfg.rows} rows")
     R = cfg.rows
     parent = [-1] * R
     depth = [0] * R
