@@ -4,6 +4,7 @@ exit 2."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -300,6 +301,11 @@ def _bench(args: argparse.Namespace) -> int:
     )
 
     check_args(args.prompt_tokens, args.gen_tokens, args.repeats)
+    if args.json:  # before the benchmark, not after it
+        out = Path(args.json)
+        writable = out.parent.is_dir() and os.access(out.parent, os.W_OK)
+        if out.is_dir() or not writable or (out.exists() and not os.access(out, os.W_OK)):
+            raise ValueError(f"--json {args.json}: cannot write a file there")
     args.prefix_snapshots = 0  # every request prefilled in full
     llm = _llm(args, progress=True)
     modes = ["plain"] if args.plain_only else None

@@ -144,6 +144,7 @@ def test_bench_command_writes_its_table_and_json(tmp_path):
         (["bench", "--gen-tokens", "1"], "--gen-tokens"),
         (["bench", "--repeats", "0"], "--repeats"),
         (["bench", "--presence-penalty", "5"], "presence_penalty"),
+        (["bench", "--json", "/no/such/dir/out.json"], "cannot write a file there"),  # before the run
         (["check", "--arch", "hopper"], "--arch"),
         (["check", "--tokens", "1"], "--tokens"),
     ],
