@@ -88,17 +88,17 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], max_pos: int) -> Rope
     if kind not in ("linear", "yarn"):
         raise ConfigError(f"config.json: rope_type {kind!r} is not supported (default, linear, yarn)")
     factor = rope.get("factor")
-    if kind == "linear":
-        factor = _float(factor, "rope_parameters.factor")
-        if factor <= 0:
-            raise ConfigError(f"config.json: rope_parameters.factor must be > 0, got {factor}")
-        return RopeScaling("linear", factor)
-    # the context it was trained at: a top-level original_max_position_embeddings first (transformers')
-    orig = d.get("original_max_position_embeddings", rope.get("original_max_position_embeddings", max_pos))
-    orig = _int({"original_max_position_embeddings": orig}, "original_max_position_embeddings")
-    factor = max_pos / orig if factor is None else _float(factor, "rope_parameters.factor")
+    if kind == "yarn":
+        # the context it was trained at, a top-level original_max_position_embeddings first (transformers');
+        # without a factor the original context is stretched over max_position_embeddings
+        key = "original_max_position_embeddings"
+        orig = _int({key: d.get(key, rope.get(key, max_pos))}, key)
+        factor = max_pos / orig if factor is None else factor
+    factor = _float(factor, "rope_parameters.factor")
     if factor <= 0:
         raise ConfigError(f"config.json: rope_parameters.factor must be > 0, got {factor}")
+    if kind == "linear":
+        return RopeScaling("linear", factor)
     attention = rope.get("attention_factor")
     if attention is None:
         mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")

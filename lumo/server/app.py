@@ -659,7 +659,8 @@ class _Server:
                 yield chunk_of(delta_json(d))
         yield chunk_of({}, finish_reason(reason, parser.n_tool_calls))
 
-    def _streaming(self, events: AsyncIterator[str]) -> StreamingResponse:
+    @staticmethod
+    def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
         """A stream of an admitted request (its ticket holds its place: a full queue was a 503 before the
         stream, never an error event inside it that clients retrying on 503 would not see)."""
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
