@@ -200,7 +200,8 @@ def against_reference(llm) -> str:
     ids = llm.tokenizer.encode("".join(CHECK_PROMPTS) * 4)[: min(64, room - new)]
     r = llm.generate(ids, max_tokens=new, temperature=0, logprobs=0, prompt_logprobs=0)
     got = [*r.prompt_logprobs[1:], *r.logprobs]
-    cfg, w = load_model(llm.path, device="cpu", dtype=torch.float32, progress=False)
+    # lazy: the one forward reads a layer at a time (a whole 27B model in fp32 would need 108 GB)
+    cfg, w = load_model(llm.path, device="cpu", dtype=torch.float32, progress=False, lazy=True)
     with torch.inference_mode():
         logits, _ = M.forward(cfg, w, torch.tensor([ids + r.token_ids[:-1]]))
     ref = torch.log_softmax(logits[0].double(), dim=-1)

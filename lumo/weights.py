@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -151,7 +151,7 @@ class MTPWeights:
 @dataclass
 class ModelWeights:
     embed_tokens: torch.Tensor  # [V, H]
-    layers: list[LayerWeights]
+    layers: Sequence[LayerWeights]  # a list, or LazyLayers (load_model(lazy=True))
     norm: torch.Tensor  # [H], 1+w
     lm_head: Linear  # [V, H]
     mtp: MTPWeights | None = None
@@ -182,11 +182,11 @@ def require(get: TensorGetter, name: str, shape: tuple[int, ...] | None = None) 
     return t
 
 
-def build_weights(
-    cfg: ModelConfig, get: TensorGetter, linear: LinearBuilder, prefix: str = "model."
-) -> ModelWeights:
-    """Assemble ModelWeights; `prefix` is "model." (flat) or "model.language_model." (wrapper)."""
-    H, V = cfg.hidden_size, cfg.vocab_size
+def build_layer(
+    cfg: ModelConfig, get: TensorGetter, linear: LinearBuilder, p: str, kind: str
+) -> LayerWeights:
+    """The decoder layer named `p` ("model.layers.3", "mtp.layers.0") of type `kind` (cfg.layer_types)."""
+    H = cfg.hidden_size
 
     def vec(name: str, n: int) -> torch.Tensor:
         return require(get, name, (n,))
@@ -227,16 +227,29 @@ def build_weights(
             out_proj=linear(f"{p}.out_proj", (H, nv * dv)),
         )
 
-    def layer(p: str, kind: str) -> LayerWeights:
-        mixer = attn(f"{p}.self_attn") if kind == FULL else gdn(f"{p}.linear_attn")
-        return LayerWeights(
-            input_layernorm=vec(f"{p}.input_layernorm.weight", H),
-            post_attention_layernorm=vec(f"{p}.post_attention_layernorm.weight", H),
-            mixer=mixer,
-            mlp=mlp(f"{p}.mlp"),
-        )
+    mixer = attn(f"{p}.self_attn") if kind == FULL else gdn(f"{p}.linear_attn")
+    return LayerWeights(
+        input_layernorm=vec(f"{p}.input_layernorm.weight", H),
+        post_attention_layernorm=vec(f"{p}.post_attention_layernorm.weight", H),
+        mixer=mixer,
+        mlp=mlp(f"{p}.mlp"),
+    )
 
-    layers = [layer(f"{prefix}layers.{i}", kind) for i, kind in enumerate(cfg.layer_types)]
+
+def build_weights(
+    cfg: ModelConfig,
+    get: TensorGetter,
+    linear: LinearBuilder,
+    prefix: str = "model.",
+    layers: Sequence[LayerWeights] | None = None,
+) -> ModelWeights:
+    """Assemble ModelWeights; `prefix` is "model." (flat) or "model.language_model." (wrapper). `layers`:
+    the decoder layers when the caller provides them (a LazyLayers), else they are built here."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    if layers is None:
+        layers = [
+            build_layer(cfg, get, linear, f"{prefix}layers.{i}", k) for i, k in enumerate(cfg.layer_types)
+        ]
     embed = require(get, f"{prefix}embed_tokens.weight", (V, H))
     lm_head = DenseLinear(embed) if cfg.tie_word_embeddings else linear("lm_head", (V, H))
     mtp = None
@@ -245,14 +258,66 @@ def build_weights(
     if cfg.mtp_num_hidden_layers > 0 and get("mtp.norm.weight") is not None:
         mtp = MTPWeights(
             fc=linear("mtp.fc", (H, 2 * H)),
-            pre_fc_norm_embedding=vec("mtp.pre_fc_norm_embedding.weight", H),
-            pre_fc_norm_hidden=vec("mtp.pre_fc_norm_hidden.weight", H),
-            layers=[layer(f"mtp.layers.{i}", FULL) for i in range(max(cfg.mtp_num_hidden_layers, 1))],
-            norm=vec("mtp.norm.weight", H),
+            pre_fc_norm_embedding=require(get, "mtp.pre_fc_norm_embedding.weight", (H,)),
+            pre_fc_norm_hidden=require(get, "mtp.pre_fc_norm_hidden.weight", (H,)),
+            layers=[
+                build_layer(cfg, get, linear, f"mtp.layers.{i}", FULL)
+                for i in range(max(cfg.mtp_num_hidden_layers, 1))
+            ],
+            norm=require(get, "mtp.norm.weight", (H,)),
         )
     return ModelWeights(
-        embed_tokens=embed, layers=layers, norm=vec(f"{prefix}norm.weight", H), lm_head=lm_head, mtp=mtp
+        embed_tokens=embed,
+        layers=layers,
+        norm=require(get, f"{prefix}norm.weight", (H,)),
+        lm_head=lm_head,
+        mtp=mtp,
     )
+
+
+class LazyLayers(Sequence[LayerWeights]):
+    """A checkpoint's decoder layers, read when asked for (`load_model(lazy=True)`). Each access reads the
+    layer's tensors again and nothing here keeps them, so one pass over the layers (packing them for the
+    kernels, one reference forward) holds one layer at a time: on a GB10, whose GPU shares the CPU's 128 GB,
+    loading then needs the packed model plus one layer, not the whole checkpoint twice. `formats`: the same
+    layers built on the meta device (every linear's type and shape, no data), for decisions made before the
+    pass (lumo.engine.gpu_weights.draft_quant)."""
+
+    def __init__(
+        self,
+        read: Callable[[int], LayerWeights],
+        formats: list[LayerWeights],
+        progress: bool,
+        shards: ExitStack,
+    ):
+        self._read, self.formats, self._progress = read, formats, progress
+        self._shards = shards  # the open files `read` reads from, closed when this is collected
+
+    def __len__(self) -> int:
+        return len(self.formats)
+
+    def __getitem__(self, i: int) -> LayerWeights:  # type: ignore[override]
+        if not isinstance(i, int):
+            raise TypeError("LazyLayers takes one layer index")
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"layer {i} of {len(self)}")
+        return self._read(i % len(self))
+
+    def __iter__(self) -> Iterator[LayerWeights]:
+        from tqdm import tqdm
+
+        tty = self._progress and sys.stderr.isatty()
+        with tqdm(
+            total=len(self), desc="loading layers", unit="layer", file=sys.stderr, disable=not tty
+        ) as bar:
+            for i in range(len(self)):
+                yield self._read(i)
+                bar.update(1)
+
+
+def layer_formats(w: ModelWeights) -> Sequence[LayerWeights]:
+    """w's decoder layers without reading a lazy model's tensors (LazyLayers.formats: meta tensors)."""
+    return w.layers.formats if isinstance(w.layers, LazyLayers) else w.layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,7 +404,7 @@ class _Checkpoint:
             }
         except (OSError, SafetensorError) as e:
             raise WeightError(f"cannot read the safetensors files in {root}: {e}") from None
-        self._on_read = on_read
+        self.on_read = on_read
 
     def info(self, name: str) -> tuple[str, list[int]] | None:
         """(safetensors dtype name, shape) or None when the tensor is absent."""
@@ -353,12 +418,35 @@ class _Checkpoint:
         return sl.get_dtype(), list(sl.get_shape())
 
     def read(self, name: str) -> torch.Tensor:
-        self._on_read()
+        self.on_read()
         f = self.weight_map[name]
         try:
             return self._open[f].get_tensor(name)
         except Exception as e:
             raise WeightError(f"cannot read {name} from {f}: {e}") from e
+
+
+# safetensors dtype names of the tensors lumo reads (the builders refuse any other before reading it)
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+
+
+class _MetaReads:
+    """A _Checkpoint whose reads are empty meta tensors of the stored dtype and shape: building the model
+    through it runs every check on every tensor (names, dtypes, shapes, formats) and reads none."""
+
+    def __init__(self, ckpt: _Checkpoint):
+        self.weight_map, self.info = ckpt.weight_map, ckpt.info
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape = self.info(name)
+        return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device="meta")
 
 
 @dataclass(frozen=True)
@@ -707,10 +795,14 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    lazy: bool = False,
 ) -> tuple[ModelConfig, ModelWeights]:
     """Load config.json and the text model's tensors (`mtp.*` too; `model.visual.*` is never read).
 
     Dense tensors are converted to `dtype`; quantised linears keep their packed tensors. All go to `device`.
+    lazy: the decoder layers are a LazyLayers, read from the still open shards each time they are walked
+    (for one pass: packing for the kernels, the reference check); every tensor is checked here all the same
+    (on the meta device), so a broken checkpoint fails before anything is packed.
     """
     from tqdm import tqdm
 
@@ -726,26 +818,7 @@ def load_model(
     spec = read_quant_spec(root, raw)
     device = torch.device(device)
 
-    with ExitStack() as stack:
-        bar = stack.enter_context(
-            tqdm(
-                desc="loading",
-                unit="tensor",
-                file=sys.stderr,
-                disable=not progress or not sys.stderr.isatty(),
-            )
-        )
-        ckpt = _Checkpoint(root, stack, on_read=lambda: bar.update(1))
-        names = ckpt.weight_map
-        prefix = (
-            "model.language_model." if any(n.startswith("model.language_model.") for n in names) else "model."
-        )
-        bar.total = sum(
-            1
-            for n in names
-            if n.startswith((prefix, "lm_head.")) or (n.startswith("mtp.") and cfg.mtp_num_hidden_layers > 0)
-        )
-
+    def builders(ckpt: _Checkpoint | _MetaReads, device: torch.device) -> tuple[TensorGetter, LinearBuilder]:
         def get(name: str) -> torch.Tensor | None:
             info = ckpt.info(name)
             if info is None:
@@ -754,6 +827,44 @@ def load_model(
                 raise WeightError(f"tensor {name} is {info[0]}; lumo expects it unquantised (BF16/F16/F32)")
             return ckpt.read(name).to(device=device, dtype=dtype)
 
-        weights = build_weights(cfg, get, _quantized_linear_builder(ckpt, spec, device, dtype), prefix)
-        bar.total = bar.n  # tensors lumo does not use (k/v scales, ...) were counted but not read
+        return get, _quantized_linear_builder(ckpt, spec, device, dtype)
+
+    shards = ExitStack()  # the open files: closed on return, or with a lazy model's layers
+    try:
+        bar = tqdm(
+            desc="loading", unit="tensor", file=sys.stderr, disable=not progress or not sys.stderr.isatty()
+        )
+        with bar:
+            ckpt = _Checkpoint(root, shards, on_read=lambda: bar.update(1))
+            names = ckpt.weight_map
+            prefix = (
+                "model.language_model."
+                if any(n.startswith("model.language_model.") for n in names)
+                else "model."
+            )
+            get, linear = builders(ckpt, device)
+            layers = None
+            if lazy:
+                formats = build_weights(cfg, *builders(_MetaReads(ckpt), torch.device("meta")), prefix)
+                kinds = cfg.layer_types
+
+                def read(i: int) -> LayerWeights:
+                    return build_layer(cfg, get, linear, f"{prefix}layers.{i}", kinds[i])
+
+                layers = LazyLayers(read, list(formats.layers), progress, shards)
+                names = [n for n in names if not n.startswith(f"{prefix}layers.")]
+            bar.total = sum(
+                1
+                for n in names
+                if n.startswith((prefix, "lm_head."))
+                or (n.startswith("mtp.") and cfg.mtp_num_hidden_layers > 0)
+            )
+            weights = build_weights(cfg, get, linear, prefix, layers)
+            bar.total = bar.n  # tensors lumo does not use (k/v scales, ...) were counted but not read
+        ckpt.on_read = lambda: None  # the bar is closed; LazyLayers shows its own
+    except BaseException:
+        shards.close()
+        raise
+    if layers is None:
+        shards.close()
     return cfg, weights

@@ -20,11 +20,13 @@ from lumo.testing import make_tiny_checkpoint
 from lumo.weights import (
     DenseLinear,
     FP8Linear,
+    LazyLayers,
     ModelWeights,
     NVFP4Linear,
     WeightError,
     build_weights,
     dense_linear_builder,
+    layer_formats,
     linear_rows,
     load_model,
     read_quant_spec,
@@ -713,3 +715,118 @@ def test_block_fp8_bad_tensors(tmp_path):
     write_block_fp8(d2, 32, 32, skip=("lm_head", "model.layers.0.mlp.up_proj"))
     with pytest.raises(WeightError, match="stored as fp8 but .* leaves model.layers.0.mlp.up_proj"):
         load_model(d2, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lazy layers (load_model(lazy=True)): what the kernels' packing and `lumo check`'s reference walk.
+
+
+def assert_formats(meta, real, path: str = "layer") -> None:
+    """`meta` is `real` built on the meta device: the same types, dtypes, shapes and other values."""
+    if isinstance(real, torch.Tensor):
+        assert meta.device.type == "meta", path
+        assert (meta.dtype, meta.shape) == (real.dtype, real.shape), f"{path}: {meta} vs {real.dtype}"
+    elif dataclasses.is_dataclass(real):
+        assert type(meta) is type(real), f"{path}: {type(meta).__name__} vs {type(real).__name__}"
+        for f in dataclasses.fields(real):
+            assert_formats(getattr(meta, f.name), getattr(real, f.name), f"{path}.{f.name}")
+    else:
+        assert meta == real, f"{path}: {meta!r} vs {real!r}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "NVFP4", "FP8", "block-fp8", "mixed-wrapper"])
+def test_lazy_layers_equal_the_eager_ones(tmp_path, fmt):
+    d = tiny(tmp_path)
+    raw = load_file(d / "model.safetensors")
+    if fmt in ("NVFP4", "FP8"):
+        q, _ = quantize_tensors(raw, default_algo(fmt))
+        resave(d, q, shards=2)
+        write_quant_config(d, {"quant_algo": fmt, "exclude_modules": ["lm_head", "mtp*"]})
+    elif fmt == "block-fp8":
+        write_block_fp8(d, 16, 48)
+    elif fmt == "mixed-wrapper":
+        q, algos = quantize_tensors(raw, lambda m: None if m.startswith(("mtp", "lm_head")) else "NVFP4")
+        resave(d, q, wrapper=True)
+        layers = {wrap(m): {"quant_algo": a} for m, a in algos.items()}
+        write_quant_config(d, {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers})
+    _, eager = load_model(d, progress=False)
+    _, lazy = load_model(d, progress=False, lazy=True)
+    assert isinstance(lazy.layers, LazyLayers) and len(lazy.layers) == len(eager.layers) == 4
+    assert_same(eager, dataclasses.replace(lazy, layers=list(lazy.layers)))
+    assert_same(eager.layers[-1], lazy.layers[-1])
+    assert_same(eager.layers, list(lazy.layers))  # a second pass reads them again
+    for i, (meta, real) in enumerate(zip(lazy.layers.formats, eager.layers, strict=True)):
+        assert_formats(meta, real, f"layers[{i}]")
+    assert layer_formats(eager) is eager.layers
+    with pytest.raises(IndexError):
+        lazy.layers[4]
+
+
+@pytest.mark.parametrize(
+    "drop, shape",
+    [
+        ("model.layers.3.self_attn.k_norm.weight", None),
+        ("model.layers.2.mlp.up_proj.weight_scale", None),
+        (None, ("model.layers.3.mlp.down_proj.weight_scale", (64, 4))),
+        (None, ("model.layers.1.linear_attn.conv1d.weight", (96, 1, 3))),
+    ],
+)
+def test_lazy_load_checks_every_layer_before_reading_one(tmp_path, monkeypatch, drop, shape):
+    """A broken last layer fails load_model(lazy=True) with the eager load's message, from the tensors'
+    headers alone: the kernels would otherwise pack most of a model before finding it."""
+    import lumo.weights as W
+
+    d = tiny(tmp_path)
+    q, _ = quantize_tensors(load_file(d / "model.safetensors"), default_algo("NVFP4"))
+    if drop:
+        del q[drop]
+    else:
+        name, new = shape
+        q[name] = torch.zeros(new, dtype=q[name].dtype)
+    resave(d, q)
+    with pytest.raises(WeightError) as eager:
+        load_model(d, progress=False)
+    reads = []
+    real = W._Checkpoint.read
+    monkeypatch.setattr(W._Checkpoint, "read", lambda self, n: (reads.append(n), real(self, n))[1])
+    with pytest.raises(WeightError) as lazy:
+        load_model(d, progress=False, lazy=True)
+    assert str(lazy.value) == str(eager.value)
+    assert not [n for n in reads if n.startswith("model.layers.")]
+
+
+def test_packing_a_lazy_model_holds_at_most_two_layers(tmp_path, monkeypatch):
+    """pack_weights walks a lazy model's layers once: each layer's tensors are freed once it is packed, so
+    the checkpoint is never whole in memory beside its packed copy (a GB10 shares that memory). The eager
+    load, which holds every layer, shows that the count can see it."""
+    import weakref
+
+    import lumo.weights as W
+    from lumo.engine.gpu_weights import pack_weights
+
+    d = make_tiny_checkpoint(tmp_path / "ckpt", num_hidden_layers=8)
+    q, _ = quantize_tensors(load_file(d / "model.safetensors"), default_algo("NVFP4"))
+    resave(d, q)
+    alive: dict[int, int] = {}  # layer -> its NVFP4 code tensors alive (kept as read: no copy on the CPU)
+    peak = [0]
+    real = W._Checkpoint.read
+
+    def read(self, name: str) -> torch.Tensor:
+        t = real(self, name)
+        if (m := re.match(r"model\.layers\.(\d+)\..*_proj\.weight$", name)) and t.dtype == torch.uint8:
+            i = int(m[1])
+            alive[i] = alive.get(i, 0) + 1
+            peak[0] = max(peak[0], sum(1 for n in alive.values() if n))
+            weakref.finalize(t, lambda: alive.__setitem__(i, alive[i] - 1))
+        return t
+
+    monkeypatch.setattr(W._Checkpoint, "read", read)
+    cfg, w = load_model(d, progress=False, lazy=True)
+    assert peak[0] == 0
+    packed = pack_weights(cfg, w, "cpu", mtp=True)
+    assert 1 <= peak[0] <= 2 and sorted(alive) == list(range(8)) and not any(alive.values())
+    _, eager = load_model(d, progress=False)
+    assert peak[0] == 8
+    assert_same(
+        packed.layers[7].down.parts[0].packed, pack_weights(cfg, eager, "cpu").layers[7].down.parts[0].packed
+    )

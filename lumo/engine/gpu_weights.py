@@ -40,6 +40,7 @@ from ..weights import (
     ModelWeights,
     MTPWeights,
     NVFP4Linear,
+    layer_formats,
     linear_rows,
 )
 
@@ -454,7 +455,8 @@ def draft_quant(w: ModelWeights, choice: str = "auto") -> bool:
     target's tokens; the drafter's precision moves only how many drafts are accepted."""
     if check_draft_quant(choice) != "auto":
         return choice == "nvfp4"
-    lins = [lin for lw in w.layers for lin in (lw.mlp.gate_proj, lw.mlp.up_proj, lw.mlp.down_proj)]
+    mlps = [lw.mlp for lw in layer_formats(w)]  # a lazy model's formats: no tensor read
+    lins = [lin for m in mlps for lin in (m.gate_proj, m.up_proj, m.down_proj)]
     return any(isinstance(lin, NVFP4Linear) for lin in lins)
 
 
@@ -469,9 +471,10 @@ def pack_weights(
     """Pack for the kernels. The MTP head is packed only with `mtp=True` (speculative decoding; plain
     decoding does not need it), with a draft head if draft_ids are given or the drafter runs in NVFP4
     (`draft_nvfp4`, pack_mtp). Weights may live on any device; each linear is moved to `device` as it is
-    packed, so GPU memory holds only the packed copy when the source weights are on the CPU."""
+    packed, so GPU memory holds only the packed copy when the source weights are on the CPU, and the layers
+    are walked once, so a lazy model's (load_model(lazy=True)) are read one at a time."""
     device = torch.device(device)
-    kinds = [FULL if isinstance(lw.mixer, AttnWeights) else "linear_attention" for lw in w.layers]
+    kinds = [FULL if isinstance(lw.mixer, AttnWeights) else "linear_attention" for lw in layer_formats(w)]
     if tuple(kinds) != cfg.layer_types:
         raise ValueError("the weights' layer kinds do not match cfg.layer_types")
     head = None

@@ -182,8 +182,12 @@ class LLM:
             raise ValueError(  # before minutes of loading weights
                 f"max_model_len {max_model_len} exceeds the model's context (max_position_embeddings {limit})"
             )
-        load_device = "cpu" if self.backend == "kernels" else self.device  # packing moves weights to the GPU
-        self.config, self.weights = load_model(path, device=load_device, dtype=self.dtype, progress=progress)
+        # The kernels pack each layer onto the GPU as it is read (lazy): the checkpoint is never held whole
+        # beside its packed copy (on a GB10 both would be in the same 128 GB).
+        kernels = self.backend == "kernels"
+        self.config, self.weights = load_model(
+            path, device="cpu" if kernels else self.device, dtype=self.dtype, progress=progress, lazy=kernels
+        )
         self.tokenizer = Tokenizer.from_dir(path)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
