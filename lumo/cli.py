@@ -68,6 +68,12 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "one of N snapshots of the recurrent state taken on the prefill's chunk grid (~154 MB each on a "
         "27B); the output is unchanged. 0 turns it off",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a jinja chat template (a file, or the template itself) to use instead of the checkpoint's",
+    )
 
 
 def _llm(args: argparse.Namespace, progress: bool = False):
@@ -90,7 +96,20 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         draft_quant=args.draft_quant,
         prefix_snapshots=args.prefix_snapshots,
         adaptive_spec=args.adaptive_spec,
+        chat_template=args.chat_template,
     )
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """--allowed-origins: a browser sends its page's origin, scheme://host[:port], compared as a string, so
+    a path or a trailing slash would never match: refused here rather than silently matching nothing."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    for o in origins:
+        if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+            raise argparse.ArgumentTypeError(f"{o!r} is not an origin like http://host:port (or '*')")
+    if not origins:
+        raise argparse.ArgumentTypeError("no origin given")
+    return origins
 
 
 def _port(text: str) -> int:
@@ -153,6 +172,20 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help="answer only requests with `Authorization: Bearer KEY` (/health and /metrics stay open); "
+        "default: $LUMO_API_KEY, else no key",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=(),
+        metavar="ORIGINS",
+        help="comma-separated web origins (e.g. http://localhost:3000) whose pages may call the API from a "
+        "browser (CORS), or '*' for any; default none",
+    )
 
     b = sub.add_parser(
         "bench",
@@ -282,9 +315,18 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
 
+    key = args.api_key if args.api_key is not None else os.environ.get("LUMO_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty (--api-key or LUMO_API_KEY)")
     llm = _llm(args, progress=True)
     run_server(
-        llm, host=args.host, port=args.port, model_name=args.served_model_name, max_queue=args.max_queue
+        llm,
+        host=args.host,
+        port=args.port,
+        model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        api_key=key,
+        allowed_origins=args.allowed_origins,
     )
     return 0
 

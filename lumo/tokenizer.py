@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -60,6 +61,25 @@ def _compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"chat template does not compile: {e.message} (line {e.lineno})") from None
+
+
+def read_chat_template(template: str | os.PathLike) -> str:
+    """A chat template given as a file's path or as the jinja text itself (vLLM's --chat-template), checked
+    to compile."""
+    text = str(template)
+    try:
+        is_file = Path(text).expanduser().is_file()
+    except (OSError, ValueError):  # a template's text can be too long or odd for a path
+        is_file = False
+    if is_file:
+        try:
+            text = Path(text).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read the chat template {template}: {e}") from None
+    elif "{{" not in text and "{%" not in text:
+        raise TokenizerError(f"chat template {text!r}: no such file, and not a jinja template either")
+    _compile_template(text)
+    return text
 
 
 def _token_content(tok: Any) -> str | None:
@@ -248,6 +268,11 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self._templates)
+
+    def set_chat_template(self, source: str) -> None:
+        """Render every chat (with tools or without) with `source` instead of the checkpoint's templates."""
+        self._templates = {"default": source}
+        self._compiled.clear()
 
     def apply_chat_template(
         self,

@@ -102,6 +102,9 @@ def test_generate_chat_stop_and_spec(tmp_path):
         (["quantize", "/no/such/dir", "/tmp/lumo-out-never"], "/no/such/dir"),
         (["generate", "--prompt", "x", "--device", "cpu", "--draft-quant", "nvfp4"], "kernels backend"),
         (["generate", "--prompt", "x", "--device", "cpu", "--prefix-snapshots", "-1"], "prefix_snapshots"),
+        (["generate", "--prompt", "x", "--chat-template", "/no/such.jinja"], "no such file"),
+        (["generate", "--prompt", "x", "--chat-template", "{% if %}"], "does not compile"),
+        (["serve", "--api-key", " "], "API key is empty"),
     ],
 )
 def test_user_errors_are_one_line_exit_2(args, words):
@@ -204,3 +207,10 @@ def test_bad_settings_fail_at_start(tmp_path, args, words):
 def test_serve_rejects_a_bad_port():
     r = lumo("serve", "--port", "70000")
     assert r.returncode == 2 and "outside 1..65535" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("origins, words", [("http://localhost:3000/", "not an origin"), (",", "no origin")])
+def test_serve_rejects_bad_origins(origins, words):
+    """A browser's Origin is scheme://host[:port], compared as a string: a path could never match."""
+    r = lumo("serve", "--allowed-origins", origins)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr

@@ -99,6 +99,24 @@ def test_bad_max_model_len(tmp_path):
         LLM(ckpt, device="cpu", max_model_len=10**8)
 
 
+def test_chat_template_override(tmp_path, monkeypatch):
+    """LLM(chat_template=): the prompts a chat renders to; a bad template fails before any weight is read."""
+    import lumo.engine.llm as L
+    from lumo.tokenizer import TokenizerError
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    llm = LLM(
+        ckpt, device="cpu", spec="off", chat_template="{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    )
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert llm.tokenizer.apply_chat_template(msgs) == "[hi][yo]"
+    monkeypatch.setattr(
+        L, "load_model", lambda *a, **k: pytest.fail("weights read before the template check")
+    )
+    with pytest.raises(TokenizerError, match="does not compile"):
+        LLM(ckpt, device="cpu", chat_template="{{ }")
+
+
 def test_draft_quant_is_checked(tmp_path):
     """The drafter's precision: an unknown choice, or NVFP4 where no kernels drafter runs, is refused."""
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)

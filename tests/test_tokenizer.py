@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lumo.testing import make_tokenizer_files
-from lumo.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from lumo.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, read_chat_template
 
 TEXTS = [
     "Hello, world! The quick brown fox.",
@@ -367,6 +367,39 @@ def test_template_list_form(tok_dir, tmp_path):
     assert t.has_chat_template
     assert t.apply_chat_template(msgs) == "D1"
     assert t.apply_chat_template(msgs, tools=[WEATHER_TOOL]) == "T"
+
+
+def test_chat_template_override(tok_dir, tmp_path):
+    """--chat-template / LLM(chat_template=): a file or the text itself, checked at once, used for every
+    chat in place of the checkpoint's templates (a tool_use one included)."""
+    d = copy_tok(tok_dir, tmp_path / "t")
+    edit_json(
+        d / "tokenizer_config.json",
+        chat_template=[{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}],
+    )
+    source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ '!' if tools else '' }}"
+    (tmp_path / "mine.jinja").write_text(source, encoding="utf-8")
+    for given in (tmp_path / "mine.jinja", str(tmp_path / "mine.jinja"), source):
+        assert read_chat_template(given) == source
+    t = Tokenizer.from_dir(d)
+    t.apply_chat_template([{"role": "user", "content": "x"}])  # the checkpoint's, compiled and cached
+    t.set_chat_template(read_chat_template(source))
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "<user>x"
+    assert t.apply_chat_template([{"role": "user", "content": "x"}], tools=[WEATHER_TOOL]) == "<user>x!"
+    assert t.chat_template_source(tools=True) == source
+    for bad, words in (
+        (tmp_path / "none.jinja", "no such file"),
+        ("chatml", "no such file, and not a jinja template"),
+        ("{% for %}", "does not compile"),
+        ("x" * 5000 + "{{", "does not compile"),  # too long for a path: taken as a template
+        (tmp_path, "no such file"),  # a directory
+    ):
+        with pytest.raises(TokenizerError, match=words) as e:
+            read_chat_template(bad)
+        assert "\n" not in str(e.value)
+    (tmp_path / "latin1.jinja").write_bytes(b"\xe9{{ 1 }}")
+    with pytest.raises(TokenizerError, match="cannot read the chat template"):
+        read_chat_template(tmp_path / "latin1.jinja")
 
 
 def test_missing_template(tok_dir, tmp_path):

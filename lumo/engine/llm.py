@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..config import DEFAULT_PREFIX_SNAPSHOTS, ConfigError, ModelConfig, TreeConfig, check_draft_quant
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..tokenizer import IncrementalDetokenizer, Tokenizer, read_chat_template
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
@@ -133,7 +133,12 @@ class LLM:
         draft_quant: str = "auto",
         prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
         adaptive_spec: bool = True,
+        chat_template: str | os.PathLike | None = None,
     ):
+        """chat_template: a jinja chat template (a file's path or the text) used instead of the
+        checkpoint's; the other arguments are `lumo serve`'s flags (README)."""
+        # checked before minutes of loading weights
+        template = None if chat_template is None else read_chat_template(chat_template)
         if spec not in ("auto", "off", "chain", "tree"):
             raise ValueError(f"unknown spec mode {spec!r}: use auto, tree, chain or off")
         if backend not in ("auto", "torch", "kernels"):
@@ -189,6 +194,8 @@ class LLM:
             path, device="cpu" if kernels else self.device, dtype=self.dtype, progress=progress, lazy=kernels
         )
         self.tokenizer = Tokenizer.from_dir(path)
+        if template is not None:
+            self.tokenizer.set_chat_template(template)
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
         # otherwise (the torch backend's tree event forwards each node separately: exact, but slower).

@@ -8,18 +8,20 @@ GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize (vLL
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
 
 from ..engine.grammar import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, TokenizerError
@@ -32,7 +34,7 @@ from .chat import (
     opens_reasoning,
     render_prompt,
 )
-from .errors import APIError, install_error_handlers
+from .errors import APIError, error_body, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -115,6 +117,32 @@ class _CountRequests:
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.metrics.requests.inc(endpoint=endpoint, status=str(status))
+
+
+class _RequireKey:
+    """ASGI middleware (`lumo serve --api-key`): every route but /health and /metrics answers only requests
+    carrying `Authorization: Bearer <key>` (what OpenAI clients send for their api_key); others get a 401."""
+
+    OPEN = ("/health", "/metrics")  # probes and scrapers, as in vLLM
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self._key = app, key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        body = error_body(
+            401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key"
+        )
+        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+            scope, receive, send
+        )
+
+    def _authorized(self, scope: dict) -> bool:
+        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
 
 def chunk_logprobs(chunk: Any) -> list:
@@ -667,8 +695,16 @@ class _Server:
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
-def create_app(llm: Any, model_name: str | None = None, max_queue: int = 64) -> FastAPI:
-    """The FastAPI app serving `llm`; its engine worker thread starts and stops with the app's lifespan."""
+def create_app(
+    llm: Any,
+    model_name: str | None = None,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] = (),
+) -> FastAPI:
+    """The FastAPI app serving `llm`; its engine worker thread starts and stops with the app's lifespan.
+    api_key: required of every request but /health and /metrics. allowed_origins: web origins whose pages
+    may call the API from a browser (CORS; "*" any); none by default."""
     served = model_name or llm.model_name
     metrics = ServerMetrics()
     worker = EngineWorker(llm, metrics, max_queue)
@@ -687,7 +723,13 @@ def create_app(llm: Any, model_name: str | None = None, max_queue: int = 64) -> 
     app = FastAPI(title="lumo", lifespan=lifespan)
     app.state.server = server
     install_error_handlers(app)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    if api_key is not None:
+        app.add_middleware(_RequireKey, key=api_key)
+    app.add_middleware(_CountRequests, metrics=metrics)  # counts the 401s too
+    if allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
@@ -700,15 +742,21 @@ def create_app(llm: Any, model_name: str | None = None, max_queue: int = 64) -> 
 
 
 def run_server(
-    llm: Any, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, max_queue: int = 64
+    llm: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> None:
     """Serve `llm` until interrupted; prints one startup line with the URL and the model."""
     sock = _listen(host, port)
-    app = create_app(llm, model_name, max_queue)
+    app = create_app(llm, model_name, max_queue, api_key, allowed_origins)
     shown = f"[{host}]" if ":" in host else host
     print(
         f"lumo: serving {model_name or llm.model_name} (context {llm.max_model_len} tokens) "
-        f"at http://{shown}:{port}/v1",
+        f"at http://{shown}:{port}/v1" + (" (API key required)" if api_key is not None else ""),
         flush=True,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

@@ -140,8 +140,9 @@ def scripted_server(
 
 
 @contextmanager
-def serve_in_thread(llm: Any, timeout_s: float = 20.0) -> Iterator[str]:
-    """The app over `llm` (an LLM or a ScriptedLLM) served by uvicorn in a thread; yields its base URL."""
+def serve_in_thread(llm: Any, timeout_s: float = 20.0, **app_kw: Any) -> Iterator[str]:
+    """The app over `llm` (an LLM or a ScriptedLLM; `app_kw`: create_app's) served by uvicorn in a thread;
+    yields its base URL."""
     import threading
 
     import uvicorn
@@ -149,7 +150,9 @@ def serve_in_thread(llm: Any, timeout_s: float = 20.0) -> Iterator[str]:
     from .app import create_app
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(llm, **app_kw), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
