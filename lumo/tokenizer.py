@@ -367,6 +367,7 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded, whole characters, not yet emitted (could start a stop string)
         self._out: list[str] = []
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text
 
     @property
     def text(self) -> str:
@@ -407,9 +408,11 @@ class IncrementalDetokenizer:
             self._out.append(text)
             return text
         # the first stop string in the text (the longest of those starting there)
-        cut, end = min(((i, -len(s)) for s in self._stop if (i := text.find(s)) >= 0), default=(-1, 0))
+        cut, end, which = min(
+            ((i, -len(s), s) for s in self._stop if (i := text.find(s)) >= 0), default=(-1, 0, None)
+        )
         if cut >= 0:
-            self.stopped = True
+            self.stopped, self.stop_string = True, which
             out, self._pending = text[: cut - end if self._include_stop else cut], ""
         else:
             hold = 0 if final else self._stop_prefix_len(text)

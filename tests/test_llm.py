@@ -117,6 +117,30 @@ def test_chat_template_override(tmp_path, monkeypatch):
         LLM(ckpt, device="cpu", chat_template="{{ }")
 
 
+def test_stop_reason_says_what_ended_it(llm):
+    """GenerationResult / the last StreamChunk's stop_reason (vLLM's): the stop string matched, a stop token
+    id asked for, None at the end-of-sequence token or the length limit."""
+    free = llm.generate([5, 17, 99], max_tokens=24, temperature=0, ignore_eos=True)
+    assert free.finish_reason == "length" and free.stop_reason is None
+    stop = free.text[6:9]
+    r = llm.generate([5, 17, 99], max_tokens=24, temperature=0, ignore_eos=True, stop=["\x00never", stop])
+    assert (r.finish_reason, r.stop_reason, r.text) == ("stop", stop, free.text[: free.text.index(stop)])
+    tok = free.token_ids[3]
+    r = llm.generate([5, 17, 99], max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[tok])
+    assert (r.finish_reason, r.stop_reason, r.token_ids) == (
+        "stop",
+        tok,
+        free.token_ids[: free.token_ids.index(tok)],
+    )
+    chunks = list(
+        llm.generate_stream([5, 17, 99], max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    )
+    assert chunks[-1].stop_reason == stop and all(c.stop_reason is None for c in chunks[:-1])
+    eos = llm.tokenizer.eos_token_ids[0]
+    r = llm.generate([5, 17, 99], max_tokens=24, temperature=0, logit_bias={eos: 100.0})
+    assert (r.finish_reason, r.stop_reason, r.token_ids) == ("stop", None, [])
+
+
 def test_draft_quant_is_checked(tmp_path):
     """The drafter's precision: an unknown choice, or NVFP4 where no kernels drafter runs, is refused."""
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)

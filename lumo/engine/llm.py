@@ -62,6 +62,9 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
+    # what stopped it (vLLM's stop_reason): the stop string matched, or a stop token id other than the
+    # model's end-of-sequence; None for the end-of-sequence token and for "length"
+    stop_reason: str | int | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -77,6 +80,7 @@ class StreamChunk:
     text: str  # new text since the previous chunk
     token_ids: list[int]  # tokens produced since the previous chunk
     finish_reason: str | None = None  # set on the last chunk
+    stop_reason: str | int | None = None  # on the last chunk: GenerationResult.stop_reason
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
     # with logprobs, on a last chunk that an end-of-sequence token ended (not in token_ids, like its text)
@@ -278,7 +282,7 @@ class LLM:
         reasoning when the prompt leaves the model thinking; lumo.engine.grammar), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
-        ids, text, reason, prompt_lps, eos_lp = [], [], None, None, None
+        ids, text, reason, why, prompt_lps, eos_lp = [], [], None, None, None, None
         prompt_ids = self._encode(prompt)
         logprobs = [] if kw.get("logprobs") is not None else None
         t0 = time.perf_counter()
@@ -288,6 +292,7 @@ class LLM:
             ids += chunk.token_ids
             text.append(chunk.text)
             reason = chunk.finish_reason or reason
+            why = chunk.stop_reason
             if logprobs is not None:
                 logprobs += chunk.logprobs
             prompt_lps = prompt_lps or chunk.prompt_logprobs
@@ -299,6 +304,7 @@ class LLM:
             ids,
             "".join(text),
             reason or "length",
+            why if reason == "stop" else None,
             prompt_ids,
             t_first - t0,
             t1 - t_first,
@@ -572,24 +578,25 @@ class LLM:
             out, text = [], []
             # The decoder's logprobs of `tokens`, cut where they are: a chunk's logprobs match its token_ids.
             lps = decoder.last_logprobs if logprobs is not None else None
-            reason = eos_lp = None
+            reason = eos_lp = why = None
             for i, tok in enumerate(tokens):
                 if tok in eos:
                     text.append(detok.finish())
                     reason, eos_lp = "stop", None if lps is None else lps[i]
+                    why = None if tok in self.tokenizer.eos_token_ids else tok
                     break
                 out.append(tok)
                 n += 1
                 text.append(detok.add(tok))
                 if detok.stopped:
-                    reason = "stop"
+                    reason, why = "stop", detok.stop_string
                     break
                 if n == max_tokens:
                     text.append(detok.finish())
                     reason = "length"
                     break
             chunk_lps = None if lps is None else lps[: len(out)]
-            yield StreamChunk("".join(text), out, reason, chunk_lps, first, eos_lp)
+            yield StreamChunk("".join(text), out, reason, why, chunk_lps, first, eos_lp)
             if reason is not None:
                 return
             first = None

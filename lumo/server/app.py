@@ -19,12 +19,15 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
 from ..engine.grammar import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, TokenizerError
+from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
+from .anthropic import stop_reason as anthropic_stop_reason
+from .anthropic import usage as anthropic_usage
 from .chat import (
     continued_text,
     delta_json,
@@ -34,7 +37,7 @@ from .chat import (
     opens_reasoning,
     render_prompt,
 )
-from .errors import APIError, error_body, install_error_handlers
+from .errors import APIError, anthropic_error, error_response, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -46,6 +49,8 @@ ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/health",
     "/metrics",
@@ -121,7 +126,8 @@ class _CountRequests:
 
 class _RequireKey:
     """ASGI middleware (`lumo serve --api-key`): every route but /health and /metrics answers only requests
-    carrying `Authorization: Bearer <key>` (what OpenAI clients send for their api_key); others get a 401."""
+    carrying `Authorization: Bearer <key>` (what OpenAI clients send for their api_key) or `x-api-key: <key>`
+    (Anthropic's clients); others get a 401."""
 
     OPEN = ("/health", "/metrics")  # probes and scrapers, as in vLLM
 
@@ -132,17 +138,16 @@ class _RequireKey:
         if scope["type"] != "http" or scope["path"] in self.OPEN or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        body = error_body(
-            401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key"
-        )
-        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-            scope, receive, send
-        )
+        msg = "invalid or missing API key (send Authorization: Bearer <key>)"
+        headers = {"WWW-Authenticate": "Bearer"}
+        response = error_response(scope["path"], 401, msg, code="invalid_api_key", headers=headers)
+        await response(scope, receive, send)
 
     def _authorized(self, scope: dict) -> bool:
-        value = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scheme, _, token = value.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)
 
 
 def chunk_logprobs(chunk: Any) -> list:
@@ -623,6 +628,104 @@ class _Server:
 
         return self._streaming(guarded())
 
+    # ---- /v1/messages (Anthropic) ----
+    async def messages(self, body: MessagesRequest, request: Request) -> Any:
+        """Anthropic's Messages API over the chat machinery (lumo/server/anthropic.py); any model name."""
+        chat = body.to_chat()
+        chat.check_supported()
+        by_id = chat.token_settings(self._vocab_size)
+        tok = self.llm.tokenizer
+        prompt = await asyncio.to_thread(render_prompt, tok, chat)
+        prompt_ids = await self._encode(prompt, "messages")
+        # Clients ask for a fixed max_tokens (Claude Code: 32000) whatever the context: what fits, not a 400
+        room = self._budget(len(prompt_ids), None, None, "messages")
+        max_tokens = min(body.max_tokens, room)
+        structured = await self._structured(chat)
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+        parser = ChatOutputParser(
+            in_reasoning=opens_reasoning(prompt), parse_tools=chat.parse_tools, tools=tools
+        )
+        build = MessageBuilder(self.served_name)
+        ticket = self.worker.admit()  # a 503 now, or a place held for the job
+
+        def submit() -> Job:
+            sampling = {**chat.sampling(0), **by_id, "structured_outputs": structured}
+            return self._submit(prompt_ids, max_tokens, sampling, ticket)
+
+        def ending(job: Job, n_gen: int, reason: str | None, why: Any) -> tuple[dict, str, str | None]:
+            stop, sequence = anthropic_stop_reason(reason, why, parser.n_tool_calls)
+            return anthropic_usage(len(prompt_ids), n_gen, job.cached_tokens), stop, sequence
+
+        if not body.stream:
+            job = submit()
+            parts, n_gen, reason, why = [], 0, None, None
+            async for chunk in self._collected(job, request):
+                parts.append(chunk.text)
+                n_gen += len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
+            parsed = parser.feed("".join(parts))
+            parsed.extend(parser.finish())
+            build.feed(parsed)
+            build.finish()
+            return build.message(*ending(job, n_gen, reason, why))
+
+        jobs: list[Job] = []
+
+        async def events() -> AsyncIterator[str]:
+            jobs.append(submit())  # queued once the stream runs: a client gone before leaves nothing
+            n_gen, reason, why, started = 0, None, None, False
+            async for chunk in jobs[0].events():
+                if not started:  # after the prefill: the cached prompt tokens are known
+                    start = build.message(anthropic_usage(len(prompt_ids), 0, jobs[0].cached_tokens))
+                    yield _event({"type": "message_start", "message": start})
+                    started = True
+                n_gen += len(chunk.token_ids)
+                reason = chunk.finish_reason or reason
+                why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
+                d = parser.feed(chunk.text)
+                if chunk.finish_reason is not None:
+                    d.extend(parser.finish())
+                for e in build.feed(d):
+                    yield _event(e)
+            if not started:
+                yield _event(
+                    {
+                        "type": "message_start",
+                        "message": build.message(anthropic_usage(len(prompt_ids), 0, 0)),
+                    }
+                )
+            if reason is None:
+                for e in build.feed(parser.finish()):
+                    yield _event(e)
+            for e in build.finish():
+                yield _event(e)
+            use, stop, sequence = ending(jobs[0], n_gen, reason, why)
+            delta = {"stop_reason": stop, "stop_sequence": sequence}
+            yield _event({"type": "message_delta", "delta": delta, "usage": use})
+            yield _event({"type": "message_stop"})
+
+        async def guarded() -> AsyncIterator[str]:
+            """An engine error ends the stream with the API's `error` event."""
+            try:
+                async for e in events():
+                    yield e
+            except Exception as exc:
+                err = _engine_error(exc)
+                yield _event(anthropic_error(err.status, err.message)[0])
+            finally:
+                for job in jobs:
+                    job.cancel()
+
+        return self._streaming(guarded())
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
+        """The prompt's length in tokens as /v1/messages would render it."""
+        chat = body.to_chat(max_tokens=1)
+        chat.check_supported()
+        prompt = await asyncio.to_thread(render_prompt, self.llm.tokenizer, chat)
+        return {"input_tokens": len(await self._encode(prompt, "messages"))}
+
     async def _stream_chat(
         self,
         start: Callable[[int], tuple[Job, ChatOutputParser]],
@@ -736,6 +839,8 @@ def create_app(
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/responses", server.responses, methods=["POST"])
+    app.add_api_route("/v1/messages", server.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app

@@ -40,6 +40,40 @@ def error_body(
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
+# Anthropic's Messages API (lumo/server/anthropic.py) has its own error shape and types
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def is_messages_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(status: int, message: str) -> tuple[dict[str, Any], int]:
+    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` and the status (its
+    validation errors are 400s, not 422s)."""
+    kind = _ANTHROPIC_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}, 400 if status == 422 else status
+
+
+def error_response(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None, **kw: Any
+) -> JSONResponse:
+    """An error in the shape of the API `path` belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
+    if is_messages_path(path):
+        body, status = anthropic_error(status, message)
+        return JSONResponse(body, status_code=status, **kw)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, **kw)
+
+
 # pydantic's names of a union's members in an error's location (`stop.str`, `tool_choice.literal[...]`,
 # `content.list[...]`, a model's class name): not the request's fields
 _TYPE_NAMES = {"str", "int", "float", "bool", "none", "bytes", "list", "dict", "any"}
@@ -60,12 +94,14 @@ def loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def _validation_error(exc: RequestValidationError, content_type: str = "application/json") -> JSONResponse:
+def _validation_error(
+    exc: RequestValidationError, content_type: str = "application/json", path: str = ""
+) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return JSONResponse(error_body(400, f"malformed JSON body: {detail}".rstrip(": ")), status_code=400)
+        return error_response(path, 400, f"malformed JSON body: {detail}".rstrip(": "))
     param = loc_to_param(tuple(first.get("loc", ())))
     if param is None:
         msg = "the request body must be a JSON object"
@@ -78,22 +114,22 @@ def _validation_error(exc: RequestValidationError, content_type: str = "applicat
             msg += f" (got {bad!r})"
     if len(errors) > 1:
         msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return JSONResponse(error_body(422, msg, param, "invalid_value"), status_code=422)
+    return error_response(path, 422, msg, param, "invalid_value")
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc, request.headers.get("content-type", ""))
+        return _validation_error(exc, request.headers.get("content-type", ""), request.url.path)
 
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request.url.path, exc.status_code, str(exc.detail))
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        return error_response(request.url.path, 500, f"internal error: {type(exc).__name__}: {exc}")
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)

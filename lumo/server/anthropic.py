@@ -1,0 +1,291 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) over the chat machinery, for
+clients built on it: Claude Code with ANTHROPIC_BASE_URL, the anthropic SDK.
+
+The request's `system` and `messages` become chat messages that the model's own template renders: a
+message's text blocks joined, an assistant's `tool_use` blocks its tool calls and its `thinking` block its
+reasoning, a user's `tool_result` blocks tool messages (before the user's text, as the API orders them).
+`tools` (name, description, input_schema) are the chat's function tools, `tool_choice` auto / any / tool /
+none the chat's auto / required / a named function / none. The output parser's reasoning, text and tool
+calls become `thinking`, `text` and `tool_use` content blocks; streamed, each block is opened
+(content_block_start), filled (content_block_delta: text_delta, thinking_delta, input_json_delta) and
+closed (content_block_stop) in turn between message_start and message_stop, and stop_reason tells why the
+message ended: end_turn, max_tokens, stop_sequence (with the string) or tool_use.
+
+lumo serves one model: any `model` name is answered by it (Claude Code asks for its own model names).
+Errors have the API's shape, `{"type": "error", "error": {"type", "message"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+
+from .errors import APIError, loc_to_param
+from .protocol import ChatCompletionRequest
+from .toolparse import ParsedDelta
+
+
+class MessagesRequest(BaseModel):
+    """The fields lumo honours; the API's others (metadata, service_tier, container, mcp_servers, ...) are
+    accepted and ignored. `cache_control` marks are ignored too: lumo's prefix cache needs none."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: StrictInt = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: StrictBool | None = False
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """`system` and `messages` as chat messages (a 400 naming the block for what lumo cannot take)."""
+        out = [] if self.system is None else [{"role": "system", "content": _text(self.system, "system")}]
+        for i, m in enumerate(self.messages):
+            out += _chat_message(m, f"messages[{i}]")
+        if len(out) == (self.system is not None):
+            raise APIError(400, "messages must not be empty", "messages")
+        return out
+
+    def to_chat(self, max_tokens: int | None = None) -> ChatCompletionRequest:
+        """The equivalent chat request; max_tokens: a value to use instead of the request's (count_tokens
+        sends none)."""
+        tools = [_chat_tool(i, t) for i, t in enumerate(self.tools or [])]
+        choice, parallel = _chat_tool_choice(self.tool_choice)
+        thinking = (self.thinking or {}).get("type")
+        if thinking not in (None, "enabled", "disabled", "adaptive"):
+            raise APIError(
+                400, f"thinking.type {thinking!r} is not enabled, disabled or adaptive", "thinking"
+            )
+        messages = self.chat_messages()
+        prefilled = messages[-1]["role"] == "assistant"  # the API's prefill: the reply continues it
+        body = {
+            "messages": messages,
+            "continue_final_message": prefilled or None,
+            "add_generation_prompt": False if prefilled else None,
+            "tools": tools or None,
+            "tool_choice": choice if tools else None,
+            "parallel_tool_calls": parallel,
+            "max_tokens": max_tokens if max_tokens is not None else self.max_tokens,
+            "stop": self.stop_sequences or None,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k or None,  # 0: the API's "off"
+            # Qwen's templates switch thinking with this; others ignore it
+            "chat_template_kwargs": {"enable_thinking": False} if thinking == "disabled" else None,
+        }
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            err = e.errors()[0]
+            param = loc_to_param(tuple(err["loc"])) or "messages"
+            raise APIError(400, f"{param}: {err['msg']}", param) from None
+
+
+class CountTokensRequest(MessagesRequest):
+    """/v1/messages/count_tokens: a Messages request without max_tokens."""
+
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or text blocks joined (any other block: a 400)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of content blocks", where)
+    parts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise APIError(
+                400, f"{where}[{j}]: content block type {kind!r} is not supported here (text)", where
+            )
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
+    """One message as chat messages: an assistant's text, reasoning and tool calls in one; a user's tool
+    results as tool messages, then its text (if any) as a user message."""
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        role = m.get("role") if isinstance(m, dict) else None
+        raise APIError(400, f"{where}.role {role!r} is not user or assistant", where)
+    content = m.get("content")
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content blocks", where)
+    text, reasoning, calls, results = [], [], [], []
+    for j, b in enumerate(blocks):
+        at = f"{where}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text" and isinstance(b.get("text"), str):
+            text.append(b["text"])
+        elif kind == "thinking" and m["role"] == "assistant" and isinstance(b.get("thinking"), str):
+            reasoning.append(b["thinking"])
+        elif kind == "redacted_thinking" and m["role"] == "assistant":
+            pass  # encrypted: nothing lumo can show the model
+        elif kind == "tool_use" and m["role"] == "assistant":
+            if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
+                raise APIError(400, f"{at}: a tool_use block needs a name and an input object", at)
+            args = json.dumps(b.get("input", {}), ensure_ascii=False)
+            calls.append(
+                {"id": b.get("id"), "type": "function", "function": {"name": b["name"], "arguments": args}}
+            )
+        elif kind == "tool_result" and m["role"] == "user":
+            out = b.get("content", "")
+            result = _text(out, f"{at}.content")
+            if b.get("is_error") is True:
+                result = f"Error: {result}"
+            results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": result})
+        else:
+            raise APIError(
+                400, f"{at}: content block type {kind!r} is not supported in a {m['role']} message", at
+            )
+    if m["role"] == "user":
+        return results + ([{"role": "user", "content": "".join(text)}] if text or not results else [])
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+    if reasoning:
+        msg["reasoning_content"] = "".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    return [msg]
+
+
+def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
+    """A client tool (name, description, input_schema) as a chat function tool; server tools (web search,
+    code execution, ...) run on Anthropic's side: a 400."""
+    where = f"tools[{i}]"
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "custom") != "custom"
+        or not isinstance(tool.get("name"), str)
+    ):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise APIError(
+            400, f"{where}: tool type {kind!r} is not supported (client tools with a name only)", where
+        )
+    schema = tool.get("input_schema", {"type": "object"})
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where}.input_schema must be a JSON schema object", where)
+    fn = {"name": tool["name"], "parameters": schema}
+    if isinstance(tool.get("description"), str):
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
+    """(the chat's tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") is True else None
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise APIError(400, f"tool_choice {choice!r} is not auto, any, tool (with a name) or none", "tool_choice")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(
+    engine_reason: str | None, stop: str | int | None, n_tool_calls: int
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) from the engine's finish and stop reasons."""
+    if n_tool_calls:
+        return "tool_use", None
+    if engine_reason == "length":
+        return "max_tokens", None
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    return "end_turn", None
+
+
+def usage(n_prompt: int, n_gen: int, cached: int) -> dict[str, int]:
+    """The API's usage: input_tokens are the prompt tokens not read from the (prefix) cache."""
+    return {
+        "input_tokens": n_prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": n_gen,
+    }
+
+
+class MessageBuilder:
+    """A message's content blocks from the chat parser's deltas, in order, and the streamed events that
+    open, fill and close them: `feed(delta)` and `finish()` (closes the last block) return the events."""
+
+    def __init__(self, model: str) -> None:
+        self.id, self.model = new_id("msg"), model
+        self.blocks: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the block being filled: always the last one
+        self._args = ""  # the open tool_use block's arguments (JSON text) so far
+
+    def message(self, usage: dict[str, int], reason: str | None = None, stop: str | None = None) -> dict:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": json.loads(json.dumps(self.blocks)),
+            "stop_reason": reason,
+            "stop_sequence": stop,
+            "usage": usage,
+        }
+
+    def feed(self, d: ParsedDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for kind, value in d.parts:
+            if kind != "tool":
+                events += self._text("thinking" if kind == "reasoning" else "text", value)
+                continue
+            if value.id is not None:  # a new call: its own block
+                events += self._close()
+                events += self._add({"type": "tool_use", "id": value.id, "name": value.name, "input": {}})
+            if value.arguments:
+                self._args += value.arguments
+                events.append(self._delta({"type": "input_json_delta", "partial_json": value.arguments}))
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self._close()
+
+    def _add(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        self.blocks.append(block)
+        self.open = block
+        start = json.loads(json.dumps(block))
+        return [{"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": start}]
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta}
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._close()
+            events += self._add({"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
+        self.open[kind] += text
+        events.append(self._delta({"type": f"{kind}_delta", kind: text}))
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        if self.open["type"] == "tool_use":
+            self.open["input"] = json.loads(self._args) if self._args.strip() else {}
+            self._args = ""
+        self.open = None
+        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]

@@ -1,0 +1,287 @@
+"""Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens) through the official `anthropic` SDK:
+the request becomes the chat request a client of /v1/chat/completions would send, the output its content
+blocks, streamed or not, and errors have the API's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
+pytest.importorskip("anthropic")
+
+import json
+
+import anthropic
+import httpx
+from anthropic.types import Message, RawMessageStreamEvent
+from pydantic import TypeAdapter
+
+from lumo.server.testing import ScriptedLLM, serve_in_thread
+
+TOOL = {
+    "name": "get_weather",
+    "description": "weather for a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+    },
+}
+XML_CALL = (
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+)
+OUTPUT = "<think>\nNeed weather.\n</think>\n\nChecking." + XML_CALL
+EVENT = TypeAdapter(RawMessageStreamEvent)
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, OUTPUT)
+    with serve_in_thread(llm, api_key="sk-ant") as url:
+        yield llm, url, anthropic.Anthropic(base_url=url, api_key="sk-ant", max_retries=0, timeout=30)
+
+
+def raw_events(url: str, body: dict) -> list[dict]:
+    """A stream's events as sent: each SSE `event:` name is its data's type, each validates as the SDK's."""
+    events = []
+    with httpx.stream(
+        "POST", url + "/v1/messages", json=body, headers={"x-api-key": "sk-ant"}, timeout=30
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert data["type"] == name
+                if name != "error":
+                    EVENT.validate_python(data)
+                events.append(data)
+    return events
+
+
+def test_blocks_streamed_and_not(scripted):
+    """thinking, text, tool_use blocks with stop_reason tool_use; the stream's blocks open, fill and close
+    in order and add up to the non-streamed message."""
+    llm, url, client = scripted
+    ask = dict(model="claude-sonnet-4-5", max_tokens=200, messages=[{"role": "user", "content": "Weather?"}])
+    m = client.messages.create(**ask, tools=[TOOL])
+    assert m.model == "scripted" and m.role == "assistant" and m.stop_reason == "tool_use"
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
+    assert m.content[0].thinking.strip() == "Need weather." and m.content[1].text == "Checking."
+    call = m.content[2]
+    assert call.name == "get_weather" and call.input == {"city": "New York", "days": 3} and call.id
+    assert m.usage.input_tokens == len(llm.prompts[-1]) and m.usage.cache_read_input_tokens == 0
+    assert m.usage.output_tokens > 0
+
+    events = raw_events(url, {**ask, "tools": [TOOL], "stream": True})
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    blocks: list[dict] = []
+    for e in events[1:-2]:  # start, deltas, stop for each block, in index order, one open at a time
+        if e["type"] == "content_block_start":
+            assert e["index"] == len(blocks)
+            blocks.append({**e["content_block"], "json": ""})
+        else:
+            assert e["index"] == len(blocks) - 1
+        if e["type"] == "content_block_delta":
+            d, b = e["delta"], blocks[-1]
+            key = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "json"}[d["type"]]
+            b[key] += d["partial_json" if key == "json" else key]
+    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    assert blocks[1]["text"] == "Checking." and json.loads(blocks[2]["json"]) == call.input
+
+    with client.messages.stream(**ask, tools=[TOOL]) as s:
+        final = s.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[2].input == call.input and final.stop_reason == "tool_use"
+
+
+def test_conversation_renders_as_the_chat_request(scripted):
+    """system, thinking, tool_use, tool_result (an error one too), a user's text after its results, a
+    disabled thinking: the engine's prompt is the one the equivalent /v1/chat/completions request gives."""
+    llm, url, client = scripted
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Oslo?"}],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "R1", "signature": "sig"},
+                {"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Bergen"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 C"},
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_2",
+                    "content": [{"type": "text", "text": "no station"}],
+                    "is_error": True,
+                },
+                {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}},
+            ],
+        },
+    ]
+    system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
+    client.messages.create(
+        model="any",
+        max_tokens=50,
+        system=system,
+        messages=messages,
+        tools=[TOOL],
+        thinking={"type": "disabled"},
+    )
+    call = lambda i, city: {  # noqa: E731
+        "id": f"toolu_{i}",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+    }
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "reasoning_content": "R1",
+            "tool_calls": [call(1, "Oslo"), call(2, "Bergen")],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: no station"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    tools = [{"type": "function", "function": {"name": TOOL["name"], "description": TOOL["description"],
+                                               "parameters": TOOL["input_schema"]}}]  # fmt: skip
+    body = {
+        "messages": chat,
+        "tools": tools,
+        "max_tokens": 50,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    r = httpx.post(
+        url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-ant"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    assert llm.prompts[-2] == llm.prompts[-1]
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert prompt.index("Oslo?") < prompt.index("R1") < prompt.index("sunny") < prompt.index("And tomorrow?")
+    # count_tokens: that prompt's length
+    n = client.messages.count_tokens(model="any", system=system, messages=messages, tools=[TOOL],
+                                     thinking={"type": "disabled"})  # fmt: skip
+    assert n.input_tokens == len(llm.prompts[-1])
+
+
+def test_prefilled_assistant_turn_is_continued(scripted):
+    llm, url, client = scripted
+    messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am"}]
+    client.messages.create(model="x", max_tokens=5, messages=messages)
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert prompt.endswith("Hi, I am")
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"max_tokens": None}, "max_tokens"),
+        ({"messages": []}, "messages must not be empty"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "not user or assistant"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "'image' is not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "a", "input": {}}]}]},
+            "user message",
+        ),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tool type"),
+        ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"temperature": 1.5}, "temperature"),
+        ({"system": [{"type": "image"}]}, "system"),
+    ],
+)
+def test_bad_requests_are_anthropic_shaped_400s(scripted, change, words):
+    _, url, _ = scripted
+    body = {"model": "x", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}], **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(url + "/v1/messages", json=body, headers={"x-api-key": "sk-ant"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    assert words in err["error"]["message"], err
+
+
+def test_key_and_errors_through_the_sdk(scripted):
+    _, url, client = scripted
+    bad = anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        bad.messages.create(model="x", max_tokens=5, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+        client.messages.create(
+            model="x", max_tokens=5, messages=[{"role": "user", "content": [{"type": "document"}]}]
+        )
+    r = httpx.post(url + "/v1/messages", content=b"{not json", headers={"x-api-key": "sk-ant"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_failure_mid_stream_is_an_error_event(tmp_path):
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, OUTPUT, fail_after=4)
+    with serve_in_thread(llm, api_key="sk-ant") as url:
+        body = {
+            "model": "x",
+            "max_tokens": 50,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        }
+        events = raw_events(url, body)
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "error"
+    assert events[-1]["error"]["type"] == "api_error" and "scripted failure" in events[-1]["error"]["message"]
+
+
+@pytest.mark.skipif(
+    not __import__("lumo.engine.llm").engine.llm.embedded_model_path().exists(), reason="no model"
+)
+def test_stop_reasons_with_the_embedded_model():
+    """end_turn / max_tokens / stop_sequence (the string that matched), and the text the engine gives."""
+    from lumo.engine.llm import LLM
+
+    llm = LLM(device="cpu", spec="off")
+    with serve_in_thread(llm) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+        ask = dict(
+            model="x",
+            messages=[{"role": "user", "content": "Write a Python function."}],
+            extra_body={
+                "temperature": 0.0
+            },  # the SDK (2.x) has no temperature argument; older clients send it
+        )
+        long = client.messages.create(**ask, max_tokens=40)
+        text = long.content[-1].text
+        assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 40
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        assert stop.strip() and stop not in text[: len(text) // 2]
+        m = client.messages.create(**ask, max_tokens=40, stop_sequences=["@@never@@", stop])
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+        assert m.content[-1].text == text[: text.index(stop)]
+        # a prompt past the CPU's 512-token snapshot grid, twice: the second reads its prefix up to the last
+        # grid point before its end from the prefix cache, reported as Anthropic's cache reads
+        code = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(80))
+        long_ask = {**ask, "messages": [{"role": "user", "content": code}]}
+        first = client.messages.create(**long_ask, max_tokens=1).usage
+        u = client.messages.create(**long_ask, max_tokens=1).usage
+        assert first.input_tokens > 512 and u.cache_read_input_tokens == (first.input_tokens - 1) // 512 * 512
+        assert (
+            u.input_tokens + u.cache_read_input_tokens == first.input_tokens + first.cache_read_input_tokens
+        )
+        again = client.messages.create(**ask, max_tokens=1)
+        assert Message.model_validate(again.model_dump()).stop_reason in ("max_tokens", "end_turn")
