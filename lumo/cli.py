@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from .config import DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
 
@@ -113,7 +114,10 @@ def _origins(text: str) -> tuple[str, ...]:
 
 
 def _port(text: str) -> int:
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port {text!r} is not a whole number") from None
     if not 0 < port < 65536:
         raise argparse.ArgumentTypeError(f"port {port} is outside 1..65535")
     return port
@@ -130,8 +134,16 @@ def _bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=VALUE (e.g. 13=-100), got {text!r}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with lumo's one-line errors (argparse prints the whole usage first): `lumo serve: error:
+    ...`, a pointer to --help, exit code 2. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lumo", description=__doc__)
+    parser = _Parser(prog="lumo", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
@@ -175,8 +187,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=None,
-        help="answer only requests with `Authorization: Bearer KEY` (/health and /metrics stay open); "
-        "default: $LUMO_API_KEY, else no key",
+        help="answer only requests with `Authorization: Bearer KEY` or `x-api-key: KEY` (/health and "
+        "/metrics stay open); default: $LUMO_API_KEY, else no key",
     )
     s.add_argument(
         "--allowed-origins",
@@ -315,6 +327,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
 
+    if args.max_queue < 1:  # before minutes of loading weights
+        raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     key = args.api_key if args.api_key is not None else os.environ.get("LUMO_API_KEY")
     if key is not None and not key.strip():
         raise ValueError("the API key is empty (--api-key or LUMO_API_KEY)")

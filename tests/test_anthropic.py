@@ -82,6 +82,8 @@ def test_blocks_streamed_and_not(scripted):
     assert events[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
     blocks: list[dict] = []
     for e in events[1:-2]:  # start, deltas, stop for each block, in index order, one open at a time
+        if e["type"] == "ping":
+            continue
         if e["type"] == "content_block_start":
             assert e["index"] == len(blocks)
             blocks.append({**e["content_block"], "json": ""})
@@ -89,9 +91,14 @@ def test_blocks_streamed_and_not(scripted):
             assert e["index"] == len(blocks) - 1
         if e["type"] == "content_block_delta":
             d, b = e["delta"], blocks[-1]
+            if d["type"] == "signature_delta":  # a thinking block's last delta
+                assert b["type"] == "thinking" and "signed" not in b
+                b["signed"] = True
+                continue
+            assert "signed" not in b
             key = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "json"}[d["type"]]
             b[key] += d["partial_json" if key == "json" else key]
-    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"] and blocks[0]["signed"]
     assert blocks[1]["text"] == "Checking." and json.loads(blocks[2]["json"]) == call.input
 
     with client.messages.stream(**ask, tools=[TOOL]) as s:
@@ -148,7 +155,7 @@ def test_conversation_renders_as_the_chat_request(scripted):
     }
     chat = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "user", "content": "Weather in \nOslo?"},  # text blocks stay apart
         {
             "role": "assistant",
             "content": "Let me check.",
@@ -180,6 +187,67 @@ def test_conversation_renders_as_the_chat_request(scripted):
     assert n.input_tokens == len(llm.prompts[-1])
 
 
+def test_cut_tool_calls_and_context_limits(tmp_path):
+    """A tool call that max_tokens cut short is max_tokens (not tool_use: no call to run), one the context
+    cut is model_context_window_exceeded; a prompt the context cannot hold is the API's "prompt is too
+    long"."""
+    out = "Checking." + XML_CALL
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, out, chunk=len(out) - 8)  # two chunks, cut in the call
+    llm.generate_stream = _cut(llm.generate_stream)
+    llm.max_model_len = 2000
+    with serve_in_thread(llm) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=30)
+        ask = dict(model="x", messages=[{"role": "user", "content": "Weather?"}], tools=[TOOL])
+        m = client.messages.create(**ask, max_tokens=5)
+        # the incomplete call is there, as the API sends it, but stop_reason says not to run it
+        assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["text", "tool_use"]
+        m = client.messages.create(**ask, max_tokens=32000)  # more than the context holds: cut, not refused
+        assert m.stop_reason == "model_context_window_exceeded"
+        with pytest.raises(anthropic.BadRequestError, match="prompt is too long: .* tokens > 1999 maximum"):
+            client.messages.create(
+                model="x", max_tokens=5, messages=[{"role": "user", "content": "hi " * 3000}]
+            )
+
+
+def _cut(generate_stream):
+    """The scripted engine's stream with its last chunk ending on the length limit (as max_tokens does)."""
+
+    def stream(prompt, max_tokens=256, **kw):
+        chunks = list(generate_stream(prompt, max_tokens, **kw))
+        chunks[-1].finish_reason = "length"
+        yield from chunks[:-1]
+        yield type(chunks[-1])(chunks[-1].text[:-20], chunks[-1].token_ids, "length")
+
+    return stream
+
+
+def test_thinking_follows_the_api(scripted):
+    """No `thinking` is no extended thinking (the template's enable_thinking false), as in the API."""
+    _, _, client = scripted
+    ask = dict(model="x", messages=[{"role": "user", "content": "hi"}])
+    absent = client.messages.count_tokens(**ask).input_tokens
+    off = client.messages.count_tokens(**ask, thinking={"type": "disabled"}).input_tokens
+    on = client.messages.count_tokens(**ask, thinking={"type": "enabled", "budget_tokens": 2000}).input_tokens
+    assert absent == off != on
+
+
+def test_pings_while_waiting():
+    import asyncio
+
+    from lumo.server.app import _with_pings
+
+    async def slow():
+        await asyncio.sleep(0.25)
+        yield 1
+        yield 2
+
+    async def run() -> list:
+        return [x async for x in _with_pings(slow(), 0.1)]
+
+    got = asyncio.run(run())
+    assert got[-2:] == [1, 2] and got[:-2] == [None] * len(got[:-2]) and len(got) >= 4
+
+
 def test_prefilled_assistant_turn_is_continued(scripted):
     llm, url, client = scripted
     messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi, I am"}]
@@ -205,6 +273,7 @@ def test_prefilled_assistant_turn_is_continued(scripted):
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tool type"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice"),
         ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"tool_choice": {"type": "any"}}, "non-empty tools"),
         ({"temperature": 1.5}, "temperature"),
         ({"system": [{"type": "image"}]}, "system"),
     ],
@@ -268,8 +337,8 @@ def test_stop_reasons_with_the_embedded_model():
         long = client.messages.create(**ask, max_tokens=40)
         text = long.content[-1].text
         assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 40
-        stop = text[len(text) // 2 : len(text) // 2 + 3]
-        assert stop.strip() and stop not in text[: len(text) // 2]
+        k = next(k for k in range(len(text) // 2, len(text) - 3) if text[k : k + 3].strip())
+        stop = text[k : k + 3]  # the text ends before its first occurrence
         m = client.messages.create(**ask, max_tokens=40, stop_sequences=["@@never@@", stop])
         assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
         assert m.content[-1].text == text[: text.index(stop)]

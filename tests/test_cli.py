@@ -105,6 +105,7 @@ def test_generate_chat_stop_and_spec(tmp_path):
         (["generate", "--prompt", "x", "--chat-template", "/no/such.jinja"], "no such file"),
         (["generate", "--prompt", "x", "--chat-template", "{% if %}"], "does not compile"),
         (["serve", "--api-key", " "], "API key is empty"),
+        (["serve", "--max-queue", "0"], "--max-queue must be at least 1"),
     ],
 )
 def test_user_errors_are_one_line_exit_2(args, words):
@@ -204,9 +205,21 @@ def test_bad_settings_fail_at_start(tmp_path, args, words):
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
 
 
-def test_serve_rejects_a_bad_port():
-    r = lumo("serve", "--port", "70000")
-    assert r.returncode == 2 and "outside 1..65535" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["serve", "--port", "70000"], "outside 1..65535"),
+        (["serve", "--port", "8000.5"], "not a whole number"),
+        (["serve", "--max-queue", "abc"], "invalid int value"),
+        (["generate"], "--prompt"),
+        ([], "command"),
+    ],
+)
+def test_argument_errors_are_one_line(args, words):
+    """argparse's own errors too: one line naming the problem and --help, exit code 2, no usage dump."""
+    r = lumo(*args)
+    assert r.returncode == 2 and words in r.stderr and "--help" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.parametrize("origins, words", [("http://localhost:3000/", "not an origin"), (",", "no origin")])

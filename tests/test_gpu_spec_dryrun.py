@@ -860,3 +860,31 @@ def test_emulated_drafter_proposes_under_the_grammar(monkeypatch):
         runs.append((out[:48], sum(dec.stats.accepted) / dec.stats.events))
     (masked_out, masked_rate), (free_out, free_rate) = runs
     assert masked_out == free_out and masked_rate > 1.5 * free_rate, runs
+
+
+def test_prompts_at_the_end_of_the_context_speculate(monkeypatch):
+    """A prompt in the last positions of the context, asking for the few tokens left: the speculative
+    engine serves it (its runner holds the tree's slots past the context) with plain decoding's tokens. The
+    prefill once required room for two trees' worth of commits and refused these prompts."""
+    from lumo.engine.gpu_decode import GPUBackend
+    from lumo.engine.gpu_spec import SpecBackend
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    context = 48
+    backend = GPUBackend(cfg, gw, context, "cpu", use_graph=False)
+    spec = SpecBackend(backend, TreeConfig(depth=4, topk=3, budget=7, rows=8))
+    text = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 4)
+    params = SamplingParams(temperature=0.0)
+    for n in (context - 12, context - 5, context - 1):
+        new = context - n  # what LLM allows: the context's end
+        prompt = text[:n]
+        plain = backend.decoder(params, context)
+        want = plain.prefill(prompt)
+        while len(want) < new:
+            want += plain.step()
+        dec = spec.decoder(params, context)
+        got = dec.prefill(prompt)
+        while len(got) < new:
+            got += dec.step()
+        assert got[:new] == want[:new], n

@@ -74,12 +74,12 @@ BAD = [
     ("missing-prompt", COMP, {"max_tokens": 3}, 422, "prompt", ""),
     ("huge-max-tokens", CHAT, {"messages": USER, "max_tokens": 10**9}, 400, "max_tokens", "4096"),
     (
-        "huge-max-completion-tokens",
+        "huge-max-completion-tokens",  # the field the request used is named
         CHAT,
         {"messages": USER, "max_completion_tokens": 10**6},
         400,
-        "max_tokens",
-        "",
+        "max_completion_tokens",
+        "max_completion_tokens 1000000 + prompt",
     ),
     ("empty-messages", CHAT, {"messages": []}, 400, "messages", "empty"),
     ("prompt-too-long", COMP, {"prompt": "hello world " * 3000}, 400, "prompt", "4096"),
@@ -207,6 +207,52 @@ BAD = [
         "chat_template_kwargs",
         "may not set messages",
     ),
+    ("beam-search", CHAT, {"messages": USER, "use_beam_search": True}, 400, "use_beam_search", "beam"),
+    ("prompt-logprobs", COMP, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "echo"),
+    ("truncate", CHAT, {"messages": USER, "truncate_prompt_tokens": 5}, 400, "truncate_prompt_tokens", ""),
+    (
+        "token-ids",
+        COMP,
+        {"prompt": "x", "return_tokens_as_token_ids": True},
+        400,
+        "return_tokens_as_token_ids",
+        "",
+    ),
+    ("chat-best-of", CHAT, {"messages": USER, "best_of": 3}, 400, "best_of", "only 1"),
+    ("functions", CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "use tools"),
+    ("function-call", CHAT, {"messages": USER, "function_call": "auto"}, 400, "function_call", "use tools"),
+    (
+        "stream-options-no-stream",
+        CHAT,
+        {"messages": USER, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        "stream: true",
+    ),  # fmt: skip
+    (
+        "continuous-usage",
+        COMP,
+        {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        400,
+        "stream_options",
+        "continuous_usage_stats",
+    ),  # fmt: skip
+    (
+        "text-part-without-text",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+        400,
+        "messages[0].content[0]",
+        "needs `text`",
+    ),  # fmt: skip
+    (
+        "responses-output-tokens",
+        "/v1/responses",
+        {"input": "hi", "max_output_tokens": 10**6},
+        400,
+        "max_output_tokens",
+        "max_output_tokens 1000000 + prompt",
+    ),  # fmt: skip
     (
         "template-raises",
         CHAT,
@@ -339,13 +385,101 @@ class _QueueFiller(ScriptedLLM):
 
     def generate_stream(self, prompt, max_tokens=256, **kw):
         chunks = list(super().generate_stream(prompt, max_tokens, **kw))
+        if prompt == [1]:  # a filler itself
+            yield from chunks
+            return
         yield from chunks[:-1]
         while self.worker.queue_length() < self.worker.max_queue:
-            other = Job([1], 1, {}, self.loop)
-            other.cancel()  # skipped by the worker when its turn comes
-            self.worker.submit(other, self.worker.admit())
+            # (not cancelled: a cancelled job leaves the queue, its place free at once)
+            self.worker.submit(Job([1], 1, {}, self.loop), self.worker.admit())
             self.filled += 1
         yield chunks[-1]
+
+
+def test_clients_that_leave_the_queue_free_their_places(server):
+    """Queued requests whose clients hang up (streamed or not) leave the queue at once: with --max-queue 1
+    and a long request running, a new request is admitted, not refused with a 503 by the ghosts."""
+    long = {"prompt": "x", "max_tokens": 4000, "temperature": 0, "stream": True}
+
+    async def scenario() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+
+            async def stream(started: asyncio.Event | None = None) -> None:
+                async with c.stream("POST", COMP, json=long) as r:
+                    async for line in r.aiter_lines():
+                        if started is not None and line.startswith("data: "):
+                            started.set()
+
+            running = asyncio.Event()
+            first = asyncio.create_task(stream(running))
+            await asyncio.wait_for(running.wait(), 30)
+            cancelled0 = await _ametric(c, "lumo_requests_cancelled_total")
+            for ghost in (stream(), c.post(COMP, json={"prompt": "y", "max_tokens": 50})):
+                task = asyncio.create_task(ghost)
+                while await _ametric(c, "lumo_num_requests_waiting") < 1:
+                    await asyncio.sleep(0.01)
+                task.cancel()  # the client hangs up while its request waits
+                await asyncio.gather(task, return_exceptions=True)
+                deadline = time.monotonic() + 5
+                while await _ametric(c, "lumo_num_requests_waiting") > 0:
+                    assert time.monotonic() < deadline, "the abandoned request still holds its place"
+                    await asyncio.sleep(0.05)
+            admitted = asyncio.create_task(c.post(COMP, json={"prompt": "y", "max_tokens": 2}))
+            await asyncio.sleep(1.0)
+            assert not admitted.done(), admitted.result().text  # waiting behind the long one, not a 503
+            # counted when dropped (by the admission that needed their places at the latest)
+            assert await _ametric(c, "lumo_requests_cancelled_total") == cancelled0 + 2
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            return await admitted
+
+    r = asyncio.run(scenario())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_shutdown_answers_the_requests_in_flight(tmp_path):
+    """SIGTERM with a stream running and a request waiting: the stream ends with an error event and
+    [DONE], the waiting request gets a JSON 503, the server exits at once without tracebacks."""
+    import signal
+    import threading
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4, mtp_num_hidden_layers=0)
+    gen_cfg = json.loads((ckpt / "generation_config.json").read_text())
+    gen_cfg["eos_token_id"] = [10**6]  # every generation runs to max_tokens
+    (ckpt / "generation_config.json").write_text(json.dumps(gen_cfg))
+    with serve_subprocess(ckpt, "--device", "cpu", env={"OMP_NUM_THREADS": "1"}) as s:
+        got: dict[str, Any] = {}
+
+        def stream() -> None:
+            body = {"prompt": "x", "max_tokens": 4000, "stream": True}
+            with httpx.stream("POST", s.url + COMP, json=body, timeout=60) as r:
+                got["lines"] = [line for line in r.iter_lines() if line]
+
+        def waiting() -> None:
+            got["waiting"] = httpx.post(s.url + COMP, json={"prompt": "y", "max_tokens": 5}, timeout=60)
+
+        threads = [threading.Thread(target=stream)]
+        threads[0].start()
+        deadline = time.monotonic() + 30
+        while _metric(s.url, "lumo_num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        threads.append(threading.Thread(target=waiting))
+        threads[1].start()
+        while _metric(s.url, "lumo_num_requests_waiting") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=20)
+        s.proc.wait(timeout=20)
+        assert time.monotonic() - t0 < 4  # not uvicorn's 5 s graceful timeout running out
+        assert got["lines"][-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(got["lines"][-2][6:])["error"]["message"]
+        assert "shutting down" in _check_error(got["waiting"], 503)["message"]
+        log = s.log()
+        assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log
 
 
 def test_seeds_at_the_int64_ends(server):

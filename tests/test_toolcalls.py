@@ -330,6 +330,25 @@ def test_http_tool_calls_streamed_and_not(scripted):
     assert "tool_calls" not in r["choices"][0]["message"]
 
 
+def test_include_reasoning_false_leaves_reasoning_out(scripted):
+    """vLLM's include_reasoning: false: the reasoning is parsed (the content and calls are the same) but not
+    returned, streamed or not."""
+    _, url = scripted
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "include_reasoning": False}
+    full = httpx.post(
+        url + "/v1/chat/completions", json={**body, "include_reasoning": True}, timeout=10
+    ).json()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).json()
+    msg, with_reasoning = r["choices"][0]["message"], full["choices"][0]["message"]
+    assert "reasoning_content" not in msg and with_reasoning["reasoning_content"] == "\nNeed weather.\n"
+    assert msg["content"] == with_reasoning["content"] == "Checking."
+    assert [c["function"] for c in msg["tool_calls"]] == [c["function"] for c in with_reasoning["tool_calls"]]
+    text = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10).text
+    deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in text.split("\n\n") if x.startswith("data: {")]
+    assert not any("reasoning_content" in d for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking." and "get_weather" in text
+
+
 def test_logprobs_asked_of_an_engine_without_them(scripted):
     """An engine whose chunks carry no logprobs (this scripted one) answers logprobs requests with null /
     empty entries, never an error."""

@@ -294,7 +294,7 @@ class GPUSpecEngine:
         no prefix reuse), collected there."""
         r = self.runner
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.dev)
-        if ids.numel() + self.R + 2 * self.cap > r.max_len:
+        if ids.numel() + self.R > r.max_len:  # what the first event needs (event() checks each)
             raise ValueError(f"prompt of {ids.numel()} tokens leaves no room for a tree in {r.max_len}")
         # From a prefix snapshot (lumo.engine.prefix) the MTP's pairs resume with the hidden row of the
         # snapshot's last position, as the next chunk of an uncached prefill would.

@@ -60,6 +60,8 @@ class MessagesRequest(BaseModel):
         sends none)."""
         tools = [_chat_tool(i, t) for i, t in enumerate(self.tools or [])]
         choice, parallel = _chat_tool_choice(self.tool_choice)
+        if choice not in (None, "auto", "none") and not tools:
+            raise APIError(400, "tool_choice any / tool needs a non-empty tools list", "tool_choice")
         thinking = (self.thinking or {}).get("type")
         if thinking not in (None, "enabled", "disabled", "adaptive"):
             raise APIError(
@@ -79,8 +81,11 @@ class MessagesRequest(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k or None,  # 0: the API's "off"
-            # Qwen's templates switch thinking with this; others ignore it
-            "chat_template_kwargs": {"enable_thinking": False} if thinking == "disabled" else None,
+            # no `thinking` is no extended thinking, as in the API (Claude Code's short background calls);
+            # Qwen's templates switch it with this, others ignore it
+            "chat_template_kwargs": None
+            if thinking in ("enabled", "adaptive")
+            else {"enable_thinking": False},
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -110,7 +115,7 @@ def _text(content: Any, where: str) -> str:
                 400, f"{where}[{j}]: content block type {kind!r} is not supported here (text)", where
             )
         parts.append(block["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # blocks stay apart (Claude Code's reminders, then the prompt)
 
 
 def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
@@ -151,8 +156,8 @@ def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
                 400, f"{at}: content block type {kind!r} is not supported in a {m['role']} message", at
             )
     if m["role"] == "user":
-        return results + ([{"role": "user", "content": "".join(text)}] if text or not results else [])
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+        return results + ([{"role": "user", "content": "\n".join(text)}] if text or not results else [])
+    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(text) if text or not calls else None}
     if reasoning:
         msg["reasoning_content"] = "".join(reasoning)
     if calls:
@@ -202,13 +207,15 @@ def new_id(prefix: str) -> str:
 
 
 def stop_reason(
-    engine_reason: str | None, stop: str | int | None, n_tool_calls: int
+    engine_reason: str | None, stop: str | int | None, n_tool_calls: int, context_cut: bool = False
 ) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) from the engine's finish and stop reasons."""
+    """(stop_reason, stop_sequence) from the engine's finish and stop reasons. A length cut comes first: a
+    tool call it cut short is no call to run (the API says max_tokens then, and clients retry);
+    context_cut: the context's end, not the request's max_tokens, was the limit."""
+    if engine_reason in (None, "length"):
+        return ("model_context_window_exceeded" if context_cut else "max_tokens"), None
     if n_tool_calls:
         return "tool_use", None
-    if engine_reason == "length":
-        return "max_tokens", None
     if isinstance(stop, str):
         return "stop_sequence", stop
     return "end_turn", None
@@ -284,8 +291,12 @@ class MessageBuilder:
     def _close(self) -> list[dict[str, Any]]:
         if self.open is None:
             return []
+        events = []
         if self.open["type"] == "tool_use":
-            self.open["input"] = json.loads(self._args) if self._args.strip() else {}
+            args = json.loads(self._args) if self._args.strip() else {}
+            self.open["input"] = args if isinstance(args, dict) else {}  # the parser passes objects only
             self._args = ""
+        elif self.open["type"] == "thinking":  # the API signs a thinking block just before it closes
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
         self.open = None
-        return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
+        return [*events, {"type": "content_block_stop", "index": len(self.blocks) - 1}]

@@ -62,6 +62,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat
 # slack covers normalisation that merges characters, e.g. NFC composing combining marks).
 PROMPT_CHARS_SLACK = 4
 DISCONNECT_POLL_S = 0.2
+PING_S = 10.0  # an Anthropic stream's keep-alive while it waits for tokens
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -88,6 +89,28 @@ def _check_min_tokens(body: Any, budget: int) -> None:
     if body.min_tokens and body.min_tokens > budget:
         msg = f"min_tokens {body.min_tokens} exceeds the {budget} tokens this request may generate"
         raise APIError(400, msg, "min_tokens")
+
+
+async def _with_pings(items: AsyncIterator[Any], every: float) -> AsyncIterator[Any]:
+    """`items`, with a None after each `every` seconds in which none came."""
+    it = aiter(items)
+    nxt: asyncio.Future | None = None
+    try:
+        while True:
+            nxt = nxt or asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({nxt}, timeout=every)
+            if not done:
+                yield None
+                continue
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield item
+    finally:
+        if nxt is not None:
+            nxt.cancel()
 
 
 def _engine_error(exc: Exception) -> APIError:
@@ -132,13 +155,13 @@ class _RequireKey:
     OPEN = ("/health", "/metrics")  # probes and scrapers, as in vLLM
 
     def __init__(self, app: Any, key: str) -> None:
-        self.app, self._key = app, key.encode()
+        self.app, self._key = app, key.strip().encode()  # a key from an env file may end in a newline
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        msg = "invalid or missing API key (send Authorization: Bearer <key>)"
+        msg = "invalid or missing API key (send Authorization: Bearer <key>, or x-api-key: <key>)"
         headers = {"WWW-Authenticate": "Bearer"}
         response = error_response(scope["path"], 401, msg, code="invalid_api_key", headers=headers)
         await response(scope, receive, send)
@@ -301,7 +324,11 @@ class _Server:
                 "model_not_found",
             )
 
-    def _budget(self, n_prompt: int, max_tokens: int | None, default: int | None, param: str) -> int:
+    def _budget(
+        self, n_prompt: int, max_tokens: int | None, default: int | None, param: str, name: str = "max_tokens"
+    ) -> int:
+        """The tokens a request may generate: its `name` (max_tokens, or the API's own name for it), checked
+        to fit the context with the prompt, or what the context leaves."""
         limit = self.llm.max_model_len
         room = limit - n_prompt
         if room < 1:
@@ -311,10 +338,10 @@ class _Server:
             return room if default is None else min(default, room)
         if max_tokens > room:
             msg = (
-                f"max_tokens {max_tokens} + prompt {n_prompt} tokens = {max_tokens + n_prompt} exceeds this "
+                f"{name} {max_tokens} + prompt {n_prompt} tokens = {max_tokens + n_prompt} exceeds this "
                 f"model's context of {limit} tokens (at most {room} new tokens fit)"
             )
-            raise APIError(400, msg, "max_tokens", "context_length_exceeded")
+            raise APIError(400, msg, name, "context_length_exceeded")
         return max_tokens
 
     async def _encode(self, text: str, param: str) -> list[int]:
@@ -495,7 +522,8 @@ class _Server:
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, body)  # a long chat takes a while: off the loop
         prompt_ids = await self._encode(prompt, "messages")
-        max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages")
+        name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages", name)
         _check_min_tokens(body, max_tokens)
         structured = await self._structured(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -511,6 +539,7 @@ class _Server:
                 in_reasoning=opens_reasoning(prompt, continued),
                 parse_tools=body.parse_tools,
                 tools=tools,
+                reasoning=body.include_reasoning is not False,
             )
             return job, parser
 
@@ -551,7 +580,7 @@ class _Server:
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
         prompt_ids = await self._encode(prompt, "input")
         try:
-            max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input")
+            max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input", "max_output_tokens")
             structured = await self._structured(chat)
         except APIError as e:  # the chat field's name -> the Responses one
             e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
@@ -636,9 +665,9 @@ class _Server:
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
-        prompt_ids = await self._encode(prompt, "messages")
+        prompt_ids = await self._anthropic_prompt(prompt)
         # Clients ask for a fixed max_tokens (Claude Code: 32000) whatever the context: what fits, not a 400
-        room = self._budget(len(prompt_ids), None, None, "messages")
+        room = self.llm.max_model_len - len(prompt_ids)
         max_tokens = min(body.max_tokens, room)
         structured = await self._structured(chat)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
@@ -653,7 +682,8 @@ class _Server:
             return self._submit(prompt_ids, max_tokens, sampling, ticket)
 
         def ending(job: Job, n_gen: int, reason: str | None, why: Any) -> tuple[dict, str, str | None]:
-            stop, sequence = anthropic_stop_reason(reason, why, parser.n_tool_calls)
+            cut = body.max_tokens > room  # the context, not max_tokens, ended it
+            stop, sequence = anthropic_stop_reason(reason, why, parser.n_tool_calls, cut)
             return anthropic_usage(len(prompt_ids), n_gen, job.cached_tokens), stop, sequence
 
         if not body.stream:
@@ -673,13 +703,18 @@ class _Server:
         jobs: list[Job] = []
 
         async def events() -> AsyncIterator[str]:
+            # message_start at once (the cached prompt tokens, known after the prefill, come with
+            # message_delta's usage, which clients take over message_start's), then pings while the request
+            # waits in the queue or its prefill runs, as the API keeps a stream alive
+            yield _event(
+                {"type": "message_start", "message": build.message(anthropic_usage(len(prompt_ids), 0, 0))}
+            )
             jobs.append(submit())  # queued once the stream runs: a client gone before leaves nothing
-            n_gen, reason, why, started = 0, None, None, False
-            async for chunk in jobs[0].events():
-                if not started:  # after the prefill: the cached prompt tokens are known
-                    start = build.message(anthropic_usage(len(prompt_ids), 0, jobs[0].cached_tokens))
-                    yield _event({"type": "message_start", "message": start})
-                    started = True
+            n_gen, reason, why = 0, None, None
+            async for chunk in _with_pings(jobs[0].events(), PING_S):
+                if chunk is None:
+                    yield _event({"type": "ping"})
+                    continue
                 n_gen += len(chunk.token_ids)
                 reason = chunk.finish_reason or reason
                 why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
@@ -688,13 +723,6 @@ class _Server:
                     d.extend(parser.finish())
                 for e in build.feed(d):
                     yield _event(e)
-            if not started:
-                yield _event(
-                    {
-                        "type": "message_start",
-                        "message": build.message(anthropic_usage(len(prompt_ids), 0, 0)),
-                    }
-                )
             if reason is None:
                 for e in build.feed(parser.finish()):
                     yield _event(e)
@@ -725,6 +753,20 @@ class _Server:
         chat.check_supported()
         prompt = await asyncio.to_thread(render_prompt, self.llm.tokenizer, chat)
         return {"input_tokens": len(await self._encode(prompt, "messages"))}
+
+    async def _anthropic_prompt(self, prompt: str) -> list[int]:
+        """The prompt's ids; one the context cannot hold is the API's "prompt is too long" error, whose
+        wording Claude Code looks for (to compact the conversation)."""
+        limit = self.llm.max_model_len
+        try:
+            ids = await self._encode(prompt, "messages")
+        except APIError as e:
+            if e.code == "context_length_exceeded":
+                e.message = f"prompt is too long: {e.message}"
+            raise
+        if len(ids) >= limit:
+            raise APIError(400, f"prompt is too long: {len(ids)} tokens > {limit - 1} maximum", "messages")
+        return ids
 
     async def _stream_chat(
         self,
@@ -833,7 +875,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
-    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/health", server.health, methods=["GET", "HEAD"])  # load balancers probe with HEAD
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
@@ -865,7 +907,21 @@ def run_server(
         flush=True,
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    _Uvicorn(config, app.state.server.worker).run(sockets=[sock])
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server that ends the engine's jobs (a 503 each) as soon as shutdown begins: their requests
+    answer (a JSON error, or an error event and [DONE]) before uvicorn waits for the connections to close,
+    instead of being cut off when its wait runs out."""
+
+    def __init__(self, config: uvicorn.Config, worker: EngineWorker) -> None:
+        super().__init__(config)
+        self._worker = worker
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._worker.stop(wait=False)
+        await super().shutdown(sockets)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -28,11 +28,11 @@ def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
         return content
     parts = []
     for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise APIError(
-                400, f"content part type {kind!r} is not supported (text only)", f"messages[{i}].content[{j}]"
-            )
+        kind, where = part.get("type"), f"messages[{i}].content[{j}]"
+        if kind != "text":
+            raise APIError(400, f"content part type {kind!r} is not supported (text only)", where)
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}: a text part needs `text`, a string", where)
         parts.append(part["text"])
     return "".join(parts)
 

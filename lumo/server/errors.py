@@ -46,6 +46,7 @@ _ANTHROPIC_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -58,10 +59,11 @@ def is_messages_path(path: str) -> bool:
 
 
 def anthropic_error(status: int, message: str) -> tuple[dict[str, Any], int]:
-    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` and the status (its
-    validation errors are 400s, not 422s)."""
+    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` and the status: its
+    validation errors are 400s, not 422s, and "overloaded" is its own 529."""
     kind = _ANTHROPIC_TYPES.get(status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}, 400 if status == 422 else status
+    status = {422: 400, 503: 529}.get(status, status)
+    return {"type": "error", "error": {"type": kind, "message": message}}, status
 
 
 def error_response(

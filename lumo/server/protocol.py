@@ -20,6 +20,7 @@ from .errors import APIError
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's usage on every chunk: not served (a 400)
 
 
 class FunctionCall(BaseModel):
@@ -60,6 +61,13 @@ class ChatMessage(BaseModel):
     reasoning_content: str | None = None
 
 
+# vLLM's request options lumo does not implement -> what they ask for
+_REFUSED = {
+    "use_beam_search": "beam search",
+    "prompt_logprobs": "the prompt's logprobs: on /v1/completions, echo with logprobs",
+    "truncate_prompt_tokens": "prompt truncation",
+    "return_tokens_as_token_ids": "token ids as tokens",
+}
 MAX_CHOICES = 256  # choices in one request: n (x the prompts of a completions batch)
 # vLLM's older structured-output fields -> StructuredOutputs' names
 GUIDED = {
@@ -132,6 +140,12 @@ class _Common(BaseModel):
     include_stop_str_in_output: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     user: str | None = None
+    # vLLM's options that lumo does not implement: a 400 when set to change the output (_REFUSED)
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    best_of: StrictInt | None = None
     # Structured outputs (lumo.engine.grammar): OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -145,6 +159,16 @@ class _Common(BaseModel):
         """A 400 for values lumo cannot honour (the endpoints' own fields; min_tokens against the tokens a
         request may generate is the app's check, which knows the prompt's length)."""
         self.structured()
+        for name, what in _REFUSED.items():
+            if getattr(self, name) not in (None, False):
+                raise APIError(400, f"{name} is not supported ({what})", name)
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given with stream: true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            msg = "stream_options.continuous_usage_stats is not supported (include_usage: one final chunk)"
+            raise APIError(400, msg, "stream_options")
 
     def _structured_fields(self) -> list[str]:
         """The fields that ask for a structured output (response_format text asks for nothing)."""
@@ -253,7 +277,6 @@ class CompletionRequest(_Common):
     max_tokens: StrictInt | None = Field(default=None, ge=0)  # 0: only with echo (the prompt scored)
     echo: StrictBool | None = False
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
-    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -261,8 +284,6 @@ class CompletionRequest(_Common):
         if self.max_tokens == 0 and not self.echo:
             msg = "max_tokens=0 needs echo=true (the prompt scored, nothing generated)"
             raise APIError(400, msg, "max_tokens")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
 
@@ -307,6 +328,10 @@ class ChatCompletionRequest(_Common):
     # vLLM's: no assistant turn opened (None: unless continue_final_message), or the last message continued
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
+    include_reasoning: StrictBool | None = None  # vLLM's: false leaves reasoning_content out
+    # OpenAI's legacy function calling, superseded by tools / tool_choice: a 400 rather than ignored
+    functions: Any = None
+    function_call: Any = None
 
     def opens_turn(self) -> bool:
         """The prompt ends with the template's opening of an assistant turn."""
@@ -323,6 +348,9 @@ class ChatCompletionRequest(_Common):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if not self.messages:
             raise APIError(400, "messages must not be empty", "messages")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported: use tools and tool_choice", name)
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) or choice == "required":
             names = {t.function.name for t in self.tools or []}

@@ -134,13 +134,19 @@ class ChatOutputParser:
     in_reasoning: the prompt already opened `<think>` (the template did), so the output starts inside the
     reasoning and only `</think>` will appear. tools: the request's OpenAI tool list, whose JSON schemas type
     the XML form's parameter values. parse_tools=False leaves `<tool_call>` text in the content.
+    reasoning=False: the reasoning is recognised but left out of the output (vLLM's include_reasoning).
     Whitespace that only separates parts (after `</think>`, around tool calls) is dropped; the output's own
     leading and trailing whitespace (a continued line's indentation, the text before a stop string) is kept.
     """
 
     def __init__(
-        self, in_reasoning: bool = False, parse_tools: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        in_reasoning: bool = False,
+        parse_tools: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        reasoning: bool = True,
     ) -> None:
+        self._shows_reasoning = reasoning
         self._mode = _REASONING if in_reasoning else _CONTENT
         self._tags = (THINK_OPEN, TOOL_OPEN) if parse_tools else (THINK_OPEN,)
         self._reasoning_tags = (THINK_CLOSE, TOOL_OPEN) if parse_tools else (THINK_CLOSE,)
@@ -156,7 +162,7 @@ class ChatOutputParser:
         self._buf += text
         while self._step(out):
             pass
-        return out
+        return self._shown(out)
 
     def finish(self) -> ParsedDelta:
         """End of output: flush what was held back; an unclosed tool call is parsed as it stands."""
@@ -172,7 +178,10 @@ class ChatOutputParser:
             self._content(buf, out, boundary=False)
             out.add_content(self._held_ws)
         self._held_ws = ""
-        return out
+        return self._shown(out)
+
+    def _shown(self, d: ParsedDelta) -> ParsedDelta:
+        return d if self._shows_reasoning else ParsedDelta([p for p in d.parts if p[0] != "reasoning"])
 
     def _step(self, out: ParsedDelta) -> bool:
         """Consume as much of the buffer as the current mode allows; True if the mode changed."""
@@ -382,12 +391,16 @@ def parse_tool_call(body: str, schemas: dict[str, dict[str, Any]] | None = None)
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        try:  # a model that double-encodes its arguments: keep the string if it is JSON already
-            json.loads(args)
-            return ToolCall(obj["name"], args)
+        try:  # a model that double-encodes its arguments: keep the string if it is a JSON object already
+            inner = json.loads(args)
         except (ValueError, RecursionError):
             return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return ToolCall(obj["name"], args) if isinstance(inner, dict) else None
+    if args is None:  # no arguments
+        args = {}
+    # arguments are an object (OpenAI's clients parse them as one, Anthropic's API requires one): anything
+    # else is text, not a call
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
 
 
 def _parse_xml(s: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:

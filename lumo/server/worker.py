@@ -5,8 +5,9 @@ different requests never mix. Requests wait in FIFO order; when `max_queue` are 
 one is refused (503). A request is admitted once (`admit`: a place held for it, a stream's before its
 stream starts), and its jobs (choices, a batch's prompts, one at a time) are then queued whatever the
 queue's length. Each job hands its chunks to the event loop through its own asyncio queue. A job
-whose client went away is cancelled: if still waiting it is skipped, if running its generator is closed
-after the current token, which frees the engine for the next request at once.
+whose client went away is cancelled: if still waiting it leaves the queue (its place is free at once), if
+running its generator is closed after the current token, which frees the engine for the next request.
+At shutdown (`stop`) every job ends with a 503.
 """
 
 from __future__ import annotations
@@ -102,20 +103,27 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name="lumo-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """End every job with a 503 (a waiting one's request gets the JSON error, a running stream an error
+        event): called when the server's shutdown begins, so requests answer before their connections
+        close. wait: join the engine thread (it stops after the running job's current token)."""
         with self._cond:
-            self._stopping = True
-            for job in self._waiting:
-                job.cancel()
-            if self._running is not None:
-                self._running.cancel()
-            self._cond.notify_all()
-        if self._thread is not None:
+            if not self._stopping:
+                self._stopping = True
+                err = APIError(503, "the server is shutting down; retry later")
+                for job in [*self._waiting, *([self._running] if self._running else [])]:
+                    job.cancel()
+                    job._post(err)
+                self._cond.notify_all()
+        if wait and self._thread is not None:
             self._thread.join(timeout=10)
 
     def admit(self) -> Ticket:
         """Admit a request: a 503 if max_queue requests are waiting (or hold their place) already."""
         with self._cond:
+            if self._stopping:
+                raise APIError(503, "the server is shutting down; retry later")
+            self._drop_cancelled()
             if len(self._waiting) + self._held >= self.max_queue:
                 raise APIError(503, f"server busy: {self.max_queue} requests already waiting; retry later")
             self._held += 1
@@ -131,7 +139,19 @@ class EngineWorker:
         return job
 
     def queue_length(self) -> int:
-        return len(self._waiting)
+        """The jobs waiting whose clients are still there (a gauge: read while the metrics are rendered,
+        under their lock, so it only counts; admit drops the others)."""
+        with self._cond:
+            return sum(1 for job in self._waiting if not job.cancelled.is_set())
+
+    def _drop_cancelled(self) -> None:
+        """Forget the waiting jobs whose clients left (under _cond): their places are free at once."""
+        if any(job.cancelled.is_set() for job in self._waiting):
+            for job in self._waiting:
+                if job.cancelled.is_set():
+                    job._post(_DONE)
+                    self.metrics.cancelled.inc()
+            self._waiting = collections.deque(j for j in self._waiting if not j.cancelled.is_set())
 
     def running(self) -> int:
         return int(self._running is not None)
@@ -150,6 +170,7 @@ class EngineWorker:
                 job = self._waiting.popleft()
                 if job.cancelled.is_set():
                     job._post(_DONE)
+                    self.metrics.cancelled.inc()
                     continue
                 self._running = job
             try:
