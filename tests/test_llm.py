@@ -141,6 +141,34 @@ def test_stop_reason_says_what_ended_it(llm):
     assert (r.finish_reason, r.stop_reason, r.token_ids) == ("stop", None, [])
 
 
+def test_small_model_decodes_on_one_cpu_thread(tmp_path, monkeypatch):
+    """A small model's decode steps run on one torch thread (OpenMP's spinning threads made the embedded
+    model 16x slower on a busy CPU), the prefill and the caller's code after it on all; OMP_NUM_THREADS
+    set by the user is left alone."""
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        llm = LLM(ckpt, device="cpu", spec="off")
+        seen = [
+            torch.get_num_threads() for _ in llm.generate_stream([5, 17, 99], max_tokens=6, ignore_eos=True)
+        ]
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+        stream = llm.generate_stream([5, 17, 99], max_tokens=6, ignore_eos=True)
+        next(stream)
+        stream.close()  # a stream closed early restores them too
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        llm = LLM(ckpt, device="cpu", spec="off")
+        seen = [
+            torch.get_num_threads() for _ in llm.generate_stream([5, 17, 99], max_tokens=6, ignore_eos=True)
+        ]
+        assert set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_draft_quant_is_checked(tmp_path):
     """The drafter's precision: an unknown choice, or NVFP4 where no kernels drafter runs, is refused."""
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4)
