@@ -153,7 +153,7 @@ def test_chat_matches_engine(client, llm, max_tokens):
     assert events[-1].usage.completion_tokens == len(ref.token_ids)
 
 
-def test_stop_strings(client, llm):
+def test_stop_strings(client, llm, server):
     prompt = "Numbers: 0 1 2"
     text = llm.generate(prompt, max_tokens=30, temperature=0).text
     candidates = [text[k : k + 2] for k in range(3, len(text) - 2) if "\ufffd" not in text[k : k + 2]]
@@ -166,6 +166,22 @@ def test_stop_strings(client, llm):
         assert r.choices[0].text == text[: text.find(stop)]
         assert r.choices[0].finish_reason == "stop"
         assert r.usage.completion_tokens <= 30
+        assert r.choices[0].model_extra["stop_reason"] == stop  # vLLM's field: the string that matched
+    r = client.completions.create(prompt=prompt, max_tokens=3, temperature=0, model=llm.model_name)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].model_extra["stop_reason"] is None
+    # streamed: on the chunk that finishes the choice; chat too
+    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "stop": [stop], "stream": True}
+    events = _sse(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    last = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", stop)
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 30, "temperature": 0}
+    chat["ignore_eos"] = True
+    reply = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    assert (reply["finish_reason"], reply["stop_reason"]) == ("length", None)
+    content = reply["message"]["content"]
+    cut = next(content[k : k + 2] for k in range(2, len(content) - 2) if content[k : k + 2].strip())
+    r = httpx.post(server.url + "/v1/chat/completions", json={**chat, "stop": [cut]}, timeout=60).json()
+    assert (r["choices"][0]["finish_reason"], r["choices"][0]["stop_reason"]) == ("stop", cut)
 
 
 def test_seeded_sampling_repeats(client, llm):

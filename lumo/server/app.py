@@ -407,17 +407,19 @@ class _Server:
             watcher.cancel()
             job.cancel()
 
-    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None, list]:
-        """Run a non-streamed job to its end. Returns the text, the number of tokens, the finish reason and
-        the tokens' logprobs (empty unless the job asked)."""
-        parts, n_gen, reason, lps = [], 0, None, []
+    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None, list, Any]:
+        """Run a non-streamed job to its end. Returns the text, the number of tokens, the finish reason,
+        the tokens' logprobs (empty unless the job asked) and the stop reason (vLLM's: the stop string or
+        stop token id that ended it, else None)."""
+        parts, n_gen, reason, lps, why = [], 0, None, [], None
         async for chunk in self._collected(job, request):
             parts.append(chunk.text)
             n_gen += len(chunk.token_ids)
             reason = chunk.finish_reason or reason
+            why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
             if job.wants_logprobs:
                 lps += chunk_logprobs(chunk)
-        return "".join(parts), n_gen, reason, lps
+        return "".join(parts), n_gen, reason, lps, why
 
     # ---- /v1/completions ----
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -468,13 +470,20 @@ class _Server:
                 break  # the client went away: the rest of the batch would go unread
             out = start(i)
             outs.append(out)
-            text, logprobs, reason = "", None, None
+            text, logprobs, reason, why = "", None, None, None
             async for chunk in self._collected(out.job, request):
                 piece, lp = out.take(chunk)
                 text, logprobs = text + piece, extend(logprobs, lp)
                 reason = chunk.finish_reason or reason
+                why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
             choices.append(
-                {"index": i, "text": text, "logprobs": logprobs, "finish_reason": out.reason(reason)}
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.reason(reason),
+                    "stop_reason": None if out.score_only else why,  # vLLM's: the stop string or token id
+                }
             )
         return {**head, "choices": choices, "usage": _batch_usage(outs, n)}
 
@@ -505,6 +514,9 @@ class _Server:
                             "logprobs": logprobs,
                             "finish_reason": chunk.finish_reason and out.reason(chunk.finish_reason),
                         }
+                        if chunk.finish_reason:  # vLLM's stop_reason, on the chunk that finishes the choice
+                            why = None if out.score_only else getattr(chunk, "stop_reason", None)
+                            choice["stop_reason"] = why
                         yield _sse({**head, "choices": [choice], **extra})
                 if reason is None:
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
@@ -554,7 +566,7 @@ class _Server:
             if j and await request.is_disconnected():
                 break
             job, parser = start(j)
-            text, n_tok, reason, lps = await self._collect(job, request)
+            text, n_tok, reason, lps, why = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
             logprobs = {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None
@@ -564,6 +576,7 @@ class _Server:
                     "message": message_json(parsed),
                     "logprobs": logprobs,
                     "finish_reason": finish_reason(reason, parser.n_tool_calls),
+                    "stop_reason": why,
                 }
             )
             n_gen, cached = n_gen + n_tok, cached if j else job.cached_tokens  # the prompt's, from choice 0
@@ -606,7 +619,7 @@ class _Server:
 
         if not body.stream:
             job = submit()
-            text, n_gen, reason, _ = await self._collect(job, request)
+            text, n_gen, reason, _, _ = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
             build.feed(parsed)
@@ -812,13 +825,16 @@ class _Server:
                 logprobs = {"content": chat_entries(tok, held), "refusal": None}
                 held.clear()
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            if reason is not None:
+                choice["stop_reason"] = why  # vLLM's, on the chunk that finishes the choice
             return _sse({**head, "choices": [choice], **extra})
 
-        reason = None
+        reason = why = None
         yield chunk_of({"role": "assistant", "content": ""})
         async for chunk in job.events():
             n_gen[0] += len(chunk.token_ids)
             reason = chunk.finish_reason or reason
+            why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
             if job.wants_logprobs:
                 held.extend(chunk_logprobs(chunk))
             d = parser.feed(chunk.text)
