@@ -190,6 +190,8 @@ def _parser() -> argparse.ArgumentParser:
         help="answer only requests with `Authorization: Bearer KEY` or `x-api-key: KEY` (/health and "
         "/metrics stay open); default: $LUMO_API_KEY, else no key",
     )
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
+    s.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     s.add_argument(
         "--allowed-origins",
         type=_origins,
@@ -332,6 +334,10 @@ def _serve(args: argparse.Namespace) -> int:
     key = args.api_key if args.api_key is not None else os.environ.get("LUMO_API_KEY")
     if key is not None and not key.strip():
         raise ValueError("the API key is empty (--api-key or LUMO_API_KEY)")
+    if args.ssl_certfile is not None or args.ssl_keyfile is not None:
+        from .server.app import check_tls
+
+        check_tls(args.ssl_certfile, args.ssl_keyfile)  # before minutes of loading weights
     llm = _llm(args, progress=True)
     run_server(
         llm,
@@ -341,6 +347,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         api_key=key,
         allowed_origins=args.allowed_origins,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
     )
     return 0
 

@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
 
 import re
+import shutil
 
 import httpx
 import openai
@@ -115,3 +116,63 @@ def test_lumo_serve_takes_the_key_from_the_environment(tmp_path):
             ).status_code
             == 401
         )
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_https_with_a_certificate(tmp_path):
+    """--ssl-certfile / --ssl-keyfile: the server speaks TLS (checked against the certificate), the
+    startup line says https; a missing or mismatched file is a one-line error before the model loads."""
+    import ssl
+    import subprocess
+    import sys
+    import time
+
+    from lumo.server.testing import free_port
+    from lumo.testing import make_tiny_checkpoint
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4, mtp_num_hidden_layers=0)
+    port = free_port()
+    cmd = [sys.executable, "-m", "lumo.cli", "serve", str(ckpt), "--device", "cpu", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*cmd, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        verify = ssl.create_default_context(cafile=str(cert))
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", verify=verify, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        r = httpx.post(
+            url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, verify=verify, timeout=30
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.TransportError):  # plain HTTP to the TLS port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0]
+    assert f"at https://127.0.0.1:{port}/v1" in out
+    other = tmp_path / "other.pem"
+    subprocess.run(["openssl", "genrsa", "-out", str(other), "2048"], check=True, capture_output=True)
+    for flags, words in (
+        (["--ssl-certfile", str(cert)], "needs both"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "none.pem")], "no such TLS file"),
+        (["--ssl-certfile", str(cert), "--ssl-keyfile", str(other)], "cannot use"),  # not this cert's key
+    ):
+        r = subprocess.run([*cmd, *flags], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -912,18 +912,45 @@ def run_server(
     max_queue: int = 64,
     api_key: str | None = None,
     allowed_origins: Sequence[str] = (),
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
 ) -> None:
-    """Serve `llm` until interrupted; prints one startup line with the URL and the model."""
+    """Serve `llm` until interrupted; prints one startup line with the URL and the model. ssl_certfile /
+    ssl_keyfile: serve HTTPS (checked here: a bad pair is a one-line ValueError, not uvicorn's traceback)."""
+    if ssl_certfile is not None or ssl_keyfile is not None:
+        check_tls(ssl_certfile, ssl_keyfile)
     sock = _listen(host, port)
     app = create_app(llm, model_name, max_queue, api_key, allowed_origins)
     shown = f"[{host}]" if ":" in host else host
+    scheme = "https" if ssl_certfile else "http"
     print(
         f"lumo: serving {model_name or llm.model_name} (context {llm.max_model_len} tokens) "
-        f"at http://{shown}:{port}/v1" + (" (API key required)" if api_key is not None else ""),
+        f"at {scheme}://{shown}:{port}/v1" + (" (API key required)" if api_key is not None else ""),
         flush=True,
     )
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
+    )
     _Uvicorn(config, app.state.server.worker).run(sockets=[sock])
+
+
+def check_tls(certfile: str | None, keyfile: str | None) -> None:
+    """A certificate and its key that TLS can serve with (both given, readable, matching), or a ValueError
+    saying which is wrong."""
+    import ssl
+
+    if not certfile or not keyfile:
+        raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except FileNotFoundError as e:
+        raise ValueError(f"no such TLS file: {e.filename}") from None
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"cannot use {certfile} / {keyfile} for TLS: {e.strerror or e}") from None
 
 
 class _Uvicorn(uvicorn.Server):
