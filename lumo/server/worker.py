@@ -123,11 +123,15 @@ class EngineWorker:
         with self._cond:
             if self._stopping:
                 raise APIError(503, "the server is shutting down; retry later")
-            self._drop_cancelled()
-            if len(self._waiting) + self._held >= self.max_queue:
-                raise APIError(503, f"server busy: {self.max_queue} requests already waiting; retry later")
-            self._held += 1
-            return Ticket(self)
+            dropped = self._drop_cancelled()
+            full = len(self._waiting) + self._held >= self.max_queue
+            if not full:
+                self._held += 1
+        # Metrics are never touched under _cond: rendering them holds their lock while a gauge takes _cond
+        self.metrics.cancelled.inc(dropped)
+        if full:
+            raise APIError(503, f"server busy: {self.max_queue} requests already waiting; retry later")
+        return Ticket(self)
 
     def submit(self, job: Job, ticket: Ticket) -> Job:
         """Queue one of an admitted request's jobs: the first takes the place its ticket held, the later
@@ -144,14 +148,15 @@ class EngineWorker:
         with self._cond:
             return sum(1 for job in self._waiting if not job.cancelled.is_set())
 
-    def _drop_cancelled(self) -> None:
-        """Forget the waiting jobs whose clients left (under _cond): their places are free at once."""
-        if any(job.cancelled.is_set() for job in self._waiting):
-            for job in self._waiting:
-                if job.cancelled.is_set():
-                    job._post(_DONE)
-                    self.metrics.cancelled.inc()
+    def _drop_cancelled(self) -> int:
+        """Forget the waiting jobs whose clients left (under _cond): their places are free at once.
+        Returns how many."""
+        gone = [job for job in self._waiting if job.cancelled.is_set()]
+        if gone:
+            for job in gone:
+                job._post(_DONE)
             self._waiting = collections.deque(j for j in self._waiting if not j.cancelled.is_set())
+        return len(gone)
 
     def running(self) -> int:
         return int(self._running is not None)
@@ -168,11 +173,14 @@ class EngineWorker:
                     self._waiting.clear()
                     return
                 job = self._waiting.popleft()
-                if job.cancelled.is_set():
+                skip = job.cancelled.is_set()
+                if skip:
                     job._post(_DONE)
-                    self.metrics.cancelled.inc()
-                    continue
-                self._running = job
+                else:
+                    self._running = job
+            if skip:  # counted outside _cond (admit says why)
+                self.metrics.cancelled.inc()
+                continue
             try:
                 self._run(job)
             finally:
