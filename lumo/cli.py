@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from . import __version__
 from .config import DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
 
 USER_ERROR = 2
@@ -144,6 +145,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lumo", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lumo {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")

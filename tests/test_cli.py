@@ -205,6 +205,11 @@ def test_bad_settings_fail_at_start(tmp_path, args, words):
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
 
 
+def test_version():
+    r = lumo("--version")
+    assert r.returncode == 0 and r.stdout.strip().startswith("lumo ") and r.stdout.split()[1][0].isdigit()
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
