@@ -291,7 +291,9 @@ class LazyLayers(Sequence[LayerWeights]):
         shards: ExitStack,
     ):
         self._read, self.formats, self._progress = read, formats, progress
-        self._shards = shards  # the open files `read` reads from, closed when this is collected
+        # the shards `read` reads from: their safe_open handles (memory maps) are released when this
+        # object and `read` are collected (the stack itself is never closed)
+        self._shards = shards
 
     def __len__(self) -> int:
         return len(self.formats)

@@ -139,6 +139,10 @@ def test_stop_reason_says_what_ended_it(llm):
     eos = llm.tokenizer.eos_token_ids[0]
     r = llm.generate([5, 17, 99], max_tokens=24, temperature=0, logit_bias={eos: 100.0})
     assert (r.finish_reason, r.stop_reason, r.token_ids) == ("stop", None, [])
+    # the end-of-sequence id asked for as a stop token under ignore_eos: the user's stop token (vLLM's)
+    kw = dict(max_tokens=24, temperature=0, logit_bias={eos: 100.0}, ignore_eos=True, stop_token_ids=[eos])
+    r = llm.generate([5, 17, 99], **kw)
+    assert (r.finish_reason, r.stop_reason, r.token_ids) == ("stop", eos, [])
 
 
 def test_small_model_decodes_on_one_cpu_thread(tmp_path, monkeypatch):

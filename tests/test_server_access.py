@@ -55,6 +55,13 @@ def test_api_key_guards_every_route_but_health_and_metrics(llm):
         assert c.post(CHAT, json=USER).status_code == 200
 
 
+def test_an_empty_key_is_refused(llm):
+    """An empty (or blank) key would match a request that sends none: refused, not an open server."""
+    for key in ("", "  \n"):
+        with pytest.raises(ValueError, match="empty"):
+            create_app(llm, api_key=key)
+
+
 def test_openai_client_with_and_without_the_key(llm):
     with serve_in_thread(llm, api_key=KEY) as url:
         ok = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=30)

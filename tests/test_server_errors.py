@@ -209,6 +209,7 @@ BAD = [
     ),
     ("beam-search", CHAT, {"messages": USER, "use_beam_search": True}, 400, "use_beam_search", "beam"),
     ("prompt-logprobs", COMP, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs", "echo"),
+    ("prompt-logprobs-0", CHAT, {"messages": USER, "prompt_logprobs": 0}, 400, "prompt_logprobs", ""),
     ("truncate", CHAT, {"messages": USER, "truncate_prompt_tokens": 5}, 400, "truncate_prompt_tokens", ""),
     (
         "token-ids",
@@ -480,6 +481,34 @@ def test_shutdown_answers_the_requests_in_flight(tmp_path):
         assert "shutting down" in _check_error(got["waiting"], 503)["message"]
         log = s.log()
         assert "Traceback" not in log and "timeout graceful shutdown exceeded" not in log, log
+
+
+def test_jobs_of_a_request_admitted_before_shutdown_end_with_a_503(tmp_path):
+    """A request admitted before shutdown began queues its (next) job after it: the job ends with the
+    shutdown's 503 at once instead of hanging or ending empty; new requests are refused."""
+    from lumo.server.errors import APIError
+    from lumo.server.metrics import ServerMetrics
+    from lumo.server.worker import EngineWorker
+
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, "hello")
+    worker = EngineWorker(llm, ServerMetrics(), max_queue=4)
+    worker.start()
+    loop = asyncio.new_event_loop()
+    try:
+        ticket = worker.admit()
+        worker.stop()
+        job = worker.submit(Job([1, 2], 4, {}, loop), ticket)
+
+        async def drain() -> list:
+            return [c async for c in job.events()]
+
+        with pytest.raises(APIError, match="shutting down") as e:
+            loop.run_until_complete(asyncio.wait_for(drain(), 5))
+        assert e.value.status == 503
+        with pytest.raises(APIError, match="shutting down"):
+            worker.admit()
+    finally:
+        loop.close()
 
 
 def test_seeds_at_the_int64_ends(server):

@@ -264,6 +264,30 @@ def test_parse_tool_call_rejects_non_calls():
     assert parse_tool_call('{"name": "f", "arguments": "not json"}') is None
 
 
+@pytest.mark.parametrize(
+    "body, arguments",
+    [
+        ('{"name": "f", "arguments": {"a": 1}}', {"a": 1}),
+        ('{"name": "f", "parameters": {"a": 1}}', {"a": 1}),
+        ('{"name": "f"}', {}),
+        ('{"name": "f", "arguments": null}', {}),
+        ('{"name": "f", "arguments": "{\\"a\\": 1}"}', {"a": 1}),  # double-encoded
+        ('{"name": "f", "arguments": [1, 2]}', None),
+        ('{"name": "f", "arguments": 5}', None),
+        ('{"name": "f", "arguments": "[1]"}', None),
+        ('{"name": "f", "arguments": "null"}', None),
+    ],
+)
+def test_tool_call_arguments_are_objects(body, arguments):
+    """OpenAI's clients parse a call's arguments as an object and Anthropic's API requires one: none is
+    {}, anything else leaves the text as text."""
+    call = parse_tool_call(body)
+    if arguments is None:
+        assert call is None
+    else:
+        assert call.name == "f" and json.loads(call.arguments) == arguments
+
+
 # ---------------------------------------------------------------------------------------------
 # HTTP, with a scripted engine behind the real app
 

@@ -98,6 +98,7 @@ def _pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+SMALL_HIDDEN = 1024  # below this hidden size a decode step's matrices are too small to split across threads
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -531,7 +532,7 @@ class LLM:
             raise ValueError(f"stop_token_ids {bad} lie outside the vocabulary [0, {V})")
         eos = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        return Ending(strings, eos | ids, include_stop, skip_special, min_tokens)
+        return Ending(strings, eos | ids, include_stop, skip_special, min_tokens, eos)
 
     @torch.inference_mode()
     def _run(
@@ -560,10 +561,13 @@ class LLM:
     def _decode_threads(self) -> Iterator[None]:
         """One torch thread while a small model decodes on the CPU (the prefill keeps them all): a step's
         matrices are too small to split, and torch's OpenMP threads spin-wait for each other, which on a
-        busy 2-core machine made the embedded model 16x slower (7.5 against 122 tokens/s; idle, two
-        threads gain ~15%). Set once per generation (switching costs ~1 ms), restored when it ends; code
-        run between a stream's chunks sees the one thread too."""
-        n = torch.get_num_threads()
+        busy 2-core machine made the embedded model 10-16x slower (7.5-10 against 95-138 tokens/s; idle,
+        two threads gain ~15%: README). Set once per generation (switching costs ~1 ms) and restored when
+        it ends. torch's count is per thread, with a process-wide default that threads take when they first
+        use torch: code run between a stream's chunks sees the one thread too, a thread that first uses
+        torch meanwhile keeps one, and a stream closed from another thread cannot restore the count of the
+        thread that decoded (it stays at one; OMP_NUM_THREADS turns all this off)."""
+        n, me = torch.get_num_threads(), threading.get_ident()
         if not self._one_thread_steps or n == 1:
             yield
             return
@@ -571,7 +575,8 @@ class LLM:
         try:
             yield
         finally:
-            torch.set_num_threads(n)
+            if threading.get_ident() == me:
+                torch.set_num_threads(n)
 
     def _generate(
         self,
@@ -611,7 +616,7 @@ class LLM:
                     if tok in eos:
                         text.append(detok.finish())
                         reason, eos_lp = "stop", None if lps is None else lps[i]
-                        why = None if tok in self.tokenizer.eos_token_ids else tok
+                        why = None if tok in ending.eos_ids else tok  # vLLM's: None for the model's EOS
                         break
                     out.append(tok)
                     n += 1
@@ -631,9 +636,6 @@ class LLM:
                 tokens = decoder.step()
 
 
-SMALL_HIDDEN = 1024  # below this hidden size a decode step's matrices are too small to split across threads
-
-
 @dataclass(frozen=True)
 class Ending:
     """Where a request ends and what its text shows (LLM.generate's keyword arguments, checked)."""
@@ -643,6 +645,7 @@ class Ending:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0  # stop strings are looked for from this many tokens on (vLLM's min_tokens)
+    eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids among them (none: ignore_eos)
 
 
 def _context_limit(path: Path) -> int | None:

@@ -156,6 +156,8 @@ class _RequireKey:
 
     def __init__(self, app: Any, key: str) -> None:
         self.app, self._key = app, key.strip().encode()  # a key from an env file may end in a newline
+        if not self._key:
+            raise ValueError("the API key is empty")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN or self._authorized(scope):
@@ -170,7 +172,7 @@ class _RequireKey:
         headers = dict(scope["headers"])
         scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
         bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
-        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)
+        return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)  # not empty
 
 
 def chunk_logprobs(chunk: Any) -> list:
@@ -685,7 +687,9 @@ class _Server:
         structured = await self._structured(chat)
         tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
         parser = ChatOutputParser(
-            in_reasoning=opens_reasoning(prompt), parse_tools=chat.parse_tools, tools=tools
+            in_reasoning=opens_reasoning(prompt, continued_text(chat)),
+            parse_tools=chat.parse_tools,
+            tools=tools,
         )
         build = MessageBuilder(self.served_name)
         ticket = self.worker.admit()  # a 503 now, or a place held for the job
@@ -885,6 +889,8 @@ def create_app(
     app.state.server = server
     install_error_handlers(app)
     if api_key is not None:
+        if not api_key.strip():  # (the middleware is built lazily, at the first request)
+            raise ValueError("the API key is empty")
         app.add_middleware(_RequireKey, key=api_key)
     app.add_middleware(_CountRequests, metrics=metrics)  # counts the 401s too
     if allowed_origins:  # outermost: a browser's preflight carries no key

@@ -1,5 +1,6 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure, including
-FastAPI's request validation (kept at 422) and malformed JSON (400)."""
+FastAPI's request validation (kept at 422) and malformed JSON (400); under /v1/messages Anthropic's shape,
+`{"type": "error", "error": {"type", "message"}}` (error_response chooses by path)."""
 
 from __future__ import annotations
 

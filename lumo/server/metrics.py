@@ -169,5 +169,6 @@ class ServerMetrics:
             "lumo_spec_accepted_drafts", "accepted draft tokens per speculative event", buckets=range(33)
         )
         self.cancelled = r.counter(
-            "lumo_requests_cancelled_total", "generations stopped by a client disconnect"
+            "lumo_requests_cancelled_total",
+            "requests whose client went away (generations stopped, waiting ones dropped)",
         )

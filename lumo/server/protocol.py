@@ -160,7 +160,8 @@ class _Common(BaseModel):
         request may generate is the app's check, which knows the prompt's length)."""
         self.structured()
         for name, what in _REFUSED.items():
-            if getattr(self, name) not in (None, False):
+            value = getattr(self, name)
+            if value is not None and value is not False:  # 0 asks for something too (0 == False)
                 raise APIError(400, f"{name} is not supported ({what})", name)
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")

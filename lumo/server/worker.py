@@ -29,6 +29,10 @@ log = logging.getLogger("lumo.server")
 _DONE = object()  # end-of-job marker on a job's output queue
 
 
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry later")
+
+
 @dataclass
 class Job:
     prompt_ids: list[int]
@@ -110,10 +114,9 @@ class EngineWorker:
         with self._cond:
             if not self._stopping:
                 self._stopping = True
-                err = APIError(503, "the server is shutting down; retry later")
                 for job in [*self._waiting, *([self._running] if self._running else [])]:
                     job.cancel()
-                    job._post(err)
+                    job._post(_shutting_down())
                 self._cond.notify_all()
         if wait and self._thread is not None:
             self._thread.join(timeout=10)
@@ -122,7 +125,7 @@ class EngineWorker:
         """Admit a request: a 503 if max_queue requests are waiting (or hold their place) already."""
         with self._cond:
             if self._stopping:
-                raise APIError(503, "the server is shutting down; retry later")
+                raise _shutting_down()
             dropped = self._drop_cancelled()
             full = len(self._waiting) + self._held >= self.max_queue
             if not full:
@@ -138,6 +141,10 @@ class EngineWorker:
         ones (one at a time per request) go past a full queue, so a request is never refused half done."""
         with self._cond:
             ticket.release()
+            if self._stopping:  # a request admitted before shutdown began: its later jobs end at once
+                job._post(_shutting_down())
+                job._post(_DONE)
+                return job
             self._waiting.append(job)
             self._cond.notify()
         return job
@@ -168,7 +175,7 @@ class EngineWorker:
                 while not self._waiting and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
-                    for waiting in self._waiting:  # their handlers are awaiting events: end them
+                    for waiting in self._waiting:  # stop() gave each its 503 (submit queues none after)
                         waiting._post(_DONE)
                     self._waiting.clear()
                     return
@@ -225,7 +232,8 @@ class EngineWorker:
             if stats is not None and getattr(stats, "plain_steps", 0):
                 m.spec_plain_steps.inc(stats.plain_steps)
             if job.cancelled.is_set():
-                m.cancelled.inc()
+                if not self._stopping:  # a client's disconnect, not the shutdown
+                    m.cancelled.inc()
             else:
                 m.e2e.observe(time.perf_counter() - job.t_arrival)
         except ValueError as exc:  # the request's fault (a grammar that fails while generating): a 400
