@@ -113,6 +113,22 @@ async def _with_pings(items: AsyncIterator[Any], every: float) -> AsyncIterator[
             nxt.cancel()
 
 
+async def _guarded(
+    events: AsyncIterator[str], jobs: list[Job], failed: Callable[[APIError], list[str]]
+) -> AsyncIterator[str]:
+    """A stream of events of its own (Responses, Anthropic): an engine error ends it with `failed`'s
+    events, and its jobs are cancelled however it ends (a client gone mid-stream included)."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as exc:
+        for e in failed(_engine_error(exc)):
+            yield e
+    finally:
+        for job in jobs:
+            job.cancel()
+
+
 def _engine_error(exc: Exception) -> APIError:
     # ValueError from the engine (PromptTooLongError among them) is about the request; anything else is ours
     if isinstance(exc, APIError):
@@ -654,23 +670,17 @@ class _Server:
             status, final = result(jobs[0], n_gen, reason, reasoning)
             yield _event(build.event(f"response.{status}", response=final))
 
-        async def guarded() -> AsyncIterator[str]:
+        def failed(err: APIError) -> list[str]:
             """An engine error ends the stream with `error` and `response.failed`."""
-            try:
-                async for e in events():
-                    yield e
-            except Exception as exc:
-                err = _engine_error(exc)
-                code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
-                yield _event(build.event("error", code=code, message=err.message, param=err.param))
-                failed = build.response("failed")
-                failed["error"] = {"code": code, "message": err.message}
-                yield _event(build.event("response.failed", response=failed))
-            finally:
-                for job in jobs:
-                    job.cancel()
+            code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
+            response = build.response("failed")
+            response["error"] = {"code": code, "message": err.message}
+            return [
+                _event(build.event("error", code=code, message=err.message, param=err.param)),
+                _event(build.event("response.failed", response=response)),
+            ]
 
-        return self._streaming(guarded())
+        return self._streaming(_guarded(events(), jobs, failed))
 
     # ---- /v1/messages (Anthropic) ----
     async def messages(self, body: MessagesRequest, request: Request) -> Any:
@@ -750,19 +760,10 @@ class _Server:
             yield _event({"type": "message_delta", "delta": delta, "usage": use})
             yield _event({"type": "message_stop"})
 
-        async def guarded() -> AsyncIterator[str]:
-            """An engine error ends the stream with the API's `error` event."""
-            try:
-                async for e in events():
-                    yield e
-            except Exception as exc:
-                err = _engine_error(exc)
-                yield _event(anthropic_error(err.status, err.message)[0])
-            finally:
-                for job in jobs:
-                    job.cancel()
+        def failed(err: APIError) -> list[str]:  # the API's `error` event
+            return [_event(anthropic_error(err.status, err.message)[0])]
 
-        return self._streaming(guarded())
+        return self._streaming(_guarded(events(), jobs, failed))
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, int]:
         """The prompt's length in tokens as /v1/messages would render it."""
