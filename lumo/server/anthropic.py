@@ -2,14 +2,16 @@
 clients built on it: Claude Code with ANTHROPIC_BASE_URL, the anthropic SDK.
 
 The request's `system` and `messages` become chat messages that the model's own template renders: a
-message's text blocks joined, an assistant's `tool_use` blocks its tool calls and its `thinking` block its
-reasoning, a user's `tool_result` blocks tool messages (before the user's text, as the API orders them).
+message's text blocks joined by newlines, an assistant's `tool_use` blocks its tool calls and its `thinking`
+block its reasoning, a user's `tool_result` blocks tool messages (before the user's text, as the API orders
+them); the model thinks only when `thinking` asks for it, as in the API.
 `tools` (name, description, input_schema) are the chat's function tools, `tool_choice` auto / any / tool /
 none the chat's auto / required / a named function / none. The output parser's reasoning, text and tool
 calls become `thinking`, `text` and `tool_use` content blocks; streamed, each block is opened
 (content_block_start), filled (content_block_delta: text_delta, thinking_delta, input_json_delta) and
 closed (content_block_stop) in turn between message_start and message_stop, and stop_reason tells why the
-message ended: end_turn, max_tokens, stop_sequence (with the string) or tool_use.
+message ended: max_tokens, model_context_window_exceeded, tool_use, stop_sequence (with the string) or
+end_turn.
 
 lumo serves one model: any `model` name is answered by it (Claude Code asks for its own model names).
 Errors have the API's shape, `{"type": "error", "error": {"type", "message"}}`.
