@@ -715,13 +715,8 @@ class _Server:
 
         if not body.stream:
             job = submit()
-            parts, n_gen, reason, why = [], 0, None, None
-            async for chunk in self._collected(job, request):
-                parts.append(chunk.text)
-                n_gen += len(chunk.token_ids)
-                reason = chunk.finish_reason or reason
-                why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
-            parsed = parser.feed("".join(parts))
+            text, n_gen, reason, _, why = await self._collect(job, request)
+            parsed = parser.feed(text)
             parsed.extend(parser.finish())
             build.feed(parsed)
             build.finish()
