@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -39,6 +40,26 @@ def test_token_logprobs_against_fp64(V, k):
         assert torch.allclose(torch.tensor([v for _, v in t.top], dtype=torch.float64), best, atol=1e-5)
     # a row's numbers do not depend on the rows beside it
     assert token_logprobs(rows[2:3].bfloat16(), tokens[2:3], k) == got[2:3]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_token_ranks_count_the_tokens_at_least_as_likely(k):
+    """ranks=True (prompt tokens, vLLM's prompt_logprobs): each token's rank is the number of tokens whose
+    logit is at least its own, itself included, ties counted (vLLM's count); the other numbers unchanged.
+    Rows of few distinct values so ties are common; the reference counts in Python."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(-4, 5, (9, 37), generator=g).float() / 2
+    tokens = torch.randint(0, 37, (9,), generator=g).tolist()
+    got = token_logprobs(rows, tokens, k, row_by_row=False, ranks=True)
+    for t, row in zip(got, rows.tolist(), strict=True):
+        assert t.rank == sum(v >= row[t.token] for v in row) >= 1
+    assert [replace(t, rank=None) for t in got] == token_logprobs(rows, tokens, k, row_by_row=False)
+    top = max(range(37), key=lambda i: (rows[0, i].item(), -i))
+    assert token_logprobs(rows[:1], [top], k, row_by_row=False, ranks=True)[0].rank == int(
+        (rows[0] == rows[0, top]).sum()
+    )
+    with pytest.raises(ValueError, match="row_by_row"):
+        token_logprobs(rows, tokens, k, ranks=True)
 
 
 def test_token_logprobs_checks_its_rows():

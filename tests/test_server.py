@@ -391,6 +391,143 @@ def test_echo_scores_the_prompt(client, llm):
     assert plain.choices[0].text == prompt + ref.text and plain.choices[0].logprobs is None
 
 
+def _prompt_entries_want(tok, ref, k):
+    """vLLM's prompt_logprobs from the engine's prompt scores (k alternatives): null, then per token id
+    its logprob, rank and text."""
+    want = [None]
+    for t in ref.prompt_logprobs[1:]:
+        entry = {str(t.token): (t.logprob, t.rank, tok.token_text(t.token))}
+        for r, (i, v) in enumerate(t.top[:k], 1):
+            entry.setdefault(str(i), (v, r, tok.token_text(i)))
+        want.append(entry)
+    return want
+
+
+def _entries(got):
+    return [
+        None if e is None else {i: (x["logprob"], x["rank"], x["decoded_token"]) for i, x in e.items()}
+        for e in got
+    ]
+
+
+def test_prompt_logprobs(server, llm):
+    """vLLM's prompt_logprobs: per prompt token (the first null) its logprob, rank and text and its k
+    alternatives (ranks 1..k), the engine's numbers; on every choice of /v1/completions, at the top level
+    of a chat response; echo's own alternatives stay echo's k; a stream may ask only 0."""
+    tok = llm.tokenizer
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ref = llm.generate(prompt, max_tokens=3, temperature=0, prompt_logprobs=20)
+    # the rank is the engine's own count; where the token is among the 20 most likely, its place there
+    n_ranked = 0
+    for t in ref.prompt_logprobs[1:]:
+        ids = [i for i, _ in t.top]
+        if t.token in ids:
+            n_ranked += 1
+            assert t.rank == ids.index(t.token) + 1
+        else:
+            assert t.rank > 20
+    assert n_ranked > 0
+    body = {"model": llm.model_name, "prompt": prompt, "max_tokens": 3, "temperature": 0, "n": 2}
+    r = httpx.post(server.url + "/v1/completions", json={**body, "prompt_logprobs": 2}, timeout=60).json()
+    want = _prompt_entries_want(tok, ref, 2)
+    assert [_entries(c["prompt_logprobs"]) for c in r["choices"]] == [want, want]
+    assert r["choices"][0]["text"] == ref.text and r["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    # echo's logprobs keep their own k (1: the token and one alternative) beside prompt_logprobs' 3
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "n": 1, "echo": True, "logprobs": 1, "prompt_logprobs": 3},
+        timeout=60,
+    ).json()
+    assert _entries(r["choices"][0]["prompt_logprobs"]) == _prompt_entries_want(tok, ref, 3)
+    tops = r["choices"][0]["logprobs"]["top_logprobs"][1 : len(ref.prompt_token_ids)]
+    assert all(1 <= len(top) <= 2 for top in tops)
+    # chat: at the top level, the rendered prompt's tokens
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ref = llm.generate(tok.apply_chat_template(messages), max_tokens=3, temperature=0, prompt_logprobs=1)
+    chat = {"model": llm.model_name, "messages": messages, "max_tokens": 3, "temperature": 0}
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 1}, timeout=60
+    ).json()
+    assert _entries(r["prompt_logprobs"]) == _prompt_entries_want(tok, chat_ref, 1)
+    assert (
+        "prompt_logprobs" not in httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    )
+    # a stream may ask for 0 (ignored, as vLLM does)
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 0, "stream": True}, timeout=60
+    )
+    assert r.status_code == 200 and _sse(r)[-1]["choices"][0]["finish_reason"]
+
+
+def test_truncate_prompt_tokens(server, llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens only (the output and usage are those of
+    that prompt alone; echo shows what the model saw); -1 keeps the most that leave room for max_tokens,
+    so a prompt longer than the context is served."""
+    tok = llm.tokenizer
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = tok.encode(prompt)
+    ref = llm.generate(ids[-4:], max_tokens=5, temperature=0)
+    body = {"model": llm.model_name, "prompt": prompt, "max_tokens": 5, "temperature": 0}
+    r = httpx.post(
+        server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 4}, timeout=60
+    ).json()
+    assert r["choices"][0]["text"] == ref.text and r["usage"]["prompt_tokens"] == 4
+    r = httpx.post(
+        server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 4, "echo": True}, timeout=60
+    ).json()
+    assert r["choices"][0]["text"] == tok.decode(ids[-4:]) + ref.text
+    long = {**body, "prompt": "hello world " * 3000}  # longer than the context of 4096
+    assert httpx.post(server.url + "/v1/completions", json=long, timeout=60).status_code == 400
+    r = httpx.post(server.url + "/v1/completions", json={**long, "truncate_prompt_tokens": -1}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == llm.max_model_len - 5
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ids = tok.encode(tok.apply_chat_template(messages))
+    chat_ref = llm.generate(chat_ids[-3:], max_tokens=4, temperature=0)
+    chat = {"model": llm.model_name, "messages": messages, "max_tokens": 4, "temperature": 0}
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 3}, timeout=60
+    )
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    assert r.json()["choices"][0]["message"]["content"] == _parsed("", chat_ref.text)[0]
+
+
+def test_return_tokens_as_token_ids(client, llm):
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:N` (completions' tokens and
+    top_logprobs keys, chat's tokens and alternatives, streamed and not); chat's bytes stay the token's."""
+    ref = llm.generate("Hello there", max_tokens=6, temperature=0, logprobs=2)
+    named = [f"token_id:{i}" for i in ref.token_ids]
+    extra = {"return_tokens_as_token_ids": True}
+    kw = dict(model=llm.model_name, prompt="Hello there", max_tokens=6, temperature=0, logprobs=2)
+    lp = client.completions.create(**kw, extra_body=extra).choices[0].logprobs
+    assert lp.tokens == named
+    assert [set(top) for top in lp.top_logprobs] == [
+        {f"token_id:{i}" for i, _ in t.top} | {f"token_id:{t.token}"} for t in ref.logprobs
+    ]
+    streamed = client.completions.create(**kw, extra_body=extra, stream=True)
+    assert [
+        x for e in streamed if e.choices and e.choices[0].logprobs for x in e.choices[0].logprobs.tokens
+    ] == named
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ref = llm.generate(
+        llm.tokenizer.apply_chat_template(messages), max_tokens=6, temperature=0, logprobs=2
+    )
+    ckw = dict(
+        model=llm.model_name, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    for stream in (False, True):
+        r = client.chat.completions.create(**ckw, extra_body=extra, stream=stream)
+        entries = (
+            [e for ev in r if ev.choices and ev.choices[0].logprobs for e in ev.choices[0].logprobs.content]
+            if stream
+            else r.choices[0].logprobs.content
+        )
+        assert [e.token for e in entries] == [f"token_id:{i}" for i in chat_ref.token_ids]
+        assert [bytes(e.bytes) for e in entries] == [llm.tokenizer.token_bytes(i) for i in chat_ref.token_ids]
+        assert [[x.token for x in e.top_logprobs] for e in entries] == [
+            [f"token_id:{i}" for i, _ in t.top] for t in chat_ref.logprobs
+        ]
+
+
 def test_a_batch_of_prompts_is_each_prompt_alone(client, server, llm):
     """A completions request with several prompts (strings or token-id lists, as evaluation harnesses send
     them) answers choice i for prompt i, each what the prompt gets alone; streamed, each chunk carries its

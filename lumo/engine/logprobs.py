@@ -27,6 +27,9 @@ class TokenLogprob:
     logprob: float
     # the k most likely (id, logprob), best first; none at -inf (tokens a grammar refused)
     top: list[tuple[int, float]] = field(default_factory=list)
+    # the token's place in its row, 1 = most likely: the tokens at least as likely, itself included (vLLM's
+    # count, ties counted); prompt tokens only (None elsewhere: the OpenAI shapes have no rank)
+    rank: int | None = None
 
 
 def check_logprobs(k: object) -> int | None:
@@ -44,14 +47,15 @@ def check_logprobs(k: object) -> int | None:
 
 
 def token_logprobs(
-    rows: torch.Tensor, tokens: list[int], k: int, row_by_row: bool = True
+    rows: torch.Tensor, tokens: list[int], k: int, row_by_row: bool = True, ranks: bool = False
 ) -> list[TokenLogprob]:
     """rows [n, V] (any float dtype): row i holds the logits that chose tokens[i]. One host copy in all.
 
     row_by_row: each row's numbers independent of the rows beside it (what the exactness of speculative
     decoding's logprobs needs): on CUDA lumo.kernels.logprobs (one launch for all rows), elsewhere one
     torch launch per row. False: torch on all rows at once (a prompt's rows: faster there for a block of
-    hundreds of rows, bench/bench_logprobs.py).
+    hundreds of rows, bench/bench_logprobs.py). ranks: each token's rank too (TokenLogprob.rank; torch's
+    path, row_by_row False).
     """
     n = rows.shape[0]
     if n != len(tokens):
@@ -60,6 +64,8 @@ def token_logprobs(
         return []
     ids = torch.as_tensor(tokens, dtype=torch.long, device=rows.device)
     k = min(k, rows.shape[1])
+    if ranks and row_by_row:
+        raise ValueError("ranks are computed on the rows at once (row_by_row=False)")
     if row_by_row and rows.is_cuda and rows.dtype in (torch.float32, torch.bfloat16):
         host = _row_logprobs(rows if rows.stride(1) == 1 else rows.contiguous(), ids, k).cpu().tolist()
     else:
@@ -72,13 +78,15 @@ def token_logprobs(
         if k:
             top_v, top_i = torch.topk(lp, k, dim=-1)
             parts += [top_v, top_i]
+        if ranks:
+            parts.append((lp >= parts[0]).sum(1, keepdim=True))
         host = torch.cat([p.double() for p in parts], dim=1).cpu().tolist()  # token ids < 2^53: exact
     # Alternatives at -inf (tokens a structured output's grammar refuses) are left out: they are no
     # alternatives, and their order among themselves would be the top-k's arbitrary one.
     out = []
     for t, r in zip(tokens, host, strict=True):
-        top = [(int(i), v) for v, i in zip(r[1 : 1 + k], r[1 + k :], strict=True) if v > -math.inf]
-        out.append(TokenLogprob(t, r[0], top))
+        top = [(int(i), v) for v, i in zip(r[1 : 1 + k], r[1 + k : 1 + 2 * k], strict=True) if v > -math.inf]
+        out.append(TokenLogprob(t, r[0], top, int(r[-1]) if ranks else None))
     return out
 
 
@@ -127,7 +135,7 @@ class PromptLogprobs:
         nxt = self.ids[start + 1 : start + 1 + rows.shape[0]]
         if start != len(self.out):
             raise ValueError(f"prompt rows from {start}, but {len(self.out)} were scored")
-        self.out += token_logprobs(rows[: len(nxt)], nxt, self.k, row_by_row=False)
+        self.out += token_logprobs(rows[: len(nxt)], nxt, self.k, row_by_row=False, ranks=True)
 
     def hidden(self, rows: torch.Tensor, start: int) -> None:
         for lo in range(0, min(rows.shape[0], len(self.ids) - 1 - start), self.block):

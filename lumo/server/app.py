@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -38,7 +39,7 @@ from .chat import (
     render_prompt,
 )
 from .errors import APIError, anthropic_error, error_response, install_error_handlers
-from .logprobs import chat_entries, completion_logprobs, extend
+from .logprobs import chat_entries, completion_logprobs, extend, prompt_entries
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import ResponseBuilder, ResponsesRequest, response_head, response_usage
@@ -204,9 +205,21 @@ class _CompletionOutput:
     logprobs cover an end-of-sequence token that ended the output (not in the text), as vLLM's do: a
     harness that drops the last entry of an echoed one-token completion keeps the prompt's whole."""
 
-    def __init__(self, tok: Any, job: Job, prompt_ids: list[int], echo: str | None, score_only: bool):
+    def __init__(
+        self,
+        tok: Any,
+        job: Job,
+        prompt_ids: list[int],
+        echo: str | None,
+        score_only: bool,
+        as_ids: bool = False,
+        prompt_k: int | None = None,
+    ):
+        """as_ids: tokens named by id (return_tokens_as_token_ids). prompt_k: vLLM's prompt_logprobs (None:
+        not asked; the prompt's entries are then in `prompt_logprobs` after the first chunk)."""
         self.tok, self.job, self.prompt_ids, self.echo = tok, job, prompt_ids, echo
-        self.score_only = score_only
+        self.score_only, self.as_ids, self.prompt_k = score_only, as_ids, prompt_k
+        self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         self.n_prompt, self.n_gen, self.first = len(prompt_ids), 0, True
         # text_offset: where each token's text starts, by the engine's own incremental detokenisation
         self.pos = 0
@@ -235,18 +248,23 @@ class _CompletionOutput:
         offsets = []
         if self.first:
             self.first = False
+            scored = getattr(chunk, "prompt_logprobs", None) or []
+            if self.prompt_k is not None:
+                self.prompt_logprobs = prompt_entries(self.tok, scored, self.prompt_k)
             if self.echo is not None:
                 text = self.echo + text
                 if self.job.wants_logprobs:  # the echoed text is the prompt's decode, specials included
                     echo = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
                     offsets = self._offsets(self.prompt_ids, echo)
                     self.pos = len(self.echo)  # the completion's text follows the echoed prompt
-                ids, lps = self.prompt_ids + ids, (getattr(chunk, "prompt_logprobs", None) or []) + lps
+                k = self.job.sampling["logprobs"]  # the engine may have scored more for prompt_logprobs
+                echoed = [t if t is None else replace(t, top=t.top[:k]) for t in scored]
+                ids, lps = self.prompt_ids + ids, echoed + lps
         if not self.job.wants_logprobs:
             return text, None
         offsets += self._offsets(ids[len(offsets) :], self.detok)
         lps += [None] * (len(ids) - len(lps))  # an engine that scores nothing: null entries, not an error
-        return text, completion_logprobs(self.tok, ids, lps, offsets)
+        return text, completion_logprobs(self.tok, ids, lps, offsets, self.as_ids)
 
     def reason(self, engine_reason: str | None) -> str:
         return "length" if self.score_only else engine_reason or "length"
@@ -362,11 +380,12 @@ class _Server:
             raise APIError(400, msg, name, "context_length_exceeded")
         return max_tokens
 
-    async def _encode(self, text: str, param: str) -> list[int]:
+    async def _encode(self, text: str, param: str, truncating: bool = False) -> list[int]:
         """A prompt's token ids, tokenised in a worker thread. A text far longer than the context could
-        hold is refused at once, and text that is not valid Unicode is a 400."""
+        hold is refused at once (unless the request truncates it), and text that is not valid Unicode is
+        a 400."""
         tok, limit = self.llm.tokenizer, self.llm.max_model_len
-        if len(text) > PROMPT_CHARS_SLACK * limit * tok.max_token_chars:
+        if not truncating and len(text) > PROMPT_CHARS_SLACK * limit * tok.max_token_chars:
             msg = f"the prompt has {len(text)} characters, far more than the context of {limit} tokens holds"
             raise APIError(400, msg, param, "context_length_exceeded")
         try:
@@ -425,19 +444,20 @@ class _Server:
             watcher.cancel()
             job.cancel()
 
-    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None, list, Any]:
+    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None, list, Any, list]:
         """Run a non-streamed job to its end. Returns the text, the number of tokens, the finish reason,
-        the tokens' logprobs (empty unless the job asked) and the stop reason (vLLM's: the stop string or
-        stop token id that ended it, else None)."""
-        parts, n_gen, reason, lps, why = [], 0, None, [], None
+        the tokens' logprobs (empty unless the job asked), the stop reason (vLLM's: the stop string or
+        stop token id that ended it, else None) and the prompt's logprobs (empty unless asked)."""
+        parts, n_gen, reason, lps, why, prompt_lps = [], 0, None, [], None, []
         async for chunk in self._collected(job, request):
+            prompt_lps = prompt_lps or getattr(chunk, "prompt_logprobs", None) or []
             parts.append(chunk.text)
             n_gen += len(chunk.token_ids)
             reason = chunk.finish_reason or reason
             why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
             if job.wants_logprobs:
                 lps += chunk_logprobs(chunk)
-        return "".join(parts), n_gen, reason, lps, why
+        return "".join(parts), n_gen, reason, lps, why, prompt_lps
 
     # ---- /v1/completions ----
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -451,20 +471,23 @@ class _Server:
         want = 1 if score_only else body.max_tokens
         structured = await self._structured(body)  # one grammar for every prompt
         items = []  # every prompt checked before the first one runs
+        truncating = body.truncate_prompt_tokens is not None
         for i, prompt in enumerate(prompts):
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(prompt, str):
-                ids = await self._encode(prompt, param)
+                ids = await self._encode(prompt, param, truncating)
             else:
                 if any(t < 0 or t >= tok.vocab_size for t in prompt):
                     raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", param)
                 ids = list(prompt)
-            budget = self._budget(len(ids), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
+            room = COMPLETION_DEFAULT_MAX_TOKENS if want is None else want
+            kept = body.truncated(ids, room, self.llm.max_model_len)
+            budget = self._budget(len(kept), want, COMPLETION_DEFAULT_MAX_TOKENS, param)
             _check_min_tokens(body, budget)
             echo = None
-            if body.echo:
-                echo = prompt if isinstance(prompt, str) else tok.decode(ids)
-            items.append((ids, budget, echo))
+            if body.echo:  # the prompt the model saw
+                echo = prompt if isinstance(prompt, str) and len(kept) == len(ids) else tok.decode(kept)
+            items.append((kept, budget, echo))
         n = body.choices
 
         ticket = self.worker.admit()  # a 503 now, or a place held for the first job
@@ -475,14 +498,15 @@ class _Server:
             ids, budget, echo = items[c // n]
             sampling = {**body.sampling(c % n), **by_id, "structured_outputs": structured}
             job = self._submit(ids, budget, sampling, ticket)
-            return _CompletionOutput(tok, job, ids, echo, score_only)
+            as_ids = bool(body.return_tokens_as_token_ids)
+            return _CompletionOutput(tok, job, ids, echo, score_only, as_ids, body.prompt_logprobs_k(c % n))
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return self._streaming(self._stream_completion(start, len(items) * n, n, head, usage))
-        choices, outs = [], []
+        choices, outs, scored = [], [], None
         for i in range(len(items) * n):
             if i and await request.is_disconnected():
                 break  # the client went away: the rest of the batch would go unread
@@ -494,15 +518,17 @@ class _Server:
                 text, logprobs = text + piece, extend(logprobs, lp)
                 reason = chunk.finish_reason or reason
                 why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
-            choices.append(
-                {
-                    "index": i,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": out.reason(reason),
-                    "stop_reason": None if out.score_only else why,  # vLLM's: the stop string or token id
-                }
-            )
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": out.reason(reason),
+                "stop_reason": None if out.score_only else why,  # vLLM's: the stop string or token id
+            }
+            if body.prompt_logprobs is not None:  # vLLM's, on every choice; scored by the prompt's first
+                scored = out.prompt_logprobs if i % n == 0 else scored
+                choice["prompt_logprobs"] = scored
+            choices.append(choice)
         return {**head, "choices": choices, "usage": _batch_usage(outs, n)}
 
     async def _stream_completion(
@@ -551,7 +577,9 @@ class _Server:
         by_id = body.token_settings(self._vocab_size)  # logit_bias, stop_token_ids
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, body)  # a long chat takes a while: off the loop
-        prompt_ids = await self._encode(prompt, "messages")
+        truncating = body.truncate_prompt_tokens is not None
+        prompt_ids = await self._encode(prompt, "messages", truncating)
+        prompt_ids = body.truncated(prompt_ids, body.max_new_tokens(), self.llm.max_model_len)
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages", name)
         _check_min_tokens(body, max_tokens)
@@ -575,19 +603,25 @@ class _Server:
 
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_name}
+        as_ids = bool(body.return_tokens_as_token_ids)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
-            return self._streaming(self._stream_chat(start, body.choices, head, len(prompt_ids), usage))
-        choices, n_gen, cached = [], 0, 0
+            events = self._stream_chat(start, body.choices, head, len(prompt_ids), usage, as_ids)
+            return self._streaming(events)
+        choices, n_gen, cached, scored = [], 0, 0, None
         for j in range(body.choices):
             if j and await request.is_disconnected():
                 break
             job, parser = start(j)
-            text, n_tok, reason, lps, why = await self._collect(job, request)
+            text, n_tok, reason, lps, why, prompt_lps = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
-            logprobs = {"content": chat_entries(tok, lps), "refusal": None} if job.wants_logprobs else None
+            if j == 0 and body.prompt_logprobs is not None:
+                scored = prompt_entries(tok, prompt_lps, body.prompt_logprobs)
+            logprobs = None
+            if job.wants_logprobs:
+                logprobs = {"content": chat_entries(tok, lps, as_ids), "refusal": None}
             choices.append(
                 {
                     "index": j,
@@ -598,7 +632,8 @@ class _Server:
                 }
             )
             n_gen, cached = n_gen + n_tok, cached if j else job.cached_tokens  # the prompt's, from choice 0
-        return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached)}
+        extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": scored}  # vLLM's, top level
+        return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached), **extra}
 
     # ---- /v1/responses ----
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
@@ -637,7 +672,7 @@ class _Server:
 
         if not body.stream:
             job = submit()
-            text, n_gen, reason, _, _ = await self._collect(job, request)
+            text, n_gen, reason, _, _, _ = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
             build.feed(parsed)
@@ -715,7 +750,7 @@ class _Server:
 
         if not body.stream:
             job = submit()
-            text, n_gen, reason, _, why = await self._collect(job, request)
+            text, n_gen, reason, _, why, _ = await self._collect(job, request)
             parsed = parser.feed(text)
             parsed.extend(parser.finish())
             build.feed(parsed)
@@ -788,8 +823,9 @@ class _Server:
         head: dict[str, Any],
         n_prompt: int,
         include_usage: bool,
+        as_ids: bool = False,
     ) -> AsyncIterator[str]:
-        """The n choices' chunks in turn, each under its index."""
+        """The n choices' chunks in turn, each under its index (as_ids: logprobs name tokens by id)."""
         extra = {"usage": None} if include_usage else {}
         n_gen, jobs = [0], []
 
@@ -797,7 +833,7 @@ class _Server:
             for j in range(n):
                 job, parser = start(j)
                 jobs.append(job)
-                async for event in self._chat_choice(j, job, parser, head, extra, n_gen):
+                async for event in self._chat_choice(j, job, parser, head, extra, n_gen, as_ids):
                     yield event
 
         # the prompt's cached tokens: choice 0's
@@ -813,16 +849,17 @@ class _Server:
         head: dict[str, Any],
         extra: dict[str, Any],
         n_gen: list[int],
+        as_ids: bool,
     ) -> AsyncIterator[str]:
         """One choice's streamed chunks: the role, the parser's deltas, the finish reason (n_gen[0] counts
-        its tokens)."""
+        its tokens; as_ids: logprobs name tokens by id)."""
         tok = self.llm.tokenizer
         held = []  # logprobs of tokens whose text the parser still holds: they go out with the next delta
 
         def chunk_of(delta: dict[str, Any], reason: str | None = None) -> str:
             logprobs = None
             if job.wants_logprobs:
-                logprobs = {"content": chat_entries(tok, held), "refusal": None}
+                logprobs = {"content": chat_entries(tok, held, as_ids), "refusal": None}
                 held.clear()
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:

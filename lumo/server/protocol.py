@@ -62,12 +62,7 @@ class ChatMessage(BaseModel):
 
 
 # vLLM's request options lumo does not implement -> what they ask for
-_REFUSED = {
-    "use_beam_search": "beam search",
-    "prompt_logprobs": "the prompt's logprobs: on /v1/completions, echo with logprobs",
-    "truncate_prompt_tokens": "prompt truncation",
-    "return_tokens_as_token_ids": "token ids as tokens",
-}
+_REFUSED = {"use_beam_search": "beam search"}
 MAX_CHOICES = 256  # choices in one request: n (x the prompts of a completions batch)
 # vLLM's older structured-output fields -> StructuredOutputs' names
 GUIDED = {
@@ -142,10 +137,14 @@ class _Common(BaseModel):
     user: str | None = None
     # vLLM's options that lumo does not implement: a 400 when set to change the output (_REFUSED)
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
-    return_tokens_as_token_ids: Any = None
     best_of: StrictInt | None = None
+    # vLLM's: the prompt tokens' logprobs and k alternatives each (non-streamed; 0 with stream is ignored,
+    # as vLLM does), only the prompt's last k tokens kept (-1: the most that leave room for the tokens to
+    # generate: max_tokens, else completions' default of 16, chat's one), tokens in logprobs named
+    # `token_id:N`
+    prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
     # Structured outputs (lumo.engine.grammar): OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -165,6 +164,16 @@ class _Common(BaseModel):
                 raise APIError(400, f"{name} is not supported ({what})", name)
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            msg = f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {k}"
+            raise APIError(400, msg, "prompt_logprobs")
+        if k and self.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        t = self.truncate_prompt_tokens
+        if t is not None and t < 1 and t != -1:
+            msg = f"truncate_prompt_tokens must be -1 or a positive number of tokens, got {t}"
+            raise APIError(400, msg, "truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given with stream: true", "stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -242,6 +251,25 @@ class _Common(BaseModel):
         """Alternatives per token for lumo.engine.logprobs (None: no logprobs)."""
         return None
 
+    def prompt_logprobs_k(self, choice: int = 0) -> int | None:
+        """The alternatives per prompt token the engine scores for choice `choice` of n (None: it scores
+        none): what prompt_logprobs asks, on the first choice only (the prompt is the same for all; its
+        scoring prefill reuses no cached prefix). A stream leaves it out (a 0 is all it may ask)."""
+        return self.prompt_logprobs if choice == 0 and not self.stream else None
+
+    def truncated(self, ids: list[int], max_tokens: int | None, limit: int) -> list[int]:
+        """The prompt's ids as truncate_prompt_tokens keeps them (its last tokens; unchanged when unset)
+        for a context of `limit` tokens and the tokens to generate (None: one)."""
+        t = self.truncate_prompt_tokens
+        if t is None:
+            return ids
+        if t > limit:
+            msg = f"truncate_prompt_tokens {t} exceeds this model's context of {limit} tokens"
+            raise APIError(400, msg, "truncate_prompt_tokens")
+        if t == -1:
+            t = max(limit - (max_tokens or 1), 1)
+        return ids[-t:]
+
     @property
     def choices(self) -> int:
         return self.n or 1
@@ -267,6 +295,7 @@ class _Common(BaseModel):
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "skip_special_tokens": self.skip_special_tokens is not False,
             "logprobs": self.logprobs_k(),
+            "prompt_logprobs": self.prompt_logprobs_k(choice),
         }
 
 
@@ -297,8 +326,11 @@ class CompletionRequest(_Common):
         return self.logprobs
 
     def sampling(self, choice: int = 0) -> dict[str, Any]:
-        # echo with logprobs: the prompt's tokens are scored too (lumo.engine.logprobs.PromptLogprobs)
-        return {**super().sampling(choice), "prompt_logprobs": self.logprobs if self.echo else None}
+        # echo with logprobs: the prompt's tokens are scored too (lumo.engine.logprobs.PromptLogprobs), for
+        # every choice (each echoes them); prompt_logprobs: choice 0's, with as many alternatives as either
+        echoed = self.logprobs if self.echo else None
+        ks = [k for k in (echoed, self.prompt_logprobs_k(choice)) if k is not None]
+        return {**super().sampling(choice), "prompt_logprobs": max(ks, default=None)}
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one string or list of token ids, or a batch of either (served one after
