@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lumo import model as M
-from lumo.config import TreeConfig
+from lumo.config import ConfigError, TreeConfig
 from lumo.engine.decode import SpecDecoder
 from lumo.engine.gpu_decode import GPUDecoder
 from lumo.engine.gpu_spec import GPUSpecDecoder, GPUSpecEngine
@@ -888,3 +888,30 @@ def test_prompts_at_the_end_of_the_context_speculate(monkeypatch):
         while len(got) < new:
             got += dec.step()
         assert got[:new] == want[:new], n
+
+
+def test_the_context_is_fitted_to_free_memory_with_the_trees_slots(monkeypatch):
+    """GPUBackend.fit_context (what LLM calls after packing): the longest request's runner, max_model_len
+    plus the tree's slots with the drafter's cache, against the free memory (patched: no GPU here); the
+    backend then serves the lowered context, and a request for more is refused."""
+    import lumo.engine.gpu_decode as gd
+    from lumo.engine.gpu_spec import SpecBackend
+    from lumo.engine.runner import cache_bytes
+
+    cfg, gw = tiny()
+    spec = SpecBackend(gd.GPUBackend(cfg, gw, 8192, "cpu", use_graph=False), TreeConfig())
+    backend, extra, mtp = spec.backend, spec.extra_positions, cfg.mtp_num_hidden_layers
+    assert extra == TreeConfig().rows + TreeConfig().depth + 1 and mtp >= 1
+
+    def need(n):
+        return cache_bytes(cfg, n + extra, backend.prefill_chunk, backend.prefix_snapshots, mtp)
+
+    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: need(8192) + gd.GPU_MEMORY_MARGIN)
+    assert backend.fit_context(False, extra, mtp) == 8192 == backend.max_model_len
+    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: need(5000) + gd.GPU_MEMORY_MARGIN)
+    with pytest.raises(ConfigError, match="at most 4864 tokens fit"):
+        backend.fit_context(True, extra, mtp)
+    assert backend.max_model_len == 8192
+    assert backend.fit_context(False, extra, mtp) == 4864 == backend.max_model_len
+    with pytest.raises(ValueError, match="exceed the context length 4864"):
+        spec.decoder(SamplingParams(temperature=0.0), 5000)

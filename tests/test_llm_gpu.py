@@ -133,3 +133,27 @@ def test_check_and_bench_on_the_kernels():
     rows = run_bench(llm, [128, 1024], gen=128, repeats=3)
     print(format_table(rows))
     assert [r.mode for r in rows] == ["plain", "plain", "tree", "tree"] and rows[2].accepted > 1
+
+
+def test_the_context_fits_the_gpus_free_memory(monkeypatch, capsys):
+    """LLM on the kernels checks max_model_len against the GPU's free memory after packing: the real
+    figure on this GPU (the tiny model's whole context fits); with less memory (patched), the model's own
+    context is lowered with a notice and still serves, one asked for is a ConfigError naming what fits."""
+    import lumo.engine.gpu_decode as gd
+    from lumo.config import ConfigError
+
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < gd.free_gpu_bytes("cuda") <= total
+    path = assets("lumo-tiny")
+    full = LLM(path, device="cuda")
+    assert full.max_model_len == full.config.max_position_embeddings
+    del full
+    # the tiny model's caches: ~85 MB (the prefill's chunk) + ~1.5 KB per position: ~2,400 positions fit
+    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: gd.GPU_MEMORY_MARGIN + 88_000_000)
+    small = LLM(path, device="cuda")
+    assert 256 <= small.max_model_len < small.config.max_position_embeddings
+    assert f"context limited to {small.max_model_len} tokens" in capsys.readouterr().err
+    out = small.generate("def fibonacci(n):", max_tokens=16, temperature=0)
+    assert len(out.token_ids) == 16
+    with pytest.raises(ConfigError, match=f"at most {small.max_model_len} tokens fit"):
+        LLM(path, device="cuda", max_model_len=small.config.max_position_embeddings)

@@ -8,16 +8,78 @@ requests (lumo.engine.prefix: a hit computes the bits a miss does).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..weights import ModelWeights
 from .decode import slot_capacity
 from .gpu_weights import GPUWeights, pack_weights
 from .grammar import Constraint
 from .logprobs import PromptLogprobs, ScoresTokens
-from .runner import PREFILL_CHUNK, GPURunner
+from .runner import PREFILL_CHUNK, GPURunner, cache_bytes
 from .sampling import SamplingParams
+
+# What runner.cache_bytes does not count: the CUDA graphs' pools, cuBLAS workspaces, a speculative engine's
+# tree buffers (~0.15 GB on the 27B), the allocator's rounding
+GPU_MEMORY_MARGIN = 1 << 30
+
+
+def free_gpu_bytes(device: torch.device | str) -> int:
+    """Memory a runner could still take on `device`: the driver's free memory plus what torch's allocator
+    holds unused. On an integrated GPU (a GB10: one memory with the CPU) at least the OS's MemAvailable,
+    which counts the page cache (the checkpoint just read) that the driver's figure leaves out."""
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if torch.cuda.get_device_properties(device).is_integrated:
+        free = max(free, _mem_available())
+    return free
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def fit_context(
+    need: Callable[[int], int], free: int, max_len: int, explicit: bool, margin: int = GPU_MEMORY_MARGIN
+) -> int:
+    """The context to serve, given `need(n)`, the bytes a context of n tokens takes beside the weights, and
+    the `free` bytes: max_len when it fits (with `margin` to spare); else, for the model's own context
+    (explicit False), the longest that fits, a multiple of 256 (a line on stderr says so); a context the
+    user asked for (explicit) is a ConfigError naming the longest that fits, as is a GPU where not even
+    256 tokens fit."""
+    budget = free - margin
+    if need(max_len) <= budget:
+        return max_len
+    lo, hi = 0, max_len // 256  # the longest fitting multiple of 256: need grows with n
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid * 256) <= budget else (lo, mid - 1)
+    fit, gb = lo * 256, 1e9
+    have = f"{max(free, 0) / gb:.1f} GB of GPU memory is free after the weights"
+    if fit == 0:
+        raise ConfigError(f"{have}; even a context of 256 tokens needs {(need(256) + margin) / gb:.1f} GB")
+    if explicit:
+        wanted = (need(max_len) + margin) / gb
+        raise ConfigError(
+            f"max_model_len {max_len} needs {wanted:.1f} GB for its caches but {have}: at most {fit} tokens "
+            f"fit (--max-model-len {fit})"
+        )
+    print(
+        f"lumo: context limited to {fit} tokens: {have}, the model's {max_len} would need "
+        f"{(need(max_len) + margin) / gb:.1f} GB (--max-model-len sets it)",
+        file=sys.stderr,
+    )
+    return fit
 
 
 class GPUDecoder(ScoresTokens):
@@ -87,6 +149,18 @@ class GPUBackend:
         self.prefix_snapshots = prefix_snapshots
         self.weights = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, self.device)
         self.runner: GPURunner | None = None
+
+    def fit_context(self, explicit: bool, extra: int = 0, mtp_layers: int = 0) -> int:
+        """Check that the longest request, max_model_len positions plus `extra` (a speculative tree's
+        slots) with `mtp_layers` drafter layers' cache, fits the GPU's free memory (fit_context); the
+        context the backend then serves (max_model_len, lowered where the model's own did not fit)."""
+
+        def need(n: int) -> int:
+            cap = slot_capacity(n + extra, n)
+            return cache_bytes(self.cfg, cap, self.prefill_chunk, self.prefix_snapshots, mtp_layers)
+
+        self.max_model_len = fit_context(need, free_gpu_bytes(self.device), self.max_model_len, explicit)
+        return self.max_model_len
 
     def capacity_for(self, max_len: int) -> int:
         """Runner size for a request of max_len positions (decode.slot_capacity)."""

@@ -886,9 +886,15 @@ class SpecBackend:
         self.tree = chain_config(tree.depth) if chain else tree
         self.engine: GPUSpecEngine | None = None
 
+    @property
+    def extra_positions(self) -> int:
+        """Cache slots a runner holds beyond a request's positions: an event's tree rows after the
+        committed ones (and the drafter's steps)."""
+        return self.tree.rows + self.tree.depth + 1
+
     def decoder(self, params: SamplingParams, max_len: int, adaptive: bool = True) -> GPUSpecDecoder:
         """adaptive=False: events only, whatever the policy (its state untouched)."""
-        runner = self.backend.runner_for(max_len, self.tree.rows + self.tree.depth + 1)
+        runner = self.backend.runner_for(max_len, self.extra_positions)
         if self.engine is None or self.engine.runner is not runner:
             self.engine = None
             self.engine = GPUSpecEngine(runner, self.tree)

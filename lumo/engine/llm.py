@@ -244,7 +244,7 @@ class LLM:
             self.sampling_params(seed=0)
         except ValueError as e:
             raise ConfigError(f"{path / 'generation_config.json'}: {e}") from None
-        self._gpu = self._kernel_backend() if self.backend == "kernels" else None
+        self._gpu = self._kernel_backend(max_model_len is not None) if self.backend == "kernels" else None
         # A small model's decode steps on the CPU run on one thread (_decode_threads), unless the user
         # chose the threads (OMP_NUM_THREADS)
         self._one_thread_steps = (
@@ -257,7 +257,9 @@ class LLM:
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._grammars_lock = threading.Lock()
 
-    def _kernel_backend(self):
+    def _kernel_backend(self, explicit_context: bool):
+        """The packed weights and the runner's backend; max_model_len checked against the GPU's free memory
+        (lowered with a notice when the model's own context does not fit, a ConfigError when the user's)."""
         from .gpu_decode import GPUBackend
         from .gpu_weights import draft_quant, pack_weights
 
@@ -271,13 +273,17 @@ class LLM:
             self.config, packed, self.max_model_len, self.device, prefix_snapshots=self.prefix_snapshots
         )
         if self.spec == "off":
+            self.max_model_len = backend.fit_context(explicit_context)
             return backend
         from .gpu_spec import SpecBackend
 
         # Events replay CUDA graphs: bitwise the eager events (tests/test_gpu_spec_gpu.py, H200).
-        return SpecBackend(
+        spec = SpecBackend(
             backend, self.tree, chain=self.spec == "chain", use_graph=True, adaptive=self.adaptive_spec
         )
+        mtp_layers = self.config.mtp_num_hidden_layers  # the drafter's own K/V cache
+        self.max_model_len = backend.fit_context(explicit_context, spec.extra_positions, mtp_layers)
+        return spec
 
     # ---- public API ----
     def generate(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> GenerationResult:

@@ -561,6 +561,21 @@ def splitk_partial_bytes(cfg: ModelConfig, min_splits: int = 16) -> int:
     return total
 
 
+def cache_bytes(
+    cfg: ModelConfig,
+    max_len: int,
+    chunk: int = PREFILL_CHUNK,
+    prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
+    mtp_layers: int = 0,
+) -> int:
+    """GPU memory a runner of max_len positions needs beside the packed weights: memory_plan's caches,
+    buffers, prefill peak and prefix snapshots, and the K/V of `mtp_layers` drafter layers (a speculative
+    engine's own cache of max_len positions)."""
+    plan = memory_plan(cfg, max_len, chunk, prefix_snapshots=prefix_snapshots)
+    mtp_kv = mtp_layers * max_len * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    return sum(v for k, v in plan.items() if k != "weights") + mtp_kv
+
+
 def memory_plan(
     cfg: ModelConfig,
     max_len: int,
