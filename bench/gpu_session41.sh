@@ -16,6 +16,8 @@ a)
   group 150 t_rope $P tests/test_rope_kv_gpu.py tests/test_runner_gpu.py
   group 150 t_llm $P tests/test_llm_gpu.py tests/test_logprobs_gpu.py
   group 90 check python -m lumo check
+  group 120 first python bench/bench_first_request.py
+  tail -5 "$out/first.log"
   ;;
 b)
   group 200 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and not 27b and not drafter"

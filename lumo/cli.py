@@ -341,6 +341,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         check_tls(args.ssl_certfile, args.ssl_keyfile)  # before minutes of loading weights
     llm = _llm(args, progress=True)
+    if llm.backend == "kernels":
+        print("lumo: warming up (kernels, CUDA graphs) ...", end="", flush=True)
+        print(f" {llm.warm_up():.1f} s", flush=True)
     run_server(
         llm,
         host=args.host,

@@ -84,6 +84,14 @@ def test_bad_prompts_are_value_errors(llm, prompt):
         llm.generate(prompt, max_tokens=2)
 
 
+def test_warm_up_is_nothing_on_the_torch_backend(llm):
+    """warm_up compiles and captures for the kernels (tests/test_llm_gpu.py); the torch backend has
+    neither, so it does nothing and the next generation is unchanged."""
+    want = llm.generate("import os", max_tokens=6, temperature=0).token_ids
+    assert llm.warm_up() == 0.0
+    assert llm.generate("import os", max_tokens=6, temperature=0).token_ids == want
+
+
 def test_token_id_prompts(llm):
     ids = llm.tokenizer.encode("hello")
     want = llm.generate(ids, max_tokens=4, temperature=0).token_ids

@@ -157,3 +157,17 @@ def test_the_context_fits_the_gpus_free_memory(monkeypatch, capsys):
     assert len(out.token_ids) == 16
     with pytest.raises(ConfigError, match=f"at most {small.max_model_len} tokens fit"):
         LLM(path, device="cuda", max_model_len=small.config.max_position_embeddings)
+
+
+def test_warm_up_captures_before_the_first_request_and_changes_nothing():
+    """LLM.warm_up (lumo serve's): the runner and the speculative engine's graphs exist before the first
+    request, whose tokens and logprobs are bitwise those of an LLM that was not warmed up; adaptive
+    speculation starts afresh."""
+    path = assets("lumo-tiny")
+    cold, warm = LLM(path, device="cuda"), LLM(path, device="cuda")
+    assert warm.warm_up() > 0 and warm._gpu.engine.graphs is not None
+    assert warm._gpu.policy == cold._gpu.policy  # a dataclass: every field, the measurements too
+    for prompt in PROMPTS[:3]:
+        kw = dict(max_tokens=40, temperature=0, logprobs=2)
+        a, b = cold.generate(prompt, **kw), warm.generate(prompt, **kw)
+        assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), prompt

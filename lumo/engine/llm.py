@@ -350,6 +350,20 @@ class LLM:
         args = (self.config, self.weights, params, max_len, self.device, self.dtype, spec, self.tree)
         return make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
 
+    def warm_up(self) -> float:
+        """Compile the kernels a request runs (NVRTC, or the disk cache's cubins), allocate the first
+        runner and capture its CUDA graphs before the first request, which would pay for them otherwise
+        (`lumo serve` calls this): a greedy generation of a few tokens with logprobs, after which adaptive
+        speculation forgets what it measured. Returns the seconds it took; on the torch backend nothing is
+        done (0.0)."""
+        if self._gpu is None:
+            return 0.0
+        t0 = time.perf_counter()
+        prompt = self.tokenizer.encode("def main():\n    ")[:8] or [0]
+        self.generate(prompt, max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+        self.reset_adaptive()
+        return time.perf_counter() - t0
+
     def reset_adaptive(self) -> None:
         """Adaptive speculation forgets what earlier requests measured (its backoff carries over from one
         request to the next otherwise; lumo bench starts every timed request afresh)."""
