@@ -202,6 +202,11 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated web origins (e.g. http://localhost:3000) whose pages may call the API from a "
         "browser (CORS), or '*' for any; default none",
     )
+    s.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens `token_id:N` unless a request's return_tokens_as_token_ids says otherwise",
+    )
 
     b = sub.add_parser(
         "bench",
@@ -352,6 +357,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         api_key=key,
         allowed_origins=args.allowed_origins,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
     )

@@ -449,9 +449,17 @@ def test_prompt_logprobs(server, llm):
         server.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 1}, timeout=60
     ).json()
     assert _entries(r["prompt_logprobs"]) == _prompt_entries_want(tok, chat_ref, 1)
+    # not asked: null, as vLLM's (the key is there); on completions also for echo with logprobs
     assert (
-        "prompt_logprobs" not in httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+        httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["prompt_logprobs"]
+        is None
     )
+    r = httpx.post(server.url + "/v1/completions", json={**body, "n": 1}, timeout=60).json()
+    assert r["choices"][0]["prompt_logprobs"] is None
+    r = httpx.post(
+        server.url + "/v1/completions", json={**body, "n": 1, "echo": True, "logprobs": 2}, timeout=60
+    )
+    assert _entries(r.json()["choices"][0]["prompt_logprobs"]) == _prompt_entries_want(tok, ref, 2)
     # a stream may ask for 0 (ignored, as vLLM does)
     r = httpx.post(
         server.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 0, "stream": True}, timeout=60
@@ -461,8 +469,10 @@ def test_prompt_logprobs(server, llm):
 
 def test_truncate_prompt_tokens(server, llm):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens only (the output and usage are those of
-    that prompt alone; echo shows what the model saw); -1 keeps the most that leave room for max_tokens,
-    so a prompt longer than the context is served."""
+    that prompt alone; echo shows what the model saw), its first k with truncation_side "right"; -1 keeps
+    the most that leave room for max_tokens, so a prompt longer than the context is served. A k that
+    leaves no room for max_tokens is a 400 whatever the prompt's length, and -1 needs max_tokens on chat
+    (whose default is the room left)."""
     tok = llm.tokenizer
     prompt = "The quick brown fox jumps over the lazy dog"
     ids = tok.encode(prompt)
@@ -476,6 +486,15 @@ def test_truncate_prompt_tokens(server, llm):
         server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": 4, "echo": True}, timeout=60
     ).json()
     assert r["choices"][0]["text"] == tok.decode(ids[-4:]) + ref.text
+    right = {**body, "truncate_prompt_tokens": 4, "truncation_side": "right", "echo": True}
+    r = httpx.post(server.url + "/v1/completions", json=right, timeout=60).json()
+    head = llm.generate(ids[:4], max_tokens=5, temperature=0)
+    assert r["choices"][0]["text"] == tok.decode(ids[:4]) + head.text and r["usage"]["prompt_tokens"] == 4
+    limit = llm.max_model_len
+    for t in (limit - 4, limit):  # + max_tokens 5 > the context, though the prompt is short
+        r = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": t}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+        assert f"at most {limit - 5} prompt tokens fit" in r.json()["error"]["message"]
     long = {**body, "prompt": "hello world " * 3000}  # longer than the context of 4096
     assert httpx.post(server.url + "/v1/completions", json=long, timeout=60).status_code == 400
     r = httpx.post(server.url + "/v1/completions", json={**long, "truncate_prompt_tokens": -1}, timeout=120)
@@ -489,6 +508,70 @@ def test_truncate_prompt_tokens(server, llm):
     )
     assert r.json()["usage"]["prompt_tokens"] == 3
     assert r.json()["choices"][0]["message"]["content"] == _parsed("", chat_ref.text)[0]
+    unbounded = {k: v for k, v in chat.items() if k != "max_tokens"}
+    r = httpx.post(
+        server.url + "/v1/chat/completions", json={**unbounded, "truncate_prompt_tokens": -1}, timeout=60
+    )
+    assert r.status_code == 400 and "needs max_tokens" in r.json()["error"]["message"]
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={**long, "max_tokens": limit, "truncate_prompt_tokens": -1},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "leaves no room for a prompt" in r.json()["error"]["message"]
+
+
+def test_return_token_ids(server, llm):
+    """vLLM's return_token_ids: the prompt's ids and the output's, the end token that ended it included
+    (here a stop token id), on completions' choices (streamed: the prompt's on a choice's first chunk, each
+    chunk its own) and on chat (the prompt's at the top level)."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ref = llm.generate(prompt, max_tokens=12, temperature=0)
+    stop = ref.token_ids[4]
+    cut = llm.generate(prompt, max_tokens=12, temperature=0, stop_token_ids=[stop])
+    assert cut.end_token == stop and stop not in cut.token_ids  # the engine's: not in token_ids
+    want = [*cut.token_ids, stop]
+    body = {"model": llm.model_name, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    body |= {"stop_token_ids": [stop], "return_token_ids": True}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert (r["prompt_token_ids"], r["token_ids"]) == (cut.prompt_token_ids, want)
+    events = _sse(httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60))
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert choices[0]["prompt_token_ids"] == cut.prompt_token_ids
+    assert all("prompt_token_ids" not in c for c in choices[1:])
+    assert [i for c in choices for i in c["token_ids"]] == want
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "return_token_ids": False}, timeout=60)
+    assert "token_ids" not in plain.json()["choices"][0]
+    messages = [{"role": "user", "content": "Say something."}]
+    chat_ref = llm.generate(llm.tokenizer.apply_chat_template(messages), max_tokens=8, temperature=0)
+    chat = {"model": llm.model_name, "messages": messages, "max_tokens": 8, "temperature": 0}
+    chat |= {"return_token_ids": True}
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    ended = [chat_ref.end_token] if chat_ref.end_token is not None else []
+    assert r["prompt_token_ids"] == chat_ref.prompt_token_ids
+    assert r["choices"][0]["token_ids"] == [*chat_ref.token_ids, *ended]
+    events = _sse(httpx.post(server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60))
+    assert events[0]["prompt_token_ids"] == chat_ref.prompt_token_ids
+    assert [i for e in events if e["choices"] for i in e["choices"][0]["token_ids"]] == [
+        *chat_ref.token_ids,
+        *ended,
+    ]
+
+
+def test_server_default_of_tokens_as_token_ids(llm):
+    """`lumo serve --return-tokens-as-token-ids` (create_app's return_tokens_as_token_ids): the default of
+    requests that do not say; one that says false gets the tokens' text."""
+    from fastapi.testclient import TestClient
+
+    from lumo.server.app import create_app
+
+    body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 1}
+    with TestClient(create_app(llm, return_tokens_as_token_ids=True)) as c:
+        tokens = c.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 3 and all(t.startswith("token_id:") for t in tokens)
+        off = c.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()
+        texts = off["choices"][0]["logprobs"]["tokens"]
+        assert texts == [llm.tokenizer.token_text(int(t.split(":")[1])) for t in tokens]
 
 
 def test_return_tokens_as_token_ids(client, llm):

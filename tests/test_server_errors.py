@@ -240,7 +240,7 @@ BAD = [
         {"prompt": "x", "truncate_prompt_tokens": 10**6},
         400,
         "truncate_prompt_tokens",
-        "exceeds",
+        "exceed this model's context",
     ),  # fmt: skip
     (
         "token-ids-str",
@@ -251,6 +251,8 @@ BAD = [
         "",
     ),
     ("chat-best-of", CHAT, {"messages": USER, "best_of": 3}, 400, "best_of", "only 1"),
+    ("chat-echo", CHAT, {"messages": USER, "echo": True}, 400, "echo", "not supported"),
+    ("truncation-side", COMP, {"prompt": "x", "truncation_side": "middle"}, 422, "truncation_side", ""),
     ("functions", CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "use tools"),
     ("function-call", CHAT, {"messages": USER, "function_call": "auto"}, 400, "function_call", "use tools"),
     (

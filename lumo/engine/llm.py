@@ -74,6 +74,8 @@ class GenerationResult:
     # one per prompt token when asked for; None for the first (nothing before it scores it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     eos_logprob: TokenLogprob | None = None  # the end-of-sequence token's, when it ended the output
+    # the end-of-sequence or stop_token_ids token that ended the output (not in token_ids); else None
+    end_token: int | None = None
 
 
 @dataclass
@@ -86,6 +88,7 @@ class StreamChunk:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
     # with logprobs, on a last chunk that an end-of-sequence token ended (not in token_ids, like its text)
     eos_logprob: TokenLogprob | None = None
+    end_token: int | None = None  # on a last chunk that such a token ended: the token (GenerationResult's)
 
 
 def _pick_device(device: str) -> torch.device:
@@ -298,7 +301,7 @@ class LLM:
         reasoning when the prompt leaves the model thinking; lumo.engine.grammar), logprobs (None:
         off; k in 0..20: each token's logprob and its k most likely alternatives, lumo.engine.logprobs) and
         prompt_logprobs (the same for the prompt's tokens; its prefill then reuses no cached prefix)."""
-        ids, text, reason, why, prompt_lps, eos_lp = [], [], None, None, None, None
+        ids, text, reason, why, prompt_lps, eos_lp, end = [], [], None, None, None, None, None
         prompt_ids = self._encode(prompt)
         logprobs = [] if kw.get("logprobs") is not None else None
         t0 = time.perf_counter()
@@ -313,6 +316,7 @@ class LLM:
                 logprobs += chunk.logprobs
             prompt_lps = prompt_lps or chunk.prompt_logprobs
             eos_lp = eos_lp or chunk.eos_logprob
+            end = chunk.end_token if chunk.end_token is not None else end
         t1 = time.perf_counter()
         t_first = t_first or t1
         cached = getattr(self.last_decoder, "cached_tokens", 0)
@@ -328,6 +332,7 @@ class LLM:
             logprobs,
             prompt_lps,
             eos_lp,
+            end,
         )
 
     def generate_stream(self, prompt: str | list[int], max_tokens: int = 256, **kw) -> Iterator[StreamChunk]:
@@ -631,11 +636,11 @@ class LLM:
                 # The decoder's logprobs of `tokens`, cut where they are: a chunk's logprobs match its
                 # token_ids.
                 lps = decoder.last_logprobs if logprobs is not None else None
-                reason = eos_lp = why = None
+                reason = eos_lp = why = end = None
                 for i, tok in enumerate(tokens):
                     if tok in eos:
                         text.append(detok.finish())
-                        reason, eos_lp = "stop", None if lps is None else lps[i]
+                        reason, eos_lp, end = "stop", None if lps is None else lps[i], tok
                         why = None if tok in ending.eos_ids else tok  # vLLM's: None for the model's EOS
                         break
                     out.append(tok)
@@ -649,7 +654,7 @@ class LLM:
                         reason = "length"
                         break
                 chunk_lps = None if lps is None else lps[: len(out)]
-                yield StreamChunk("".join(text), out, reason, why, chunk_lps, first, eos_lp)
+                yield StreamChunk("".join(text), out, reason, why, chunk_lps, first, eos_lp, end)
                 if reason is not None:
                     return
                 first = None

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import uvicorn
@@ -192,6 +192,26 @@ class _RequireKey:
         return bearer or hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key)  # not empty
 
 
+@dataclass
+class _Collected:
+    """A non-streamed job's output (_Server._collect)."""
+
+    text: str = ""
+    n_gen: int = 0  # tokens generated (an end token that ended the output not counted)
+    reason: str | None = None  # the finish reason
+    logprobs: list = field(default_factory=list)  # the tokens' (empty unless the job asked)
+    why: Any = None  # vLLM's stop_reason: the stop string or stop token id that ended it, else None
+    prompt_logprobs: list = field(default_factory=list)  # the prompt's (empty unless asked)
+    token_ids: list[int] = field(default_factory=list)  # _chunk_ids of every chunk
+
+
+def _chunk_ids(chunk: Any) -> list[int]:
+    """A chunk's token ids as vLLM's `token_ids` give them: the end-of-sequence or stop token that ended the
+    output included (it is in the sequence the model produced, though not in the text)."""
+    end = getattr(chunk, "end_token", None)
+    return [*chunk.token_ids, *([end] if end is not None else [])]
+
+
 def chunk_logprobs(chunk: Any) -> list:
     """A chunk's token logprobs, and the end-of-sequence token's when it ended the output (an engine
     without logprobs: none)."""
@@ -221,6 +241,7 @@ class _CompletionOutput:
         self.score_only, self.as_ids, self.prompt_k = score_only, as_ids, prompt_k
         self.prompt_logprobs: list[dict[str, Any] | None] | None = None
         self.n_prompt, self.n_gen, self.first = len(prompt_ids), 0, True
+        self.new_ids: list[int] = []  # the latest chunk's generated ids, its end token included (_chunk_ids)
         # text_offset: where each token's text starts, by the engine's own incremental detokenisation
         self.pos = 0
         skip = job.sampling.get("skip_special_tokens", True)  # the engine's text: the same setting
@@ -245,6 +266,7 @@ class _CompletionOutput:
         if self.score_only:
             text, ids, lps = "", [], []
         self.n_gen += len(chunk.token_ids) if not self.score_only else 0
+        self.new_ids = [] if self.score_only else _chunk_ids(chunk)
         offsets = []
         if self.first:
             self.first = False
@@ -304,8 +326,16 @@ async def _sse_stream(
 
 
 class _Server:
-    def __init__(self, llm: Any, served_name: str, worker: EngineWorker, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        served_name: str,
+        worker: EngineWorker,
+        metrics: ServerMetrics,
+        tokens_as_ids: bool = False,
+    ) -> None:
         self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
+        self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids when a request does not say
         self.created = int(time.time())
 
     # ---- small endpoints ----
@@ -347,6 +377,11 @@ class _Server:
         return {"prompt": tok.decode(body.tokens)}
 
     # ---- shared request plumbing ----
+    def _as_ids(self, body: Any) -> bool:
+        """Logprobs name tokens `token_id:N`: the request's return_tokens_as_token_ids, else the server's."""
+        asked = body.return_tokens_as_token_ids
+        return self.tokens_as_ids if asked is None else asked
+
     def _vocab_size(self) -> int:
         """The model's vocabulary size (its logits' width: the ids logit_bias and stop_token_ids name)."""
         return self.llm.config.vocab_size
@@ -444,20 +479,21 @@ class _Server:
             watcher.cancel()
             job.cancel()
 
-    async def _collect(self, job: Job, request: Request) -> tuple[str, int, str | None, list, Any, list]:
-        """Run a non-streamed job to its end. Returns the text, the number of tokens, the finish reason,
-        the tokens' logprobs (empty unless the job asked), the stop reason (vLLM's: the stop string or
-        stop token id that ended it, else None) and the prompt's logprobs (empty unless asked)."""
-        parts, n_gen, reason, lps, why, prompt_lps = [], 0, None, [], None, []
+    async def _collect(self, job: Job, request: Request) -> _Collected:
+        """Run a non-streamed job to its end."""
+        out = _Collected()
+        parts = []
         async for chunk in self._collected(job, request):
-            prompt_lps = prompt_lps or getattr(chunk, "prompt_logprobs", None) or []
+            out.prompt_logprobs = out.prompt_logprobs or getattr(chunk, "prompt_logprobs", None) or []
             parts.append(chunk.text)
-            n_gen += len(chunk.token_ids)
-            reason = chunk.finish_reason or reason
-            why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
+            out.token_ids += _chunk_ids(chunk)
+            out.n_gen += len(chunk.token_ids)
+            out.reason = chunk.finish_reason or out.reason
+            out.why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else out.why
             if job.wants_logprobs:
-                lps += chunk_logprobs(chunk)
-        return "".join(parts), n_gen, reason, lps, why, prompt_lps
+                out.logprobs += chunk_logprobs(chunk)
+        out.text = "".join(parts)
+        return out
 
     # ---- /v1/completions ----
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
@@ -477,8 +513,9 @@ class _Server:
             if isinstance(prompt, str):
                 ids = await self._encode(prompt, param, truncating)
             else:
-                if any(t < 0 or t >= tok.vocab_size for t in prompt):
-                    raise APIError(400, f"prompt token ids must lie in [0, {tok.vocab_size})", param)
+                vocab = min(tok.vocab_size, self._vocab_size())  # ids the tokenizer decodes, the model embeds
+                if any(t < 0 or t >= vocab for t in prompt):
+                    raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param)
                 ids = list(prompt)
             room = COMPLETION_DEFAULT_MAX_TOKENS if want is None else want
             kept = body.truncated(ids, room, self.llm.max_model_len)
@@ -498,36 +535,41 @@ class _Server:
             ids, budget, echo = items[c // n]
             sampling = {**body.sampling(c % n), **by_id, "structured_outputs": structured}
             job = self._submit(ids, budget, sampling, ticket)
-            as_ids = bool(body.return_tokens_as_token_ids)
-            return _CompletionOutput(tok, job, ids, echo, score_only, as_ids, body.prompt_logprobs_k(c % n))
+            shown = body.shown_prompt_logprobs()
+            return _CompletionOutput(tok, job, ids, echo, score_only, self._as_ids(body), shown)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
+        with_ids = bool(body.return_token_ids)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._streaming(self._stream_completion(start, len(items) * n, n, head, usage))
+            events = self._stream_completion(start, len(items) * n, n, head, usage, with_ids)
+            return self._streaming(events)
         choices, outs, scored = [], [], None
         for i in range(len(items) * n):
             if i and await request.is_disconnected():
                 break  # the client went away: the rest of the batch would go unread
             out = start(i)
             outs.append(out)
-            text, logprobs, reason, why = "", None, None, None
+            text, logprobs, reason, why, ids = "", None, None, None, []
             async for chunk in self._collected(out.job, request):
                 piece, lp = out.take(chunk)
-                text, logprobs = text + piece, extend(logprobs, lp)
+                text, logprobs, ids = text + piece, extend(logprobs, lp), ids + out.new_ids
                 reason = chunk.finish_reason or reason
                 why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
+            # vLLM's prompt_logprobs on every choice (null unless asked, or echo with logprobs), scored by
+            # the prompt's first choice
+            scored = out.prompt_logprobs if i % n == 0 else scored
             choice = {
                 "index": i,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": out.reason(reason),
                 "stop_reason": None if out.score_only else why,  # vLLM's: the stop string or token id
+                "prompt_logprobs": scored,
             }
-            if body.prompt_logprobs is not None:  # vLLM's, on every choice; scored by the prompt's first
-                scored = out.prompt_logprobs if i % n == 0 else scored
-                choice["prompt_logprobs"] = scored
+            if with_ids:  # vLLM's return_token_ids
+                choice |= {"prompt_token_ids": out.prompt_ids, "token_ids": ids}
             choices.append(choice)
         return {**head, "choices": choices, "usage": _batch_usage(outs, n)}
 
@@ -538,8 +580,11 @@ class _Server:
         n: int,
         head: dict[str, Any],
         include_usage: bool,
+        with_ids: bool = False,
     ) -> AsyncIterator[str]:
-        """The choices' chunks in turn, each under its index (prompt-major, n choices per prompt)."""
+        """The choices' chunks in turn, each under its index (prompt-major, n choices per prompt). with_ids
+        (vLLM's return_token_ids): a choice's first chunk carries the prompt's ids, every chunk the ids of
+        its tokens."""
         extra = {"usage": None} if include_usage else {}
         outs = []
 
@@ -547,10 +592,11 @@ class _Server:
             for i in range(count):
                 out = start(i)
                 outs.append(out)
-                reason = None
+                reason, held, first = None, [], True
                 async for chunk in out.job.events():
                     reason = chunk.finish_reason or reason
                     text, logprobs = out.take(chunk)
+                    held += out.new_ids
                     if text or chunk.finish_reason or logprobs:
                         choice = {
                             "index": i,
@@ -561,9 +607,18 @@ class _Server:
                         if chunk.finish_reason:  # vLLM's stop_reason, on the chunk that finishes the choice
                             why = None if out.score_only else getattr(chunk, "stop_reason", None)
                             choice["stop_reason"] = why
+                        if with_ids:
+                            choice["token_ids"], held = held, []
+                            if first:
+                                choice["prompt_token_ids"] = out.prompt_ids
+                        first = False
                         yield _sse({**head, "choices": [choice], **extra})
                 if reason is None:
                     choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
+                    if with_ids:
+                        choice["token_ids"] = held
+                        if first:
+                            choice["prompt_token_ids"] = out.prompt_ids
                     yield _sse({**head, "choices": [choice], **extra})
 
         usage = (lambda: _batch_usage(outs, n)) if include_usage else None
@@ -579,8 +634,8 @@ class _Server:
         prompt = await asyncio.to_thread(render_prompt, tok, body)  # a long chat takes a while: off the loop
         truncating = body.truncate_prompt_tokens is not None
         prompt_ids = await self._encode(prompt, "messages", truncating)
-        prompt_ids = body.truncated(prompt_ids, body.max_new_tokens(), self.llm.max_model_len)
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        prompt_ids = body.truncated(prompt_ids, body.max_new_tokens(), self.llm.max_model_len, name)
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages", name)
         _check_min_tokens(body, max_tokens)
         structured = await self._structured(body)
@@ -603,36 +658,40 @@ class _Server:
 
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.served_name}
-        as_ids = bool(body.return_tokens_as_token_ids)
+        as_ids = self._as_ids(body)
+        ids = prompt_ids if body.return_token_ids else None  # vLLM's return_token_ids
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
-            events = self._stream_chat(start, body.choices, head, len(prompt_ids), usage, as_ids)
+            events = self._stream_chat(start, body.choices, head, len(prompt_ids), usage, as_ids, ids)
             return self._streaming(events)
         choices, n_gen, cached, scored = [], 0, 0, None
         for j in range(body.choices):
             if j and await request.is_disconnected():
                 break
             job, parser = start(j)
-            text, n_tok, reason, lps, why, prompt_lps = await self._collect(job, request)
-            parsed = parser.feed(text)
+            out = await self._collect(job, request)
+            parsed = parser.feed(out.text)
             parsed.extend(parser.finish())
             if j == 0 and body.prompt_logprobs is not None:
-                scored = prompt_entries(tok, prompt_lps, body.prompt_logprobs)
+                scored = prompt_entries(tok, out.prompt_logprobs, body.prompt_logprobs)
             logprobs = None
             if job.wants_logprobs:
-                logprobs = {"content": chat_entries(tok, lps, as_ids), "refusal": None}
-            choices.append(
-                {
-                    "index": j,
-                    "message": message_json(parsed),
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason(reason, parser.n_tool_calls),
-                    "stop_reason": why,
-                }
-            )
-            n_gen, cached = n_gen + n_tok, cached if j else job.cached_tokens  # the prompt's, from choice 0
-        extra = {} if body.prompt_logprobs is None else {"prompt_logprobs": scored}  # vLLM's, top level
+                logprobs = {"content": chat_entries(tok, out.logprobs, as_ids), "refusal": None}
+            choice = {
+                "index": j,
+                "message": message_json(parsed),
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(out.reason, parser.n_tool_calls),
+                "stop_reason": out.why,
+            }
+            if ids is not None:
+                choice["token_ids"] = out.token_ids
+            choices.append(choice)
+            n_gen, cached = n_gen + out.n_gen, cached if j else job.cached_tokens  # the prompt's, choice 0's
+        extra = {"prompt_logprobs": scored}  # vLLM's, at the top level (null unless asked)
+        if ids is not None:
+            extra["prompt_token_ids"] = ids
         return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached), **extra}
 
     # ---- /v1/responses ----
@@ -672,12 +731,12 @@ class _Server:
 
         if not body.stream:
             job = submit()
-            text, n_gen, reason, _, _, _ = await self._collect(job, request)
-            parsed = parser.feed(text)
+            out = await self._collect(job, request)
+            parsed = parser.feed(out.text)
             parsed.extend(parser.finish())
             build.feed(parsed)
-            build.finish("incomplete" if reason == "length" else "completed")
-            return result(job, n_gen, reason, parsed.reasoning)[1]
+            build.finish("incomplete" if out.reason == "length" else "completed")
+            return result(job, out.n_gen, out.reason, parsed.reasoning)[1]
 
         jobs: list[Job] = []
 
@@ -750,12 +809,12 @@ class _Server:
 
         if not body.stream:
             job = submit()
-            text, n_gen, reason, _, why, _ = await self._collect(job, request)
-            parsed = parser.feed(text)
+            out = await self._collect(job, request)
+            parsed = parser.feed(out.text)
             parsed.extend(parser.finish())
             build.feed(parsed)
             build.finish()
-            return build.message(*ending(job, n_gen, reason, why))
+            return build.message(*ending(job, out.n_gen, out.reason, out.why))
 
         jobs: list[Job] = []
 
@@ -824,8 +883,11 @@ class _Server:
         n_prompt: int,
         include_usage: bool,
         as_ids: bool = False,
+        prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[str]:
-        """The n choices' chunks in turn, each under its index (as_ids: logprobs name tokens by id)."""
+        """The n choices' chunks in turn, each under its index (as_ids: logprobs name tokens by id;
+        prompt_ids: vLLM's return_token_ids, the prompt's ids on each choice's first chunk and the tokens'
+        on every chunk; None: not asked)."""
         extra = {"usage": None} if include_usage else {}
         n_gen, jobs = [0], []
 
@@ -833,7 +895,7 @@ class _Server:
             for j in range(n):
                 job, parser = start(j)
                 jobs.append(job)
-                async for event in self._chat_choice(j, job, parser, head, extra, n_gen, as_ids):
+                async for event in self._chat_choice(j, job, parser, head, extra, n_gen, as_ids, prompt_ids):
                     yield event
 
         # the prompt's cached tokens: choice 0's
@@ -850,13 +912,15 @@ class _Server:
         extra: dict[str, Any],
         n_gen: list[int],
         as_ids: bool,
+        prompt_ids: list[int] | None,
     ) -> AsyncIterator[str]:
         """One choice's streamed chunks: the role, the parser's deltas, the finish reason (n_gen[0] counts
-        its tokens; as_ids: logprobs name tokens by id)."""
+        its tokens; as_ids and prompt_ids: _stream_chat's)."""
         tok = self.llm.tokenizer
         held = []  # logprobs of tokens whose text the parser still holds: they go out with the next delta
+        held_ids: list[int] = []  # the same tokens' ids (return_token_ids)
 
-        def chunk_of(delta: dict[str, Any], reason: str | None = None) -> str:
+        def chunk_of(delta: dict[str, Any], reason: str | None = None, top: dict | None = None) -> str:
             logprobs = None
             if job.wants_logprobs:
                 logprobs = {"content": chat_entries(tok, held, as_ids), "refusal": None}
@@ -864,14 +928,19 @@ class _Server:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = why  # vLLM's, on the chunk that finishes the choice
-            return _sse({**head, "choices": [choice], **extra})
+            if prompt_ids is not None:
+                choice["token_ids"] = held_ids[:]
+                held_ids.clear()
+            return _sse({**head, **(top or {}), "choices": [choice], **extra})
 
         reason = why = None
-        yield chunk_of({"role": "assistant", "content": ""})
+        first = None if prompt_ids is None else {"prompt_token_ids": prompt_ids}
+        yield chunk_of({"role": "assistant", "content": ""}, top=first)
         async for chunk in job.events():
             n_gen[0] += len(chunk.token_ids)
             reason = chunk.finish_reason or reason
             why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
+            held_ids += _chunk_ids(chunk)
             if job.wants_logprobs:
                 held.extend(chunk_logprobs(chunk))
             d = parser.feed(chunk.text)
@@ -899,16 +968,18 @@ def create_app(
     max_queue: int = 64,
     api_key: str | None = None,
     allowed_origins: Sequence[str] = (),
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `llm`; its engine worker thread starts and stops with the app's lifespan.
     api_key: required of every request but /health and /metrics. allowed_origins: web origins whose pages
-    may call the API from a browser (CORS; "*" any); none by default."""
+    may call the API from a browser (CORS; "*" any); none by default. return_tokens_as_token_ids: the
+    default of the requests' field (vLLM's server flag)."""
     served = model_name or llm.model_name
     metrics = ServerMetrics()
     worker = EngineWorker(llm, metrics, max_queue)
     metrics.registry.gauge("lumo_num_requests_waiting", "requests queued for the engine", worker.queue_length)
     metrics.registry.gauge("lumo_num_requests_running", "requests the engine is generating", worker.running)
-    server = _Server(llm, served, worker, metrics)
+    server = _Server(llm, served, worker, metrics, return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -953,13 +1024,15 @@ def run_server(
     allowed_origins: Sequence[str] = (),
     ssl_certfile: str | None = None,
     ssl_keyfile: str | None = None,
+    return_tokens_as_token_ids: bool = False,
 ) -> None:
     """Serve `llm` until interrupted; prints one startup line with the URL and the model. ssl_certfile /
-    ssl_keyfile: serve HTTPS (checked here: a bad pair is a one-line ValueError, not uvicorn's traceback)."""
+    ssl_keyfile: serve HTTPS (checked here: a bad pair is a one-line ValueError, not uvicorn's traceback).
+    The other arguments are create_app's."""
     if ssl_certfile is not None or ssl_keyfile is not None:
         check_tls(ssl_certfile, ssl_keyfile)
     sock = _listen(host, port)
-    app = create_app(llm, model_name, max_queue, api_key, allowed_origins)
+    app = create_app(llm, model_name, max_queue, api_key, allowed_origins, return_tokens_as_token_ids)
     shown = f"[{host}]" if ":" in host else host
     scheme = "https" if ssl_certfile else "http"
     print(

@@ -139,12 +139,14 @@ class _Common(BaseModel):
     use_beam_search: Any = None
     best_of: StrictInt | None = None
     # vLLM's: the prompt tokens' logprobs and k alternatives each (non-streamed; 0 with stream is ignored,
-    # as vLLM does), only the prompt's last k tokens kept (-1: the most that leave room for the tokens to
-    # generate: max_tokens, else completions' default of 16, chat's one), tokens in logprobs named
-    # `token_id:N`
+    # as vLLM does); only the prompt's last k tokens kept (truncation_side "right": its first k; -1: the
+    # most that leave room for max_tokens); tokens in logprobs named `token_id:N` (None: the server's
+    # --return-tokens-as-token-ids); the prompt's and the output's token ids in the response
     prompt_logprobs: StrictInt | None = None
     truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Literal["left", "right"] | None = None
     return_tokens_as_token_ids: StrictBool | None = None
+    return_token_ids: StrictBool | None = None
     # Structured outputs (lumo.engine.grammar): OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields; at most one of them.
     response_format: dict[str, Any] | None = None
@@ -257,18 +259,29 @@ class _Common(BaseModel):
         scoring prefill reuses no cached prefix). A stream leaves it out (a 0 is all it may ask)."""
         return self.prompt_logprobs if choice == 0 and not self.stream else None
 
-    def truncated(self, ids: list[int], max_tokens: int | None, limit: int) -> list[int]:
-        """The prompt's ids as truncate_prompt_tokens keeps them (its last tokens; unchanged when unset)
-        for a context of `limit` tokens and the tokens to generate (None: one)."""
-        t = self.truncate_prompt_tokens
+    def truncated(
+        self, ids: list[int], max_tokens: int | None, limit: int, name: str = "max_tokens"
+    ) -> list[int]:
+        """The prompt's ids as truncate_prompt_tokens keeps them (unchanged when unset), for a context of
+        `limit` tokens and `max_tokens` to generate (None: none asked; `name`: the field that asked). The
+        kept length is checked against the context whatever the prompt's length (a 400 up front)."""
+        t, field = self.truncate_prompt_tokens, "truncate_prompt_tokens"
         if t is None:
             return ids
-        if t > limit:
-            msg = f"truncate_prompt_tokens {t} exceeds this model's context of {limit} tokens"
-            raise APIError(400, msg, "truncate_prompt_tokens")
         if t == -1:
-            t = max(limit - (max_tokens or 1), 1)
-        return ids[-t:]
+            if max_tokens is None:
+                raise APIError(400, f"{field} -1 needs {name}: the room to leave for the output", field)
+            if max_tokens >= limit:
+                msg = f"{name} {max_tokens} leaves no room for a prompt in the context of {limit} tokens"
+                raise APIError(400, msg, name, "context_length_exceeded")
+            t = limit - max_tokens
+        elif t + (max_tokens or 1) > limit:
+            msg = (
+                f"{field} {t} + {name} {max_tokens or 1} exceed this model's context of {limit} tokens (at "
+                f"most {limit - (max_tokens or 1)} prompt tokens fit)"
+            )
+            raise APIError(400, msg, field, "context_length_exceeded")
+        return ids[:t] if self.truncation_side == "right" else ids[-t:]
 
     @property
     def choices(self) -> int:
@@ -325,6 +338,13 @@ class CompletionRequest(_Common):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
+    def shown_prompt_logprobs(self) -> int | None:
+        """The alternatives of the choices' `prompt_logprobs` (None: null): prompt_logprobs', or echo with
+        logprobs' (vLLM fills it then too)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     def sampling(self, choice: int = 0) -> dict[str, Any]:
         # echo with logprobs: the prompt's tokens are scored too (lumo.engine.logprobs.PromptLogprobs), for
         # every choice (each echoes them); prompt_logprobs: choice 0's, with as many alternatives as either
@@ -365,6 +385,7 @@ class ChatCompletionRequest(_Common):
     # OpenAI's legacy function calling, superseded by tools / tool_choice: a 400 rather than ignored
     functions: Any = None
     function_call: Any = None
+    echo: Any = None  # vLLM's chat echo (the last message prepended to the reply): a 400 rather than ignored
 
     def opens_turn(self) -> bool:
         """The prompt ends with the template's opening of an assistant turn."""
@@ -384,6 +405,8 @@ class ChatCompletionRequest(_Common):
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"{name} is not supported: use tools and tool_choice", name)
+        if self.echo not in (None, False):
+            raise APIError(400, "echo is not supported on chat completions", "echo")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) or choice == "required":
             names = {t.function.name for t in self.tools or []}
