@@ -449,6 +449,14 @@ def test_prompt_logprobs(server, llm):
         server.url + "/v1/chat/completions", json={**chat, "prompt_logprobs": 1}, timeout=60
     ).json()
     assert _entries(r["prompt_logprobs"]) == _prompt_entries_want(tok, chat_ref, 1)
+    # max_tokens 0: the prompt scored, nothing generated
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "n": 1, "max_tokens": 0, "prompt_logprobs": 2},
+        timeout=60,
+    ).json()
+    assert r["choices"][0]["text"] == "" and r["usage"]["completion_tokens"] == 0
+    assert _entries(r["choices"][0]["prompt_logprobs"]) == want
     # not asked: null, as vLLM's (the key is there); on completions also for echo with logprobs
     assert (
         httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60).json()["prompt_logprobs"]

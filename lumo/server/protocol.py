@@ -324,8 +324,8 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.max_tokens == 0 and not self.echo:
-            msg = "max_tokens=0 needs echo=true (the prompt scored, nothing generated)"
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            msg = "max_tokens=0 needs echo=true or prompt_logprobs (the prompt scored, nothing generated)"
             raise APIError(400, msg, "max_tokens")
         if self.suffix:
             raise APIError(400, "suffix is not supported", "suffix")
