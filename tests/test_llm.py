@@ -92,6 +92,26 @@ def test_warm_up_is_nothing_on_the_torch_backend(llm):
     assert llm.generate("import os", max_tokens=6, temperature=0).token_ids == want
 
 
+@pytest.mark.parametrize("context", [2, 3, 6, 16, 4096])
+def test_warm_up_request_fits_any_context(context, monkeypatch):
+    """The kernels' warm-up request (its arithmetic, run here on the torch backend in its place) fits a
+    context of any length >= 2: `lumo serve --max-model-len 2` starts."""
+    llm = LLM(max_model_len=context, device="cpu")
+    asked = []
+
+    def generate(prompt, max_tokens, **kw):
+        asked.append((len(prompt), max_tokens))
+        llm._gpu = None  # run it on the torch backend
+        return LLM.generate(llm, prompt, max_tokens, **kw)
+
+    monkeypatch.setattr(llm, "generate", generate)
+    llm._gpu = object()  # as if on the kernels
+    assert llm.warm_up() > 0
+    ((n, new),) = asked
+    full = min(8, len(llm.tokenizer.encode("def main():\n    ")))
+    assert n >= 1 and new >= 1 and n + new <= context and (context < 13 or (n, new) == (full, 4))
+
+
 def test_token_id_prompts(llm):
     ids = llm.tokenizer.encode("hello")
     want = llm.generate(ids, max_tokens=4, temperature=0).token_ids

@@ -364,8 +364,10 @@ class LLM:
         if self._gpu is None:
             return 0.0
         t0 = time.perf_counter()
-        prompt = self.tokenizer.encode("def main():\n    ")[:8] or [0]
-        self.generate(prompt, max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+        # up to 8 prompt tokens and 4 new ones, fewer where the context is shorter (it holds at least 2)
+        prompt = (self.tokenizer.encode("def main():\n    ") or [0])[: max(1, min(8, self.max_model_len - 5))]
+        new = min(4, self.max_model_len - len(prompt))
+        self.generate(prompt, max_tokens=new, temperature=0, logprobs=1, ignore_eos=True)
         self.reset_adaptive()
         return time.perf_counter() - t0
 
