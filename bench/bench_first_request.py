@@ -5,7 +5,7 @@ $LUMO_CACHE_DIR), allocates the runner and captures the decode graphs. Each row 
 - cold: an empty kernel cache (the first start on a machine, or after a lumo upgrade);
 - disk: the cubins on disk from the run before (every later start);
 - warm_up: as disk, with `llm.warm_up()` before the first request (what `lumo serve` does).
-Columns: load (LLM()), warm-up, the first request (a 64-token prompt, 32 tokens greedy, the LLM's default
+Columns: load (LLM()), warm-up, the first request (a 512-token prompt, 32 tokens greedy, the LLM's default
 decoding: tree speculation with an MTP head), a second request, all in seconds. The floor of the first
 request is the second's time. One table, printed last.
     python bench/bench_first_request.py [--model lumo/assets/lumo-tiny-nvfp4]
@@ -28,7 +28,7 @@ from lumo.engine.llm import LLM
 llm = LLM(sys.argv[1], device="cuda")
 t1 = time.perf_counter()
 warm = llm.warm_up() if sys.argv[2] == "1" else 0.0
-ids = list(range(1000, 1064))
+ids = list(range(1000, 1512))
 times = []
 for _ in range(2):
     s = time.perf_counter()

@@ -4,7 +4,8 @@
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session41.sh b")  # ~5 min
 # a: session 39's yarn RoPE (rope_kv.cu's rope_scale: kernel and runner tests), session 40's lazy loading
 #    (the LLM GPU tests and `lumo check`, whose reference reads lazily too), session 41's start-up check of
-#    the context against free memory (test_llm_gpu) and prompt-logprob ranks (test_logprobs_gpu).
+#    the context against free memory and warm-up (test_llm_gpu), prompt logprobs with their ranks (tree ==
+#    plain in test_logprobs_gpu), and what warm-up moves off the first request (bench_first_request).
 # b: greedy tree == plain and the speculative tests (every attention launch passing rope_scale).
 set -u
 export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=/tmp/lk PYTHONPATH=.:.gpu-deps

@@ -34,6 +34,9 @@ def test_the_models_own_context_is_lowered_to_what_fits(capsys):
     assert fit % 256 == 0 and need(fit) <= 12 * GB < need(fit + 256)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"context limited to {fit} tokens" in err and "262144" in err
+    # a budget that is exactly a multiple of 256's need: that multiple fits (the comparisons are <=)
+    assert fit_context(need, need(fit) + GPU_MEMORY_MARGIN, 262144, explicit=False) == fit
+    assert fit_context(need, need(262144) + GPU_MEMORY_MARGIN, 262144, explicit=True) == 262144
 
 
 def test_a_context_the_user_asked_for_that_does_not_fit_is_an_error():
@@ -46,9 +49,9 @@ def test_a_context_the_user_asked_for_that_does_not_fit_is_an_error():
 
 
 def test_no_room_at_all_is_an_error():
-    with pytest.raises(ConfigError, match="even a context of 256 tokens"):
+    with pytest.raises(ConfigError, match="even a 256-token context"):
         fit_context(linear(1000, 4 * GB), 3 * GB, 4096, explicit=False)
-    with pytest.raises(ConfigError, match="even a context of 256 tokens"):
+    with pytest.raises(ConfigError, match="even a 256-token context"):
         fit_context(linear(1000, 0), GPU_MEMORY_MARGIN // 2, 4096, explicit=True)
 
 

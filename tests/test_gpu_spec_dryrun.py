@@ -908,10 +908,42 @@ def test_the_context_is_fitted_to_free_memory_with_the_trees_slots(monkeypatch):
 
     monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: need(8192) + gd.GPU_MEMORY_MARGIN)
     assert backend.fit_context(False, extra, mtp) == 8192 == backend.max_model_len
-    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: need(5000) + gd.GPU_MEMORY_MARGIN)
+    # room for 5120 positions in all: 4864 tokens and the tree's 44 slots (5120 without the slots)
+    room = cache_bytes(cfg, 5120, backend.prefill_chunk, backend.prefix_snapshots, mtp)
+    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: room + gd.GPU_MEMORY_MARGIN)
     with pytest.raises(ConfigError, match="at most 4864 tokens fit"):
         backend.fit_context(True, extra, mtp)
     assert backend.max_model_len == 8192
     assert backend.fit_context(False, extra, mtp) == 4864 == backend.max_model_len
     with pytest.raises(ValueError, match="exceed the context length 4864"):
         spec.decoder(SamplingParams(temperature=0.0), 5000)
+
+
+def test_a_growing_runner_is_freed_before_the_larger_one_is_allocated(monkeypatch):
+    """The speculative backend drops its engine (which holds the runner, its MTP cache and graphs) before
+    the backend allocates a larger runner: the peak is the larger runner alone, what the start-up memory
+    check counted, not both. A weak reference to the old runner is dead when the new one is built."""
+    import weakref
+
+    import lumo.engine.gpu_decode as gd
+    from lumo.engine.gpu_spec import SpecBackend
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    spec = SpecBackend(
+        gd.GPUBackend(cfg, gw, 16384, "cpu", use_graph=False), TreeConfig(depth=4, topk=2, budget=6, rows=8)
+    )
+    params = SamplingParams(temperature=0.0)
+    spec.decoder(params, 100)
+    old = weakref.ref(spec.backend.runner)
+    assert old().max_len == 4096
+    alive_at_build = []
+    real = gd.GPURunner
+
+    def build(*args, **kw):
+        alive_at_build.append(old() is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gd, "GPURunner", build)
+    spec.decoder(params, 5000)
+    assert alive_at_build == [False] and spec.backend.runner.max_len == 8192

@@ -160,14 +160,23 @@ def test_the_context_fits_the_gpus_free_memory(monkeypatch, capsys):
 
 
 def test_warm_up_captures_before_the_first_request_and_changes_nothing():
-    """LLM.warm_up (lumo serve's): the runner and the speculative engine's graphs exist before the first
-    request, whose tokens and logprobs are bitwise those of an LLM that was not warmed up; adaptive
-    speculation starts afresh."""
+    """LLM.warm_up (lumo serve's, on the main thread): the runner and the speculative engine's graphs
+    exist before the first request, which runs on another thread as the server's engine worker does and
+    whose tokens and logprobs are bitwise those of an LLM that was not warmed up (a long prompt too: the
+    chunked GDN prefill); adaptive speculation starts afresh."""
+    import threading
+
     path = assets("lumo-tiny")
     cold, warm = LLM(path, device="cuda"), LLM(path, device="cuda")
     assert warm.warm_up() > 0 and warm._gpu.engine.graphs is not None
     assert warm._gpu.policy == cold._gpu.policy  # a dataclass: every field, the measurements too
-    for prompt in PROMPTS[:3]:
-        kw = dict(max_tokens=40, temperature=0, logprobs=2)
-        a, b = cold.generate(prompt, **kw), warm.generate(prompt, **kw)
+    prompts = [*PROMPTS[:3], " ".join(PROMPTS) * 4]
+    kw = dict(max_tokens=40, temperature=0, logprobs=2)
+    got = []
+    worker = threading.Thread(target=lambda: got.extend(warm.generate(p, **kw) for p in prompts))
+    worker.start()
+    worker.join()
+    assert len(got) == len(prompts)
+    for prompt, b in zip(prompts, got, strict=True):
+        a = cold.generate(prompt, **kw)
         assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), prompt

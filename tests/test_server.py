@@ -19,6 +19,7 @@ import openai
 import torch
 
 from lumo.engine.llm import LLM
+from lumo.server.app import PROMPT_CHARS_SLACK
 from lumo.server.chat import opens_reasoning
 from lumo.server.testing import serve_subprocess
 from lumo.server.toolparse import ChatOutputParser
@@ -499,14 +500,34 @@ def test_truncate_prompt_tokens(server, llm):
     head = llm.generate(ids[:4], max_tokens=5, temperature=0)
     assert r["choices"][0]["text"] == tok.decode(ids[:4]) + head.text and r["usage"]["prompt_tokens"] == 4
     limit = llm.max_model_len
-    for t in (limit - 4, limit):  # + max_tokens 5 > the context, though the prompt is short
-        r = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": t}, timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
-        assert f"at most {limit - 5} prompt tokens fit" in r.json()["error"]["message"]
+    # as vLLM: a k up to the context is a cap (a short prompt is served whole), the kept prompt then
+    # checked as any other; a k above the context is a 400
+    r = httpx.post(server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": limit}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    r = httpx.post(
+        server.url + "/v1/completions", json={**body, "truncate_prompt_tokens": limit + 1}, timeout=60
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
     long = {**body, "prompt": "hello world " * 3000}  # longer than the context of 4096
     assert httpx.post(server.url + "/v1/completions", json=long, timeout=60).status_code == 400
+    r = httpx.post(
+        server.url + "/v1/completions", json={**long, "truncate_prompt_tokens": limit - 4}, timeout=60
+    )  # 4092 kept + 5 new > 4096
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = httpx.post(server.url + "/v1/completions", json={**long, "truncate_prompt_tokens": -1}, timeout=120)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == llm.max_model_len - 5
+    # a text too long to tokenise without truncation (refused at once) is tokenised when truncated
+    huge = "hello world " * (PROMPT_CHARS_SLACK * limit * tok.max_token_chars // 12 + 1)
+    assert (
+        httpx.post(server.url + "/v1/completions", json={**body, "prompt": huge}, timeout=60).status_code
+        == 400
+    )
+    r = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "prompt": huge, "truncate_prompt_tokens": 16},
+        timeout=300,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16
     messages = [{"role": "user", "content": "Say something."}]
     chat_ids = tok.encode(tok.apply_chat_template(messages))
     chat_ref = llm.generate(chat_ids[-3:], max_tokens=4, temperature=0)
@@ -558,12 +579,13 @@ def test_return_token_ids(server, llm):
     ended = [chat_ref.end_token] if chat_ref.end_token is not None else []
     assert r["prompt_token_ids"] == chat_ref.prompt_token_ids
     assert r["choices"][0]["token_ids"] == [*chat_ref.token_ids, *ended]
-    events = _sse(httpx.post(server.url + "/v1/chat/completions", json={**chat, "stream": True}, timeout=60))
-    assert events[0]["prompt_token_ids"] == chat_ref.prompt_token_ids
-    assert [i for e in events if e["choices"] for i in e["choices"][0]["token_ids"]] == [
-        *chat_ref.token_ids,
-        *ended,
-    ]
+    streamed = {**chat, "stream": True, "n": 2}  # greedy: both choices the same
+    events = _sse(httpx.post(server.url + "/v1/chat/completions", json=streamed, timeout=60))
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == chat_ref.prompt_token_ids
+        assert all("prompt_token_ids" not in e for e in mine[1:])
+        assert [i for e in mine for i in e["choices"][0]["token_ids"]] == [*chat_ref.token_ids, *ended]
 
 
 def test_server_default_of_tokens_as_token_ids(llm):

@@ -240,7 +240,7 @@ BAD = [
         {"prompt": "x", "truncate_prompt_tokens": 10**6},
         400,
         "truncate_prompt_tokens",
-        "exceed this model's context",
+        "exceeds this model's context",
     ),  # fmt: skip
     (
         "token-ids-str",
@@ -259,6 +259,14 @@ BAD = [
         "max_tokens",
         "echo=true or prompt_logprobs",
     ),
+    (
+        "max-tokens-0-stream",
+        COMP,
+        {"prompt": "x", "max_tokens": 0, "prompt_logprobs": 0, "stream": True},
+        400,
+        "max_tokens",
+        "echo=true",
+    ),  # fmt: skip
     ("chat-echo", CHAT, {"messages": USER, "echo": True}, 400, "echo", "not supported"),
     ("truncation-side", COMP, {"prompt": "x", "truncation_side": "middle"}, 422, "truncation_side", ""),
     ("functions", CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "use tools"),

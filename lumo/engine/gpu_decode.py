@@ -64,19 +64,22 @@ def fit_context(
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if need(mid * 256) <= budget else (lo, mid - 1)
-    fit, gb = lo * 256, 1e9
-    have = f"{max(free, 0) / gb:.1f} GB of GPU memory is free after the weights"
+    fit = lo * 256
+
+    def gb(n: int) -> str:
+        return f"{n / 1e9:.2f} GB"
+
+    have = f"{gb(max(free, 0))} of GPU memory is free after the weights ({gb(margin)} of it kept in reserve)"
     if fit == 0:
-        raise ConfigError(f"{have}; even a context of 256 tokens needs {(need(256) + margin) / gb:.1f} GB")
+        raise ConfigError(f"{have}; the caches of even a 256-token context need {gb(need(256))}")
     if explicit:
-        wanted = (need(max_len) + margin) / gb
         raise ConfigError(
-            f"max_model_len {max_len} needs {wanted:.1f} GB for its caches but {have}: at most {fit} tokens "
-            f"fit (--max-model-len {fit})"
+            f"max_model_len {max_len} needs {gb(need(max_len))} for its caches but {have}: at most {fit} "
+            f"tokens fit (--max-model-len {fit})"
         )
     print(
-        f"lumo: context limited to {fit} tokens: {have}, the model's {max_len} would need "
-        f"{(need(max_len) + margin) / gb:.1f} GB (--max-model-len sets it)",
+        f"lumo: context limited to {fit} tokens: the caches of the model's {max_len} would need "
+        f"{gb(need(max_len))}, {have} (--max-model-len sets it)",
         file=sys.stderr,
     )
     return fit

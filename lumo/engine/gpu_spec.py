@@ -894,6 +894,8 @@ class SpecBackend:
 
     def decoder(self, params: SamplingParams, max_len: int, adaptive: bool = True) -> GPUSpecDecoder:
         """adaptive=False: events only, whatever the policy (its state untouched)."""
+        if self.engine is not None and self.engine.runner.max_len < max_len + self.extra_positions:
+            self.engine = None  # its runner, caches and graphs freed before the larger runner is allocated
         runner = self.backend.runner_for(max_len, self.extra_positions)
         if self.engine is None or self.engine.runner is not runner:
             self.engine = None

@@ -364,8 +364,13 @@ class LLM:
         if self._gpu is None:
             return 0.0
         t0 = time.perf_counter()
-        # up to 8 prompt tokens and 4 new ones, fewer where the context is shorter (it holds at least 2)
-        prompt = (self.tokenizer.encode("def main():\n    ") or [0])[: max(1, min(8, self.max_model_len - 5))]
+        from ..kernels.gdn import CHUNKED_MIN_TOKENS
+
+        # A prompt long enough for the chunked GDN prefill (what prompts of CHUNKED_MIN_TOKENS and more run)
+        # and 4 new tokens, fewer where the context is shorter (it holds at least 2)
+        n = max(1, min(2 * CHUNKED_MIN_TOKENS, self.max_model_len - 5))
+        line = self.tokenizer.encode("def main():\n    return 0\n") or [0]
+        prompt = (line * (n // len(line) + 1))[:n]
         new = min(4, self.max_model_len - len(prompt))
         self.generate(prompt, max_tokens=new, temperature=0, logprobs=1, ignore_eos=True)
         self.reset_adaptive()

@@ -235,8 +235,9 @@ class _CompletionOutput:
         as_ids: bool = False,
         prompt_k: int | None = None,
     ):
-        """as_ids: tokens named by id (return_tokens_as_token_ids). prompt_k: vLLM's prompt_logprobs (None:
-        not asked; the prompt's entries are then in `prompt_logprobs` after the first chunk)."""
+        """as_ids: tokens named by id (return_tokens_as_token_ids). prompt_k: the alternatives of vLLM's
+        prompt_logprobs, whose entries are in `prompt_logprobs` after the first chunk (None: not wanted;
+        `prompt_logprobs` stays None)."""
         self.tok, self.job, self.prompt_ids, self.echo = tok, job, prompt_ids, echo
         self.score_only, self.as_ids, self.prompt_k = score_only, as_ids, prompt_k
         self.prompt_logprobs: list[dict[str, Any] | None] | None = None
@@ -535,7 +536,7 @@ class _Server:
             ids, budget, echo = items[c // n]
             sampling = {**body.sampling(c % n), **by_id, "structured_outputs": structured}
             job = self._submit(ids, budget, sampling, ticket)
-            shown = body.shown_prompt_logprobs()
+            shown = None if body.stream else body.shown_prompt_logprobs()  # a stream does not carry them
             return _CompletionOutput(tok, job, ids, echo, score_only, self._as_ids(body), shown)
 
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -554,7 +555,9 @@ class _Server:
             text, logprobs, reason, why, ids = "", None, None, None, []
             async for chunk in self._collected(out.job, request):
                 piece, lp = out.take(chunk)
-                text, logprobs, ids = text + piece, extend(logprobs, lp), ids + out.new_ids
+                text, logprobs = text + piece, extend(logprobs, lp)
+                if with_ids:
+                    ids += out.new_ids
                 reason = chunk.finish_reason or reason
                 why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
             # vLLM's prompt_logprobs on every choice (null unless asked, or echo with logprobs), scored by
@@ -635,12 +638,15 @@ class _Server:
         truncating = body.truncate_prompt_tokens is not None
         prompt_ids = await self._encode(prompt, "messages", truncating)
         name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        prompt_ids = body.truncated(prompt_ids, body.max_new_tokens(), self.llm.max_model_len, name)
+        kept = body.truncated(prompt_ids, body.max_new_tokens(), self.llm.max_model_len, name)
+        continued = continued_text(body)
+        if body.truncation_side == "right" and len(kept) < len(prompt_ids):
+            prompt, continued = tok.decode(kept), None  # the output continues the cut prompt (reasoning?)
+        prompt_ids = kept
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages", name)
         _check_min_tokens(body, max_tokens)
         structured = await self._structured(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        continued = continued_text(body)
 
         ticket = self.worker.admit()  # a 503 now, or a place held for the first job
 

@@ -263,8 +263,10 @@ class _Common(BaseModel):
         self, ids: list[int], max_tokens: int | None, limit: int, name: str = "max_tokens"
     ) -> list[int]:
         """The prompt's ids as truncate_prompt_tokens keeps them (unchanged when unset), for a context of
-        `limit` tokens and `max_tokens` to generate (None: none asked; `name`: the field that asked). The
-        kept length is checked against the context whatever the prompt's length (a 400 up front)."""
+        `limit` tokens and `max_tokens` to generate (None: none asked; `name`: the field that asked). As
+        vLLM: a k above the context is a 400, and the kept prompt is then checked as any other (the
+        caller's _budget). -1 keeps the most that leave room for max_tokens (vLLM keeps the context's
+        length, which no max_tokens then fits)."""
         t, field = self.truncate_prompt_tokens, "truncate_prompt_tokens"
         if t is None:
             return ids
@@ -275,11 +277,8 @@ class _Common(BaseModel):
                 msg = f"{name} {max_tokens} leaves no room for a prompt in the context of {limit} tokens"
                 raise APIError(400, msg, name, "context_length_exceeded")
             t = limit - max_tokens
-        elif t + (max_tokens or 1) > limit:
-            msg = (
-                f"{field} {t} + {name} {max_tokens or 1} exceed this model's context of {limit} tokens (at "
-                f"most {limit - (max_tokens or 1)} prompt tokens fit)"
-            )
+        elif t > limit:
+            msg = f"{field} {t} exceeds this model's context of {limit} tokens"
             raise APIError(400, msg, field, "context_length_exceeded")
         return ids[:t] if self.truncation_side == "right" else ids[-t:]
 
@@ -324,7 +323,7 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+        if self.max_tokens == 0 and not self.echo and (self.prompt_logprobs is None or self.stream):
             msg = "max_tokens=0 needs echo=true or prompt_logprobs (the prompt scored, nothing generated)"
             raise APIError(400, msg, "max_tokens")
         if self.suffix:
