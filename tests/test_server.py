@@ -604,6 +604,14 @@ def test_server_default_of_tokens_as_token_ids(llm):
         assert texts == [llm.tokenizer.token_text(int(t.split(":")[1])) for t in tokens]
 
 
+def test_serve_flag_for_tokens_as_token_ids(ckpt):
+    """`lumo serve --return-tokens-as-token-ids` reaches the app: logprobs name tokens by id."""
+    with serve_subprocess(ckpt, "--device", "cpu", "--return-tokens-as-token-ids", env=ONE_THREAD) as s:
+        body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 0}
+        tokens = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+        assert len(tokens["tokens"]) == 3 and all(t.startswith("token_id:") for t in tokens["tokens"])
+
+
 def test_return_tokens_as_token_ids(client, llm):
     """vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:N` (completions' tokens and
     top_logprobs keys, chat's tokens and alternatives, streamed and not); chat's bytes stay the token's."""
