@@ -14,6 +14,10 @@ out=${OUT:-/tmp}
 source bench/gpu_group.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 case "${1:-a}" in
+core)  # a without `lumo check`, when little device time is left (~5 min)
+  group 150 t_rope $P tests/test_rope_kv_gpu.py tests/test_runner_gpu.py
+  group 150 t_llm $P tests/test_llm_gpu.py tests/test_logprobs_gpu.py
+  ;;
 a)
   group 150 t_rope $P tests/test_rope_kv_gpu.py tests/test_runner_gpu.py
   group 150 t_llm $P tests/test_llm_gpu.py tests/test_logprobs_gpu.py
