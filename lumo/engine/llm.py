@@ -363,9 +363,9 @@ class LLM:
         done (0.0)."""
         if self._gpu is None:
             return 0.0
-        t0 = time.perf_counter()
         from ..kernels.gdn import CHUNKED_MIN_TOKENS
 
+        t0 = time.perf_counter()
         # A prompt long enough for the chunked GDN prefill (what prompts of CHUNKED_MIN_TOKENS and more run)
         # and 4 new tokens, fewer where the context is shorter (it holds at least 2)
         n = max(1, min(2 * CHUNKED_MIN_TOKENS, self.max_model_len - 5))

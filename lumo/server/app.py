@@ -595,7 +595,18 @@ class _Server:
             for i in range(count):
                 out = start(i)
                 outs.append(out)
-                reason, held, first = None, [], True
+                reason, held, sent = None, [], False  # held: token ids not yet sent (with_ids)
+
+                def event(choice: dict[str, Any], prompt_ids: list[int] = out.prompt_ids) -> str:
+                    """A chunk of the choice, with its token ids (the prompt's on the choice's first)."""
+                    nonlocal held, sent
+                    if with_ids:
+                        choice["token_ids"], held = held, []
+                        if not sent:
+                            choice["prompt_token_ids"] = prompt_ids
+                    sent = True
+                    return _sse({**head, "choices": [choice], **extra})
+
                 async for chunk in out.job.events():
                     reason = chunk.finish_reason or reason
                     text, logprobs = out.take(chunk)
@@ -610,19 +621,9 @@ class _Server:
                         if chunk.finish_reason:  # vLLM's stop_reason, on the chunk that finishes the choice
                             why = None if out.score_only else getattr(chunk, "stop_reason", None)
                             choice["stop_reason"] = why
-                        if with_ids:
-                            choice["token_ids"], held = held, []
-                            if first:
-                                choice["prompt_token_ids"] = out.prompt_ids
-                        first = False
-                        yield _sse({**head, "choices": [choice], **extra})
+                        yield event(choice)
                 if reason is None:
-                    choice = {"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
-                    if with_ids:
-                        choice["token_ids"] = held
-                        if first:
-                            choice["prompt_token_ids"] = out.prompt_ids
-                    yield _sse({**head, "choices": [choice], **extra})
+                    yield event({"index": i, "text": "", "logprobs": None, "finish_reason": "length"})
 
         usage = (lambda: _batch_usage(outs, n)) if include_usage else None
         async for event in _sse_stream(choices(), head, usage, lambda: outs[-1].job if outs else None):
