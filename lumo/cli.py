@@ -347,8 +347,13 @@ def _serve(args: argparse.Namespace) -> int:
         check_tls(args.ssl_certfile, args.ssl_keyfile)  # before minutes of loading weights
     llm = _llm(args, progress=True)
     if llm.backend == "kernels":
-        print("lumo: warming up (kernels, CUDA graphs) ...", end="", flush=True)
-        print(f" {llm.warm_up():.1f} s", flush=True)
+        import torch
+
+        what = f"kernels, CUDA graphs, caches for {llm.max_model_len} tokens"
+        print(f"lumo: warming up ({what}) ...", end="", flush=True)
+        secs = llm.warm_up()
+        held = torch.cuda.memory_reserved(llm.device) / 1e9
+        print(f" {secs:.1f} s, {held:.1f} GB held on the GPU", flush=True)
     run_server(
         llm,
         host=args.host,

@@ -947,3 +947,43 @@ def test_a_growing_runner_is_freed_before_the_larger_one_is_allocated(monkeypatc
     monkeypatch.setattr(gd, "GPURunner", build)
     spec.decoder(params, 5000)
     assert alive_at_build == [False] and spec.backend.runner.max_len == 8192
+
+
+@pytest.mark.parametrize("reserved", [True, False], ids=["reserved", "growing"])
+def test_a_reserved_runner_never_grows_and_keeps_the_prefix(monkeypatch, reserved):
+    """SpecBackend.reserve (LLM.warm_up's, so lumo serve's): the engine's runner holds the whole context and
+    the tree's slots from the start, so a later request for more positions than the first capacity (4096)
+    runs on it: no new runner, no new engine (and graphs), and the conversation's earlier prompt is still in
+    the prefix cache. Without it the runner grows and the prefix cache starts empty. Either way the tokens
+    are a fresh backend's."""
+    import lumo.engine.gpu_decode as gd
+    from lumo.engine.gpu_spec import SpecBackend
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5)
+    spec = SpecBackend(
+        gd.GPUBackend(cfg, gw, 9000, "cpu", use_graph=False, prefill_chunk=10, prefix_snapshots=3), tree
+    )
+    if reserved:
+        engine = spec.reserve()
+        assert engine.runner.max_len == 9000 + spec.extra_positions and spec.backend.runner is engine.runner
+    first = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3)
+    dec = spec.decoder(params, len(first) + 8)
+    dec.prefill(first)
+    dec.step()
+    engine = dec.engine
+    second = first[:37] + tokenizer().encode("    print(name)\n")
+    dec = spec.decoder(params, 8192)  # a client asking for most of the context: past the first capacity
+    got = dec.prefill(second)
+    assert (dec.engine is engine) == reserved and dec.cached_tokens == (30 if reserved else 0)
+    assert spec.backend.runner.max_len == 9000 + (spec.extra_positions if reserved else 0)  # slot_capacity
+    fresh = SpecBackend(gd.GPUBackend(cfg, gw, 9000, "cpu", use_graph=False, prefill_chunk=10), tree)
+    cold = fresh.decoder(params, 8192)
+    want = cold.prefill(second)
+    while len(got) < 16:
+        got += dec.step()
+    while len(want) < len(got):
+        want += cold.step()
+    assert got == want[: len(got)]

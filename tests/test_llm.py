@@ -96,9 +96,14 @@ def test_warm_up_is_nothing_on_the_torch_backend(llm):
 def test_warm_up_request_fits_any_context(context, monkeypatch):
     """The kernels' warm-up request (its arithmetic, run here on the torch backend in its place) fits a
     context of any length >= 2 (`lumo serve --max-model-len 2` starts), and where the context allows, its
-    prompt is long enough for the chunked GDN prefill's kernels (2 x CHUNKED_MIN_TOKENS)."""
+    prompt is long enough for the chunked GDN prefill's kernels (2 x CHUNKED_MIN_TOKENS). Before it the
+    backend reserves its runner for the whole context (no later request grows it; test_gpu_spec_dryrun.py)."""
     llm = LLM(max_model_len=context, device="cpu")
     asked = []
+
+    class Kernels:  # as if on the kernels
+        def reserve(self):
+            asked.append("reserve")
 
     def generate(prompt, max_tokens, **kw):
         asked.append((len(prompt), max_tokens))
@@ -106,9 +111,10 @@ def test_warm_up_request_fits_any_context(context, monkeypatch):
         return LLM.generate(llm, prompt, max_tokens, **kw)
 
     monkeypatch.setattr(llm, "generate", generate)
-    llm._gpu = object()  # as if on the kernels
+    llm._gpu = Kernels()
     assert llm.warm_up() > 0
-    ((n, new),) = asked
+    assert asked[0] == "reserve"
+    ((n, new),) = asked[1:]
     assert n >= 1 and new >= 1 and n + new <= context and (context < 261 or (n, new) == (256, 4))
 
 

@@ -160,15 +160,18 @@ def test_the_context_fits_the_gpus_free_memory(monkeypatch, capsys):
 
 
 def test_warm_up_captures_before_the_first_request_and_changes_nothing():
-    """LLM.warm_up (lumo serve's, on the main thread): the runner and the speculative engine's graphs
-    exist before the first request, which runs on another thread as the server's engine worker does and
-    whose tokens and logprobs are bitwise those of an LLM that was not warmed up (a long prompt too: the
-    chunked GDN prefill); adaptive speculation starts afresh."""
+    """LLM.warm_up (lumo serve's, on the main thread): the runner, sized for the whole context, and the
+    speculative engine's graphs exist before the first request, which runs on another thread as the server's
+    engine worker does and whose tokens and logprobs are bitwise those of an LLM that was not warmed up (its
+    runner the first capacity, 4096 positions; a long prompt too: the chunked GDN prefill); adaptive
+    speculation starts afresh, and no request replaces the engine."""
     import threading
 
     path = assets("lumo-tiny")
     cold, warm = LLM(path, device="cuda"), LLM(path, device="cuda")
     assert warm.warm_up() > 0 and warm._gpu.engine.graphs is not None
+    engine = warm._gpu.engine
+    assert engine.runner.max_len == warm.max_model_len + warm._gpu.extra_positions
     assert warm._gpu.policy == cold._gpu.policy  # a dataclass: every field, the measurements too
     prompts = [*PROMPTS[:3], " ".join(PROMPTS) * 4]
     kw = dict(max_tokens=40, temperature=0, logprobs=2)
@@ -180,3 +183,4 @@ def test_warm_up_captures_before_the_first_request_and_changes_nothing():
     for prompt, b in zip(prompts, got, strict=True):
         a = cold.generate(prompt, **kw)
         assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs), prompt
+    assert warm._gpu.engine is engine and cold._gpu.engine.runner.max_len == 4096

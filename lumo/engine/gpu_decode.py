@@ -1,9 +1,10 @@
 """Plain decoding on the GPU kernels: `GPUDecoder` has decode.PlainDecoder's interface over a GPURunner.
 
 `GPUBackend` is what an LLM keeps: the packed weights (packed once) and one runner whose caches and
-captured graph are reused by every request; it grows (a new runner, a new capture) only when a request
-needs more positions than it has. With `prefix_snapshots` > 0 the runner keeps prompt prefixes across
-requests (lumo.engine.prefix: a hit computes the bits a miss does).
+captured graph are reused by every request; it grows (a new runner, a new capture, an empty prefix
+cache) only when a request needs more positions than it has, unless `reserve()` sized it for the whole
+context first (what `LLM.warm_up`, and so `lumo serve`, does). With `prefix_snapshots` > 0 the runner
+keeps prompt prefixes across requests (lumo.engine.prefix: a hit computes the bits a miss does).
 """
 
 from __future__ import annotations
@@ -186,6 +187,12 @@ class GPUBackend:
             self.runner = GPURunner(self.cfg, self.weights, cap, self.prefill_chunk, self.device)
             self.runner.enable_prefix_cache(self.prefix_snapshots)
         return self.runner
+
+    def reserve(self) -> GPURunner:
+        """The runner sized for the whole context (max_model_len positions), allocated now: no request then
+        grows it, so none pays for a new runner and its captures, and the prefix cache, which a new runner
+        starts without, outlives every request. What fit_context checked against the free memory."""
+        return self.runner_for(self.max_model_len)
 
     def decoder(self, params: SamplingParams, max_len: int) -> GPUDecoder:
         return GPUDecoder(self.runner_for(max_len), params, self.use_graph)

@@ -894,11 +894,20 @@ class SpecBackend:
 
     def decoder(self, params: SamplingParams, max_len: int, adaptive: bool = True) -> GPUSpecDecoder:
         """adaptive=False: events only, whatever the policy (its state untouched)."""
+        policy = self.policy if adaptive else None
+        return GPUSpecDecoder(self._engine_for(max_len), params, use_graph=self.use_graph, adaptive=policy)
+
+    def reserve(self) -> GPUSpecEngine:
+        """The engine on a runner sized for the whole context and the tree's slots, allocated now
+        (GPUBackend.reserve: no request grows it, the prefix cache outlives every request)."""
+        return self._engine_for(self.backend.max_model_len)
+
+    def _engine_for(self, max_len: int) -> GPUSpecEngine:
+        """The engine, on a runner that holds max_len positions and the tree's slots."""
         if self.engine is not None and self.engine.runner.max_len < max_len + self.extra_positions:
             self.engine = None  # its runner, caches and graphs freed before the larger runner is allocated
         runner = self.backend.runner_for(max_len, self.extra_positions)
         if self.engine is None or self.engine.runner is not runner:
             self.engine = None
             self.engine = GPUSpecEngine(runner, self.tree)
-        policy = self.policy if adaptive else None
-        return GPUSpecDecoder(self.engine, params, use_graph=self.use_graph, adaptive=policy)
+        return self.engine

@@ -356,16 +356,20 @@ class LLM:
         return make_decoder(*args, draft_ids=self.draft_ids, slot=self._slot)
 
     def warm_up(self) -> float:
-        """Compile the kernels a request runs (NVRTC, or the disk cache's cubins), allocate the first
-        runner and capture its CUDA graphs before the first request, which would pay for them otherwise
-        (`lumo serve` calls this): a greedy generation of a few tokens with logprobs, after which adaptive
-        speculation forgets what it measured. Returns the seconds it took; on the torch backend nothing is
-        done (0.0)."""
+        """Compile the kernels a request runs (NVRTC, or the disk cache's cubins), allocate the runner for
+        the whole context and capture its CUDA graphs before the first request, which would pay for them
+        otherwise (`lumo serve` calls this): the runner (and the speculative engine) reserved at
+        max_model_len positions, the memory the start-up check found free, so that no later request grows
+        it, which would recapture the graphs and start the prefix cache empty (a long conversation's next
+        turn prefilled again from its first token); then a greedy generation of a few tokens with
+        logprobs, after which adaptive speculation forgets what it measured. Returns the seconds it took;
+        on the torch backend nothing is done (0.0)."""
         if self._gpu is None:
             return 0.0
         from ..kernels.gdn import CHUNKED_MIN_TOKENS
 
         t0 = time.perf_counter()
+        self._gpu.reserve()
         # A prompt long enough for the chunked GDN prefill (what prompts of CHUNKED_MIN_TOKENS and more run)
         # and 4 new tokens, fewer where the context is shorter (it holds at least 2)
         n = max(1, min(2 * CHUNKED_MIN_TOKENS, self.max_model_len - 5))
