@@ -9,7 +9,11 @@ the answer, decoded, is prefilled again). For each context C: turn 1 = C random 
   prefix cache) and warm (after turn 1 on the same runner), the tokens each prefilled, and the speedup;
 - the floor of the warm time: its prefilled tokens at the cold prefill's own rate (tokens/s of this run);
 - turn 1's cost of taking its snapshots (with the cache on against off) and their memory;
-- whether warm and cold agree bitwise: the first token's logits, every GDN/conv state and the K/V.
+- whether warm and cold agree bitwise: the first token's logits, every GDN/conv state and the K/V;
+- with an unrelated `--side`-token request (a coding agent's side call) between the two turns: turn 2's
+  time to first token and cached tokens with the conversation parked (prefix.py; `--park` positions at
+  most) and without parking, the side request's time with and without parking (its copy aside), and
+  whether turn 2 after it still equals the cold one bitwise.
 JSON goes to $OUT or bench/results/bench_prefix.json.
 """
 
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 
 from lumo.engine.gpu_weights import config_27b, pack_weights, random_model_weights
+from lumo.engine.prefix import PARK_POSITIONS
 from lumo.engine.runner import GPURunner
 
 GB = 1e9
@@ -53,6 +58,8 @@ def main() -> None:
     ap.add_argument("--message", type=int, default=100, help="tokens of the new message in turn 2")
     ap.add_argument("--snapshots", type=int, default=4, help="prefix snapshots kept (LLM's default)")
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--side", type=int, default=600, help="tokens of the side request between the turns")
+    ap.add_argument("--park", type=int, default=PARK_POSITIONS, help="positions a parked prefix keeps aside")
     args = ap.parse_args()
 
     cfg = config_27b(num_layers=args.layers)
@@ -69,6 +76,9 @@ def main() -> None:
         turn2 = turn1 + torch.randint(0, cfg.vocab_size, (extra,), generator=gen).tolist()
         first_token(runner, turn1[:4096])  # warm-up: kernels compiled and loaded
         cold, cold1, warm, warm1 = [], [], [], []
+        side = torch.randint(0, cfg.vocab_size, (args.side,), generator=gen).tolist()
+        after = {True: [], False: []}  # parked: turn 2's time after the side request
+        side_t = {True: [], False: []}  # parked: the side request's time
         for _ in range(args.trials):
             runner.prefix = None
             cold1.append(first_token(runner, turn1)[0])
@@ -84,6 +94,19 @@ def main() -> None:
             warm.append(t)
             got = state(runner, len(turn2))
             equal = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            for parked in (True, False):
+                runner.enable_prefix_cache(args.snapshots, args.park if parked else 0)
+                first_token(runner, turn1)
+                for _ in range(8):
+                    runner.decode_step(use_graph=False)
+                side_t[parked].append(first_token(runner, side)[0])
+                for _ in range(8):
+                    runner.decode_step(use_graph=False)
+                t, cached_after = first_token(runner, turn2)
+                after[parked].append((t, cached_after))
+                if parked:
+                    got = state(runner, len(turn2))
+                    equal_after = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
         cold_s, warm_s = statistics.median(cold), statistics.median(warm)
         rate = len(turn2) / cold_s  # tokens/s of a cold prefill of turn 2
         row = {
@@ -99,7 +122,14 @@ def main() -> None:
             "turn1_on_ms": statistics.median(warm1) * 1e3,
             "snapshot_gb": snap_bytes / GB,
             "bitwise_equal": equal,
-            "trials": {"cold": cold, "warm": warm, "turn1_off": cold1, "turn1_on": warm1},
+            "after_side_ms": statistics.median(t for t, _ in after[True]) * 1e3,
+            "after_side_cached": after[True][-1][1],
+            "after_side_unparked_ms": statistics.median(t for t, _ in after[False]) * 1e3,
+            "after_side_unparked_cached": after[False][-1][1],
+            "side_ms": statistics.median(side_t[True]) * 1e3,
+            "side_unparked_ms": statistics.median(side_t[False]) * 1e3,
+            "after_side_bitwise_equal": equal_after,
+            "trials": {"cold": cold, "warm": warm, "turn1_off": cold1, "turn1_on": warm1, "after": after},
         }
         rows.append(row)
         print(
@@ -120,6 +150,20 @@ def main() -> None:
             f"{r['cached_tokens']} / {r['warm_prefilled']} | {r['speedup']:.1f}x | "
             f"{r['turn1_on_ms']:.1f} / {r['turn1_off_ms']:.1f} | {r['snapshot_gb']:.2f} | "
             f"{r['bitwise_equal']}"
+        )
+    print(
+        f"\nturn 2 after an unrelated {args.side}-token request (a side call); "
+        f"a parked prefix keeps at most {args.park} positions"
+    )
+    print(
+        "context | turn 2 ms parked (cached) | unparked (cached) | side request ms parked / unparked "
+        "| bitwise"
+    )
+    for r in rows:
+        print(
+            f"{r['context']} | {r['after_side_ms']:.1f} ({r['after_side_cached']}) | "
+            f"{r['after_side_unparked_ms']:.1f} ({r['after_side_unparked_cached']}) | "
+            f"{r['side_ms']:.1f} / {r['side_unparked_ms']:.1f} | {r['after_side_bitwise_equal']}"
         )
     out = Path(os.environ.get("OUT", "bench/results")) / "bench_prefix.json"
     out.parent.mkdir(parents=True, exist_ok=True)

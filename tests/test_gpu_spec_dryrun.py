@@ -987,3 +987,51 @@ def test_a_reserved_runner_never_grows_and_keeps_the_prefix(monkeypatch, reserve
     while len(want) < len(got):
         want += cold.step()
     assert got == want[: len(got)]
+
+
+@pytest.mark.parametrize("kind", ["tree", "plain"])
+def test_emulated_parked_prefix_survives_a_side_request(monkeypatch, kind):
+    """The runner's parked prefix (prefix.py) through the GPU engine's bookkeeping: a conversation, an
+    unrelated request (which overwrites its first positions: the target's and the drafter's K/V there
+    copied aside first), the conversation's next turn: it resumes from the conversation's snapshot at 50
+    and equals the same turn on a fresh runner (tokens, states, K/V, the drafter's K/V, draft logits)."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5)
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    warm_r, cold_r = (GPURunner(cfg, gw, 128, prefill_chunk=10, device="cpu") for _ in range(2))
+    warm_r.enable_prefix_cache(3, park=100)
+    engines = {}
+
+    def decoder(r):
+        if kind == "plain":
+            return GPUDecoder(r, params, use_graph=False)
+        return GPUSpecDecoder(engines.setdefault(id(r), GPUSpecEngine(r, tree)), params)
+
+    first = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3)
+    side = tokenizer().encode("class Point:\n    x: int\n")
+    for prompt in (first, side):
+        d = decoder(warm_r)
+        d.prefill(prompt)
+        for _ in range(3):
+            d.step()
+    assert warm_r.prefix.parked is not None and warm_r.prefix.parked.tokens == first
+    second = first + tokenizer().encode("    print(name)\n")
+    warm, cold = decoder(warm_r), decoder(cold_r)
+    got, want = warm.prefill(second), cold.prefill(second)
+    assert (warm.cached_tokens, cold.cached_tokens) == (50, 0) and warm_r.prefix.swaps == 1
+    while len(got) < 16:
+        got += warm.step()
+    while len(want) < len(got):
+        want += cold.step()
+    assert got == want[: len(got)]
+    n = warm_r.length
+    for a, b in zip(warm_r.gdn_state + warm_r.conv_state, cold_r.gdn_state + cold_r.conv_state, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(warm_r.kv_k + warm_r.kv_v, cold_r.kv_k + cold_r.kv_v, strict=True):
+        assert torch.equal(a[:n], b[:n])
+    if kind == "tree":
+        ew, ec = warm.engine, cold.engine
+        for a, b in zip(ew.mtp_k + ew.mtp_v, ec.mtp_k + ec.mtp_v, strict=True):
+            assert torch.equal(a[:n], b[:n])
+        assert torch.equal(ew.draft_logits, ec.draft_logits)

@@ -167,6 +167,31 @@ def test_resumed_request_equals_a_cold_one_bitwise(tiny, small_chunks, kind, fol
     assert warm.cache.length == cold.cache.length
 
 
+@pytest.mark.parametrize("kind", ["plain", "tree", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_a_side_request_between_two_turns_leaves_the_conversation_cached(
+    tiny, small_chunks, kind, temperature
+):
+    """An unrelated request between two turns of a conversation (a coding agent's side call): the
+    conversation is parked (its K/V the side request overwrites copied aside, the drafter's too) and its
+    next turn resumes from its longest snapshot, bitwise a cold start; without parking it starts from 0."""
+    params = SamplingParams(temperature=temperature, top_k=40, top_p=0.9, seed=7)
+    second = FIRST + tokens(9, 1)
+    for park, resume_at in ((0, 0), (200, 64)):
+        slot = Slot(prefix_snapshots=4, prefix_park=park)
+        for prompt, steps in ((FIRST, 5), (tokens(20, 4), 9)):
+            d = make(tiny, kind, params, slot)
+            d.prefill(prompt)
+            for _ in range(steps):
+                d.step()
+        warm, cold = make(tiny, kind, params, slot), make(tiny, kind, params, None)
+        out_w, out_c = warm.prefill(second), cold.prefill(second)
+        assert warm.cached_tokens == resume_at and out_w == out_c
+        assert_same(warm, cold, len(second))
+        for _ in range(6):
+            assert warm.step() == cold.step()
+
+
 def test_a_third_request_reuses_the_second_ones_snapshots(tiny, small_chunks):
     params = SamplingParams(temperature=0.0)
     slot = Slot(prefix_snapshots=2)
@@ -208,5 +233,131 @@ def test_llm_reports_cached_tokens_and_keeps_outputs(tmp_path):
     assert (r1.cached_tokens, r2.cached_tokens) == (0, 512)
     ref = off.generate(again, max_tokens=12, temperature=0.7, seed=3)
     assert ref.cached_tokens == 0 and r2.token_ids == ref.token_ids
+    # an unrelated request in between parks the conversation (LLM's default prefix_park), and not with 0
+    for llm, cached in ((on, 512), (LLM(d, device="cpu", spec="tree", prefix_park=0), 0)):
+        llm.generate(prompt, max_tokens=4, temperature=0.7, seed=3)
+        llm.generate(tokens(40, 6), max_tokens=8)
+        r3 = llm.generate(again, max_tokens=12, temperature=0.7, seed=3)
+        assert r3.cached_tokens == cached and r3.token_ids == ref.token_ids
     with pytest.raises(ValueError, match="prefix_snapshots"):
         LLM(d, device="cpu", prefix_snapshots=-1)
+    with pytest.raises(ValueError, match="prefix_park"):
+        LLM(d, device="cpu", prefix_park=-1)
+
+
+# ---- parked lines (a prefix moved out of the way of a request that would overwrite it) --------------
+
+
+class Slot1:
+    """A slot emulated for the bookkeeping: position p holds a hash of the tokens up to p (as K/V depend
+    on the tokens <= p), the state after n positions a hash of the first n; a request's decoding writes its
+    outputs' positions and `ahead` more (a speculative tree's slots) with junk."""
+
+    def __init__(self, max_len: int, chunk: int = 4, capacity: int = 3, park: int = 40, window: int = 6):
+        self.pc = PrefixCache(chunk, capacity, park=park, window=window)
+        self.kv = torch.full((max_len,), -1, dtype=torch.int64)
+        self.state = torch.zeros(1, dtype=torch.int64)
+        self.written, self.chunk = None, chunk
+
+    @staticmethod
+    def h(ids) -> int:
+        return hash(tuple(ids)) & ((1 << 62) - 1)
+
+    def request(self, ids: list[int], new: int = 3, ahead: int = 2, rng=None) -> int:
+        start = self.pc.resume(ids, [self.state], positions=[self.kv], written=self.written)
+        # what the slot holds for the resumed prefix is exactly the prompt's: positions and state
+        want = [self.h(ids[: p + 1]) for p in range(start)]
+        assert self.kv[:start].tolist() == want, (ids, start)
+        assert start == 0 or int(self.state) == self.h(ids[:start])
+        for p in range(start, len(ids)):
+            self.kv[p] = self.h(ids[: p + 1])
+            if self.pc.wants(p + 1) and (p + 1) % self.chunk == 0:
+                self.pc.add(p + 1, [torch.tensor([self.h(ids[: p + 1])])])
+        end = min(len(self.kv), len(ids) + new + ahead)
+        junk = torch.randint(0, 1 << 40, (end - len(ids),), generator=rng)
+        self.kv[len(ids) : end] = junk  # decoded tokens' K/V and tree slots: never reused
+        self.written = end
+        return start
+
+
+def test_a_side_request_parks_the_conversation_and_it_resumes_after():
+    """Claude Code's pattern: a long conversation, a short unrelated request, the conversation's next turn.
+    Without parking the side request overwrites the conversation's positions and its next turn prefills
+    from 0; with it the turn resumes from its longest snapshot (the bookkeeping: the slot's positions and
+    state equal the prompt's, checked in Slot1.request)."""
+    conv = list(range(100, 140))  # 40 tokens: snapshots at 32, 36, 40 (capacity 3)
+    side = list(range(500, 507))
+    for park, want in ((0, 0), (40, 40)):
+        s = Slot1(64, park=park)
+        assert s.request(conv) == 0
+        assert s.request(side) == 0
+        assert s.request(conv + [1, 2, 3]) == want, park
+        assert s.request(side + [9]) == (4 if park else 0)  # the side line was parked in turn (snapshot 4)
+        assert s.request(conv + [1, 2, 3, 4, 5]) == (40 if park else 0)
+    assert s.pc.swaps == 3
+
+
+def test_parking_keeps_the_longer_line_and_respects_its_cap():
+    long_, mid, short = list(range(100, 150)), list(range(300, 330)), list(range(600, 610))
+    s = Slot1(80, park=64)
+    s.request(long_)
+    s.request(mid)  # long_ parked
+    s.request(short)  # mid's line is shorter than the parked one: dropped, long_ stays parked
+    assert s.pc.parked.tokens == long_
+    assert s.request(long_ + [7]) == 48
+    assert s.request(mid + [7]) == 0
+    # a cap smaller than the positions to copy aside: nothing parked, the next turn starts from 0
+    s = Slot1(80, park=2)
+    s.request(long_)
+    s.request(short)
+    assert s.pc.parked is None and s.request(long_ + [7]) == 0
+
+
+def test_a_request_decoding_past_the_saved_window_cuts_the_parked_line_back():
+    """The positions past a prompt copied aside are a window (what its decoding will likely write); a
+    request that writes further overwrites the parked line's positions there, and its snapshots past the
+    window are dropped at the next resume rather than restored over overwritten positions."""
+    conv, side = list(range(100, 140)), list(range(500, 505))
+    for new, want in ((3, 40), (20, 0)):
+        s = Slot1(64, window=6)
+        s.request(conv)
+        s.request(side, new=new)  # [0, 11) copied aside; it writes [0, 10) or [0, 27)
+        assert s.request(conv + [1]) == want
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_requests_keep_the_slot_consistent(seed):
+    """Random conversations, branches, side requests, decode lengths, caps and windows: whatever resume
+    returns, the slot then holds exactly the prompt's positions and state up to it (Slot1.request asserts
+    it), and the parked line never keeps more than its cap aside."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    park = rng.choice([0, 8, 24, 96])
+    s = Slot1(96, chunk=4, capacity=rng.choice([1, 2, 3, 5]), park=park, window=rng.choice([0, 3, 10]))
+    bases = [[rng.randrange(50) for _ in range(60)] for _ in range(3)]
+    hits = 0
+    for _ in range(60):
+        base = rng.choice(bases)
+        n = rng.randrange(1, 60)
+        ids = base[:n]
+        if rng.random() < 0.3:
+            ids = ids + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
+        hits += s.request(ids[:80], new=rng.randrange(0, 12), ahead=rng.randrange(0, 4), rng=gen)
+        p = s.pc.parked
+        assert p is None or (0 < p.hi - p.lo <= park and p.saved[0].shape[0] == p.hi - p.lo)
+    assert hits > 0
+
+
+def test_the_slots_snapshots_shared_with_the_parked_line_stay_its_own():
+    """A branch of a conversation (resumed at 24 from the conversation's own snapshots) parks the
+    conversation past 24; an unrelated request then overwrites the shared positions too: the snapshot at
+    24, shared until then, moves to the parked line, and a later prompt of the conversation that diverges
+    before 28 still resumes from it."""
+    conv = list(range(100, 140))  # snapshots 24 .. 40 (capacity 5)
+    s = Slot1(64, capacity=5)
+    s.request(conv)
+    assert s.request(conv[:26] + list(range(300, 310))) == 24
+    assert s.pc.parked.lo == 24
+    s.request(list(range(500, 510)))
+    assert s.pc.parked.lo == 0 and 24 in s.pc.parked.snapshots
+    assert s.request(conv[:27] + [9]) == 24

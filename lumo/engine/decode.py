@@ -40,9 +40,10 @@ class Slot:
     """A sequence's cache kept across requests, with its prefix cache (lumo.engine.prefix): what an LLM on
     the torch backend keeps so that a prompt sharing a prefix with an earlier one resumes after it."""
 
-    def __init__(self, prefix_snapshots: int = 0):
+    def __init__(self, prefix_snapshots: int = 0, prefix_park: int = 0):
         self.cache: M.Cache | None = None
-        self.prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots) if prefix_snapshots else None
+        self.prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots, prefix_park) if prefix_snapshots else None
+        self.write_ahead = 0  # positions past its length a request's decoding writes (its decoders' most)
 
     def cache_for(self, cfg: ModelConfig, max_len: int, device, dtype) -> M.Cache:
         """The cache (a slot serves one model on one device), replaced by a larger one (slot_capacity),
@@ -85,6 +86,8 @@ class PlainDecoder(ScoresTokens):
             self.cache = M.new_cache(cfg, max_len + self.extra_positions, device, dtype)
         else:
             self.cache = slot.cache_for(cfg, max_len + self.extra_positions, device, dtype)
+            slot.write_ahead = max(slot.write_ahead, self.extra_positions)
+        self._slot = slot
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the prefix cache
         self._init_scores()
         if self.prefix is not None:  # a snapshot's final-norm row is restored here
@@ -99,7 +102,11 @@ class PlainDecoder(ScoresTokens):
         start = 0
         if self.prefix is not None:  # owner: a plain decoder's prefills leave the MTP's K/V behind
             state = [*c.gdn_state, *c.conv_state, self._restored_carry]
-            start = self.prefix.resume(prompt_ids, state, self.feeds_mtp, self.prompt_logprobs is None)
+            # positions [0, written) may hold what the slot's previous request wrote (a failed chunk too)
+            written = min(c.max_len, c.length + max(self._slot.write_ahead, PREFILL_CHUNK))
+            positions = [*c.kv_k, *c.kv_v, *c.mtp_k, *c.mtp_v]
+            reuse = self.prompt_logprobs is None
+            start = self.prefix.resume(prompt_ids, state, self.feeds_mtp, reuse, positions, written)
             self._carry = self._restored_carry if start else None
         c.length = c.mtp_length = start
         return start

@@ -147,10 +147,11 @@ class GPUBackend:
         use_graph: bool = True,
         prefill_chunk: int = PREFILL_CHUNK,
         prefix_snapshots: int = 0,
+        prefix_park: int = 0,
     ):
         self.cfg, self.device = cfg, torch.device(device)
         self.max_model_len, self.use_graph, self.prefill_chunk = max_model_len, use_graph, prefill_chunk
-        self.prefix_snapshots = prefix_snapshots
+        self.prefix_snapshots, self.prefix_park = prefix_snapshots, prefix_park
         self.weights = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, self.device)
         self.runner: GPURunner | None = None
 
@@ -161,7 +162,9 @@ class GPUBackend:
 
         def need(n: int) -> int:
             cap = slot_capacity(n + extra, n)
-            return cache_bytes(self.cfg, cap, self.prefill_chunk, self.prefix_snapshots, mtp_layers)
+            return cache_bytes(
+                self.cfg, cap, self.prefill_chunk, self.prefix_snapshots, mtp_layers, self.prefix_park
+            )
 
         self.max_model_len = fit_context(need, free_gpu_bytes(self.device), self.max_model_len, explicit)
         return self.max_model_len
@@ -185,7 +188,7 @@ class GPUBackend:
             torch.cuda.empty_cache()
             cap = slot_capacity(need, self.max_model_len)
             self.runner = GPURunner(self.cfg, self.weights, cap, self.prefill_chunk, self.device)
-            self.runner.enable_prefix_cache(self.prefix_snapshots)
+            self.runner.enable_prefix_cache(self.prefix_snapshots, self.prefix_park)
         return self.runner
 
     def reserve(self) -> GPURunner:

@@ -110,6 +110,7 @@ class GPUSpecEngine:
         self.R, self.D, self.cap = R, D, D + 1  # cap: accepted nodes at most (root + D drafts)
         self.cached_tokens = 0  # prompt tokens the latest prefill took from the runner's prefix cache
         self._prefix_owner = object()  # this engine's token in the runner's prefix cache (its MTP K/V)
+        runner.write_ahead = max(runner.write_ahead, R + self.cap)  # an event's tree slots past the length
         self.k = int(tb.rank.max()) + 1  # MTP candidates per depth
         if R > SMALL_M:
             raise ValueError(f"a tree of {R} rows exceeds the {SMALL_M} rows of the batch-invariant GEMV")
@@ -298,7 +299,9 @@ class GPUSpecEngine:
             raise ValueError(f"prompt of {ids.numel()} tokens leaves no room for a tree in {r.max_len}")
         # From a prefix snapshot (lumo.engine.prefix) the MTP's pairs resume with the hidden row of the
         # snapshot's last position, as the next chunk of an uncached prefill would.
-        self.cached_tokens = start = r.resume(prompt_ids, owner=self._prefix_owner, reuse=scored is None)
+        mtp = [*self.mtp_k, *self.mtp_v]  # parked with the target's K/V (prefix.py)
+        start = r.resume(prompt_ids, owner=self._prefix_owner, reuse=scored is None, positions=mtp)
+        self.cached_tokens = start
         self._carry = r.hidden.clone() if start else None
 
         def hook(hidden: torch.Tensor, start: int) -> None:

@@ -24,6 +24,7 @@ from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
 from .grammar import Constraint, GrammarCompiler, StructuredOutputs
 from .logprobs import TokenLogprob, check_logprobs
+from .prefix import PARK_POSITIONS
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
 
@@ -143,9 +144,11 @@ class LLM:
         prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
         adaptive_spec: bool = True,
         chat_template: str | os.PathLike | None = None,
+        prefix_park: int = PARK_POSITIONS,
     ):
         """chat_template: a jinja chat template (a file's path or the text) used instead of the
-        checkpoint's; the other arguments are `lumo serve`'s flags (README)."""
+        checkpoint's; prefix_park: the positions a prefix parked out of another prompt's way keeps aside
+        (lumo.engine.prefix; 0: none parked); the other arguments are `lumo serve`'s flags (README)."""
         # checked before minutes of loading weights
         template = None if chat_template is None else read_chat_template(chat_template)
         if spec not in ("auto", "off", "chain", "tree"):
@@ -158,6 +161,9 @@ class LLM:
         # Prompt prefixes reused across requests (lumo.engine.prefix: exact; snapshots of the recurrent
         # state on the prefill grid, this many kept; 0 = every prompt prefilled from its first token).
         self.prefix_snapshots = int(prefix_snapshots)
+        if _integer(prefix_park, "prefix_park") < 0:
+            raise ValueError(f"prefix_park must be >= 0 (0: no prefix parked), got {prefix_park}")
+        self.prefix_park = int(prefix_park) if self.prefix_snapshots else 0
         # Tree speculation on the kernels falls back to plain steps while events do not pay (lumo.engine.
         # adaptive: the same tokens either way); False: always speculate.
         self.adaptive_spec = bool(adaptive_spec)
@@ -256,7 +262,8 @@ class LLM:
             and self.config.hidden_size < SMALL_HIDDEN
             and "OMP_NUM_THREADS" not in os.environ
         )
-        self._slot = Slot(self.prefix_snapshots) if self._gpu is None else None  # torch backend's caches
+        # the torch backend's caches
+        self._slot = Slot(self.prefix_snapshots, self.prefix_park) if self._gpu is None else None
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._grammars_lock = threading.Lock()
 
@@ -273,7 +280,12 @@ class LLM:
         )
         self.weights = None  # the packed copy on the GPU is the only one kept
         backend = GPUBackend(
-            self.config, packed, self.max_model_len, self.device, prefix_snapshots=self.prefix_snapshots
+            self.config,
+            packed,
+            self.max_model_len,
+            self.device,
+            prefix_snapshots=self.prefix_snapshots,
+            prefix_park=self.prefix_park,
         )
         if self.spec == "off":
             self.max_model_len = backend.fit_context(explicit_context)

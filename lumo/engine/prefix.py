@@ -17,6 +17,19 @@ again in the next; at most chunk - 1 tokens of the shared prefix are, too.
 Snapshots are kept least-recently-used first out, `capacity` of them (0 turns reuse off). A snapshot is
 the GDN states (f32), the conv states and the final-norm hidden row of its last position (the MTP
 head's input for the next chunk's first pair): ~154 MB for a 27B model.
+
+A parked prefix: one slot holds one prefix, and a prompt that shares little of it overwrites it. A coding
+agent's short side requests (Claude Code's title and command checks, with system prompts of their own)
+would so erase the conversation's cache between two of its turns, and every turn would prefill the whole
+conversation again. So a prefix about to be overwritten (a *line*: its tokens and the snapshots past the
+point the new request starts from) is parked: the K/V positions the new request may write are copied
+aside first (`saved`, positions [lo, hi)), and a later prompt that resumes further in the parked line
+than in the slot's swaps the two back (the saved positions copied into the slot, the slot's own copied
+aside). One line is parked at a time, the one with the longer cached prefix; `park` caps the positions
+copied aside (0: no parking). The slot's positions the parked line still needs beyond `hi` are checked
+against what the requests since wrote (`written`, the high-water mark the slot passes to `resume`): a line
+whose positions were overwritten keeps only its snapshots below them. Parked positions and states are
+bit copies, so a prefill resumed from a parked line computes a cold start's bits, like any other.
 """
 
 from __future__ import annotations
@@ -26,6 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
+# Positions past a prompt copied aside for a parked line when a request starts inside it: what its decoding
+# (and a speculative tree's slots) may write before the next request; a request that writes further cuts the
+# parked line back (PrefixCache.resume's `written`).
+PARK_WINDOW = 4096
+# Default cap on the positions a parked line keeps aside (LLM's prefix_park): ~1 GB of K/V on the 27B
+PARK_POSITIONS = 16384
+
 
 @dataclass
 class Snapshot:
@@ -34,19 +54,42 @@ class Snapshot:
     used: int = 0  # tick of the latest add or hit (least recently used goes first)
 
 
+@dataclass
+class Parked:
+    """A prefix moved out of the slot's way. Its positions p < lo hold the same tokens as the slot's (the
+    slot's values are its values), [lo, hi) are in `saved`, and [hi, useful) are still the slot's, unwritten
+    since it was parked (resume checks that against `written`)."""
+
+    tokens: list[int]  # the token ids at its positions
+    snapshots: dict[int, Snapshot]  # its own, every one longer than lo (the slot's up to lo are shared)
+    lo: int
+    hi: int
+    saved: list[torch.Tensor]  # per position cache of the slot: its values at [lo, hi)
+
+    @property
+    def useful(self) -> int:
+        """Positions worth keeping: up to its longest snapshot (beyond it no state follows them)."""
+        return max(self.snapshots, default=0)
+
+
 class PrefixCache:
     """Which tokens a slot's K/V positions hold, and state snapshots on the prefill grid.
 
     The slot calls `resume(ids, state, owner)` before a prefill (its state restored, the position to
     prefill from returned), `add(length, state)` after every chunk that ends on the grid (`wants`), and
-    `truncate(n)` before anything else writes its positions n.. (a warm-up, a seek)."""
+    `truncate(n)` before anything else writes its positions n.. (a warm-up, a seek). With `park` > 0 and
+    the slot's position caches passed to `resume`, a prefix the next prefill would overwrite is parked
+    (module docstring), at most `park` of its positions copied aside (`window` past a prompt for what its
+    decoding writes)."""
 
-    def __init__(self, chunk: int, capacity: int):
-        if chunk < 1 or capacity < 0:
-            raise ValueError(f"need chunk >= 1 and capacity >= 0, got {chunk}, {capacity}")
-        self.chunk, self.capacity = chunk, capacity
+    def __init__(self, chunk: int, capacity: int, park: int = 0, window: int = PARK_WINDOW):
+        if chunk < 1 or capacity < 0 or park < 0:
+            raise ValueError(f"need chunk >= 1, capacity >= 0 and park >= 0, got {chunk}, {capacity}, {park}")
+        self.chunk, self.capacity, self.park, self.window = chunk, capacity, park, window
         self.tokens: list[int] = []  # token ids at positions [0, len) as the latest prefill wrote them
         self.snapshots: dict[int, Snapshot] = {}  # by length
+        self.parked: Parked | None = None
+        self.swaps = 0  # requests that resumed from the parked line
         self._tick = 0
         # Whoever prefilled keeps caches of its own beside the slot's (a speculative engine: the MTP head's
         # K/V); a prefill by another owner starts the cache afresh (`claim`). A token the owner holds, not
@@ -59,6 +102,7 @@ class PrefixCache:
     def clear(self) -> None:
         self.tokens = []
         self.snapshots.clear()
+        self.parked = None
 
     def claim(self, owner: object | None) -> None:
         """The next prefill is `owner`'s (compared by identity): if another one's prefills made the cache,
@@ -68,7 +112,9 @@ class PrefixCache:
             self.owner = owner
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.snapshots.values() for t in s.tensors)
+        snaps = [*self.snapshots.values(), *(self.parked.snapshots.values() if self.parked else ())]
+        ts = [t for s in snaps for t in s.tensors] + (self.parked.saved if self.parked else [])
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def match(self, ids: Sequence[int]) -> Snapshot | None:
         """The snapshot a prefill of `ids` can resume from: the longest whose positions hold ids'
@@ -86,15 +132,31 @@ class PrefixCache:
         state: Sequence[torch.Tensor],
         owner: object | None = None,
         reuse: bool = True,
+        positions: Sequence[torch.Tensor] | None = None,
+        written: int | None = None,
     ) -> int:
         """Before a prefill of `ids` by `owner` (`claim`): copy into `state` (the slot's state tensors, in
         the order its snapshots hold them) the snapshot after the longest cached prefix of ids, record ids
         as the slot's tokens (`begin`), and return the position the prefill starts at (0: nothing cached,
         `state` untouched). reuse=False: prefill from 0 (every prompt position's output is wanted); the
-        cache is rebuilt by that prefill."""
+        cache is rebuilt by that prefill.
+        positions: the slot's position caches ([max_len, ...] each: the K/V, the drafter's K/V), which a
+        parked line is copied out of and back into (None: nothing is parked). written: the slot's positions
+        [0, written) may have been written since the previous resume (its request's length and what its
+        decoding writes past it; None: any)."""
         self.claim(owner)
+        if positions is None or not self.park:
+            self.parked = None
+        elif self.parked is not None:
+            self._check_written(written)
+            if reuse and self.parked is not None:
+                live, parked = self.match(ids), self._parked_match(ids)
+                if parked is not None and (live is None or parked.length > live.length):
+                    self._swap(ids, parked.length, positions)
         snap = self.match(ids) if reuse else None
         start = 0 if snap is None else snap.length
+        if positions is not None and self.park:
+            self._protect(ids, start, positions)
         if snap is not None:
             for dst, src in zip(state, snap.tensors, strict=True):
                 dst.copy_(src)
@@ -102,16 +164,95 @@ class PrefixCache:
         return start
 
     def truncate(self, n: int) -> None:
-        """Positions n.. are about to be overwritten: forget their tokens and the snapshots past n."""
+        """Positions n.. are about to be overwritten by something other than a resumed prefill: forget
+        their tokens and the snapshots past n, and the parked line (whose positions were not copied aside)."""
+        self.parked = None
+        self._truncate_live(n)
+
+    def _truncate_live(self, n: int) -> None:
         del self.tokens[n:]
         for length in [k for k in self.snapshots if k > n]:
             del self.snapshots[length]
+
+    # ---- the parked line ----
+    def _parked_match(self, ids: Sequence[int]) -> Snapshot | None:
+        """As `match`, in the parked line: its own snapshots and the slot's up to its `lo` (shared)."""
+        p = self.parked
+        n = common_prefix(p.tokens, ids)
+        shared = [s for s in self.snapshots.values() if s.length <= p.lo]
+        best = None
+        for s in [*p.snapshots.values(), *shared]:
+            if s.length <= n and s.length < len(ids) and (best is None or s.length > best.length):
+                best = s
+        return best
+
+    def _check_written(self, written: int | None) -> None:
+        """The requests since the previous resume wrote positions below `written`: the parked line's
+        snapshots that need slot positions past its saved ones that may have been written are dropped."""
+        p = self.parked
+        if written is None or written > p.hi:
+            p.snapshots = {n: s for n, s in p.snapshots.items() if n <= p.hi}
+            if not p.snapshots:
+                self.parked = None
+
+    def _swap(self, ids: Sequence[int], start: int, positions: Sequence[torch.Tensor]) -> None:
+        """The parked line resumes further than the slot's (at `start`): its saved positions go back into
+        the slot, and the slot's line is parked in its place (its positions that this restore and the
+        request writes copied aside first, as far as `park` allows)."""
+        p = self.parked
+        lo = min(p.lo, start)
+        useful = max(self.snapshots, default=0)
+        hi = min(useful, lo + self.park, max(p.hi, len(ids) + self.window))
+        own = {n: s for n, s in self.snapshots.items() if n > lo}
+        line = None
+        if own and hi > lo:
+            saved = [t[lo:hi].clone() for t in positions]
+            # (hi >= p.hi or no snapshot past hi: p.hi - p.lo <= park, so the restore below writes only
+            # positions copied aside here)
+            line = Parked(self.tokens, own, lo, hi, saved)
+        for t, s in zip(positions, p.saved, strict=True):
+            t[p.lo : p.hi].copy_(s)
+        self.tokens = list(p.tokens)
+        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= lo} | p.snapshots
+        self.parked = line if line is not None and line.snapshots else None
+        self.swaps += 1
+
+    def _protect(self, ids: Sequence[int], start: int, positions: Sequence[torch.Tensor]) -> None:
+        """The request about to prefill ids from `start` writes the slot's positions start..: a line of
+        snapshots past start is parked (if it is longer than the parked one), and the parked line's
+        positions the request may write are copied aside (a window past the prompt for its decoding)."""
+        own = {n: s for n, s in self.snapshots.items() if n > start}
+        if own and (self.parked is None or max(own) > self.parked.useful):
+            hi = min(max(own), start + self.park, len(ids) + self.window)
+            # Snapshots past hi need the slot's positions there, which this prompt overwrites where it
+            # reaches them (else its decoding may: checked at the next resume)
+            if len(ids) <= hi or min(own) <= hi:
+                saved = [t[start:hi].clone() for t in positions]
+                self.parked = Parked(list(self.tokens), dict(own), start, hi, saved)
+                for n in own:
+                    del self.snapshots[n]
+                return
+        p = self.parked
+        if p is None or start >= p.useful:
+            return
+        lo = min(p.lo, start)
+        hi = max(p.hi, min(p.useful, len(ids) + self.window, lo + self.park))
+        if p.hi - lo > self.park:  # the positions it needs from lo on do not fit the cap
+            self.parked = None
+            return
+        if (lo, hi) != (p.lo, p.hi):
+            pairs = zip(positions, p.saved, strict=True)
+            p.saved = [torch.cat([t[lo : p.lo], s, t[p.hi : hi]]) for t, s in pairs]
+            # the slot's snapshots in (lo, p.lo] are the parked line's too; the request overwrites them
+            for n in [n for n in self.snapshots if lo < n <= p.lo]:
+                p.snapshots[n] = self.snapshots.pop(n)
+            p.lo, p.hi = lo, hi
 
     def begin(self, ids: Sequence[int], start: int) -> None:
         """A prefill of `ids` resumes at position `start` (0, or a snapshot's length from `match`). The
         tokens are recorded now: a snapshot at s is only added once the prefill has written [0, s), so a
         prefill that fails midway leaves the cache consistent."""
-        self.truncate(start)
+        self._truncate_live(start)
         self.tokens = list(ids)
         if start:
             self.hits += 1

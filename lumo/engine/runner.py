@@ -107,6 +107,9 @@ class GPURunner:
         # Prompt prefixes kept across requests (lumo.engine.prefix); None: every prefill starts at 0.
         self.prefix: PrefixCache | None = None
         self._resumed = False  # resume() armed the next prefill to record its grid snapshots
+        # Positions past `length` a request's decoding writes (a speculative engine's tree slots): what the
+        # prefix cache checks a parked prefix against
+        self.write_ahead = 0
 
         # ---- per-step values (device): what the captured graph reads and advances ----
         self.tok = torch.zeros(1, dtype=i32, device=dev)  # [1] input token of the next step
@@ -213,9 +216,10 @@ class GPURunner:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.device)
         self.prompt_mask.index_fill_(0, ids, 1)
 
-    def enable_prefix_cache(self, snapshots: int) -> None:
-        """Keep up to `snapshots` prefix snapshots on this runner's prefill grid (0: none)."""
-        self.prefix = PrefixCache(self.prefill_chunk, snapshots) if snapshots else None
+    def enable_prefix_cache(self, snapshots: int, park: int = 0) -> None:
+        """Keep up to `snapshots` prefix snapshots on this runner's prefill grid (0: none), and park a
+        prefix another prompt would overwrite with up to `park` of its positions copied aside (prefix.py)."""
+        self.prefix = PrefixCache(self.prefill_chunk, snapshots, park) if snapshots else None
 
     def prefix_state(self) -> list[torch.Tensor]:
         """What a prefix snapshot keeps: the recurrent states and the final-norm row of the last position
@@ -224,20 +228,28 @@ class GPURunner:
 
     @torch.inference_mode()
     def resume(
-        self, ids: Sequence[int] | torch.Tensor, owner: object | None = None, reuse: bool = True
+        self,
+        ids: Sequence[int] | torch.Tensor,
+        owner: object | None = None,
+        reuse: bool = True,
+        positions: Sequence[torch.Tensor] = (),
     ) -> int:
         """Prepare a prefill of the prompt `ids`: empty the slot, or, with a prefix cache, restore the
         state after the longest cached prefix of ids. Returns the position to prefill from: the caller
         prefills ids[start:] next (that prefill records the prompt's grid snapshots). owner: a token of
         whatever keeps caches beside the slot's (a GPUSpecEngine: its MTP K/V); prefixes cached by another
-        owner's prefills are dropped. reuse=False: from position 0 (PrefixCache.resume). The request's
-        token history starts here too (begin_history: the whole prompt, nothing generated)."""
+        owner's prefills are dropped. reuse=False: from position 0 (PrefixCache.resume). positions: the
+        owner's position caches (the drafter's K/V), parked with the slot's K/V. The request's token
+        history starts here too (begin_history: the whole prompt, nothing generated)."""
+        # what the previous request may have written (its length, its tree slots, a failed prefill chunk)
+        written = min(self.max_len, self.length + max(self.write_ahead, self.prefill_chunk))
         self.reset()
         self.begin_history(ids)
         if self.prefix is None:
             return 0
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-        self.length = self.prefix.resume(ids, self.prefix_state(), owner, reuse)
+        slot = [*self.kv_k, *self.kv_v, *positions]
+        self.length = self.prefix.resume(ids, self.prefix_state(), owner, reuse, slot, written)
         self._resumed = True
         return self.length
 
@@ -567,12 +579,15 @@ def cache_bytes(
     chunk: int = PREFILL_CHUNK,
     prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
     mtp_layers: int = 0,
+    prefix_park: int = 0,
 ) -> int:
     """GPU memory a runner of max_len positions needs beside the packed weights: memory_plan's caches,
-    buffers, prefill peak and prefix snapshots, and the K/V of `mtp_layers` drafter layers (a speculative
-    engine's own cache of max_len positions)."""
-    plan = memory_plan(cfg, max_len, chunk, prefix_snapshots=prefix_snapshots)
-    mtp_kv = mtp_layers * max_len * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    buffers, prefill peak and prefix snapshots (a parked prefix's too), and the K/V of `mtp_layers`
+    drafter layers (a speculative engine's own cache of max_len positions, and a parked prefix's
+    `prefix_park` positions of it)."""
+    plan = memory_plan(cfg, max_len, chunk, prefix_snapshots=prefix_snapshots, prefix_park=prefix_park)
+    park = min(prefix_park, max_len) if prefix_snapshots else 0
+    mtp_kv = mtp_layers * (max_len + park) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
     return sum(v for k, v in plan.items() if k != "weights") + mtp_kv
 
 
@@ -583,9 +598,11 @@ def memory_plan(
     nvfp4: bool = True,
     partial_min_splits: int = 16,
     prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
+    prefix_park: int = 0,
 ) -> dict:
     """Bytes of each part of a runner: weights, caches, decode buffers, the per-chunk prefill peak and the
-    prefix cache's snapshots (prefix.py). partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8
+    prefix cache's snapshots and parked prefix (prefix.py: its snapshots and at most prefix_park positions
+    of K/V copied aside). partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8
     below). Plain decoding: the MTP head of tree speculation is not counted (bench/bench_spec.py reports
     it)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -610,6 +627,8 @@ def memory_plan(
         gdn += chunked_workspace_bytes(T, nv, dk, dv)
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
+    park = min(prefix_park, max_len) if prefix_snapshots else 0  # positions a parked prefix copies aside
+    park_snapshots = prefix_snapshots if park else 0
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
         "splitk_partials": splitk_partial_bytes(cfg, partial_min_splits) if nvfp4 else 0,
@@ -620,4 +639,6 @@ def memory_plan(
         "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
         # GDN and conv states + the final-norm row, per snapshot (GPURunner.prefix_state)
         "prefix_snapshots": prefix_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H),
+        "prefix_parked": park_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H)
+        + n_full * park * nkv * d * 2 * 2,
     }
