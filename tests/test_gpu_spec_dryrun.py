@@ -1035,3 +1035,72 @@ def test_emulated_parked_prefix_survives_a_side_request(monkeypatch, kind):
         for a, b in zip(ew.mtp_k + ew.mtp_v, ec.mtp_k + ec.mtp_v, strict=True):
             assert torch.equal(a[:n], b[:n])
         assert torch.equal(ew.draft_logits, ec.draft_logits)
+
+
+@pytest.mark.parametrize("side_steps", [0, 60], ids=["long-side-prompt", "side-decodes-far"])
+@pytest.mark.parametrize("kind", ["tree", "plain"])
+def test_emulated_parked_prefix_past_its_saved_positions_is_cut_back(monkeypatch, kind, side_steps):
+    """A side request that writes past the positions copied aside (park=45: a 55-token side prompt, or a
+    short one that decodes 60 tokens) overwrites the parked conversation's positions there: its next turn
+    resumes from a snapshot inside them (40), not from 50, and equals a fresh runner's. The plain decoder
+    resets the slot before resume: the runner keeps what was written across that reset (review of
+    session 42: resume once saw length 0 and restored overwritten positions)."""
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    params = SamplingParams(temperature=0.0)
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    warm_r, cold_r = (GPURunner(cfg, gw, 256, prefill_chunk=10, device="cpu") for _ in range(2))
+    warm_r.enable_prefix_cache(3, park=45)
+    engines = {}
+
+    def decoder(r):
+        if kind == "plain":
+            return GPUDecoder(r, params, use_graph=False)
+        return GPUSpecDecoder(engines.setdefault(id(r), GPUSpecEngine(r, tree)), params)
+
+    first = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3)
+    side = [7] + first[1:] if side_steps == 0 else tokenizer().encode("class Point:\n")
+    d = decoder(warm_r)
+    d.prefill(first)
+    d.step()
+    d = decoder(warm_r)
+    d.prefill(side)
+    while warm_r.length < len(side) + side_steps:
+        d.step()
+    second = first + tokenizer().encode("    print(name)\n")
+    warm, cold = decoder(warm_r), decoder(cold_r)
+    got, want = warm.prefill(second), cold.prefill(second)
+    assert warm.cached_tokens == 40
+    while len(got) < 8:
+        got += warm.step()
+    while len(want) < len(got):
+        want += cold.step()
+    assert got == want[: len(got)]
+    n = warm_r.length
+    for a, b in zip(warm_r.kv_k + warm_r.kv_v, cold_r.kv_k + cold_r.kv_v, strict=True):
+        assert torch.equal(a[:n], b[:n])
+
+
+def test_the_memory_check_counts_the_engines_attention_partials_and_mtp_cache(monkeypatch):
+    """What a speculative engine allocates over its runner's positions (its rows' attention split-K
+    partials, the drafter's K/V) is what cache_bytes adds for attn_rows = SpecBackend.attn_rows and
+    mtp_layers (review of session 42: the partials, 2.3 GB on the 27B at 262k, were not counted)."""
+    from lumo.engine.gpu_decode import GPUBackend
+    from lumo.engine.gpu_spec import SpecBackend
+    from lumo.engine.runner import cache_bytes
+
+    _install_emulation(monkeypatch)
+    cfg, gw = tiny()
+    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
+    spec = SpecBackend(GPUBackend(cfg, gw, 3000, "cpu"), tree)
+    engine = spec.reserve()
+    L = engine.runner.max_len
+
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    partials = nbytes(t for rows in (engine.tr, engine.d1, engine.feed) for t in rows.attn_ws)
+    mtp = nbytes(engine.mtp_k + engine.mtp_v)
+    base = cache_bytes(cfg, L, prefix_snapshots=0)
+    assert cache_bytes(cfg, L, prefix_snapshots=0, attn_rows=spec.attn_rows) - base == partials
+    assert cache_bytes(cfg, L, prefix_snapshots=0, mtp_layers=cfg.mtp_num_hidden_layers) - base == mtp

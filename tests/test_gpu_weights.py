@@ -196,17 +196,18 @@ def test_memory_plan_matches_the_reference_cache():
     for n in (64, 128):
         pc.add(n, [*cache.gdn_state, *cache.conv_state, hidden])
     assert memory_plan(cfg, L, chunk=64, prefix_snapshots=2)["prefix_snapshots"] == pc.nbytes()
-    # at most: a parked prefix with as many snapshots and prefix_park positions of K/V copied aside, beside
-    # the slot's own snapshots
-    pc = PrefixCache(chunk=64, capacity=2, park=100, window=1000)
+    # at most: a parked prefix with as many snapshots and prefix_park positions of K/V copied aside (twice:
+    # the peak of a swap, which copies the slot's aside before it frees the parked one's), beside the slot's
+    # own snapshots
+    pc = PrefixCache(chunk=64, capacity=2, park=128, window=1000)
     state = [*cache.gdn_state, *cache.conv_state, hidden]
     for ids in (list(range(200)), list(range(1000, 1200))):
         pc.resume(ids, state, positions=cache.kv_k + cache.kv_v, written=200)
         for n in (64, 128):
             pc.add(n, state)
-    assert pc.parked is not None and pc.parked.hi - pc.parked.lo == 100
-    plan = memory_plan(cfg, L, chunk=64, prefix_snapshots=2, prefix_park=100)
-    assert plan["prefix_snapshots"] + plan["prefix_parked"] == pc.nbytes()
+    assert pc.parked is not None and pc.parked.hi - pc.parked.lo == 128 and len(pc.parked.snapshots) == 2
+    plan = memory_plan(cfg, L, chunk=64, prefix_snapshots=2, prefix_park=128)
+    assert plan["prefix_snapshots"] + plan["prefix_parked"] == pc.nbytes() + nbytes(pc.parked.saved)
     assert memory_plan(cfg, L, chunk=64, prefix_snapshots=0, prefix_park=100)["prefix_parked"] == 0
     # the 128k plan on the 27B model fits a GB10 (128 GB shared with the OS) with a wide margin
     big = memory_plan(config_27b(), 131072)

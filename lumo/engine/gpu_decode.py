@@ -24,7 +24,7 @@ from .runner import PREFILL_CHUNK, GPURunner, cache_bytes
 from .sampling import SamplingParams
 
 # What runner.cache_bytes does not count: the CUDA graphs' pools, cuBLAS workspaces, a speculative engine's
-# tree buffers (~0.15 GB on the 27B), the allocator's rounding
+# tree buffers but its attention partials (~0.15 GB on the 27B), the allocator's rounding
 GPU_MEMORY_MARGIN = 1 << 30
 
 
@@ -155,16 +155,16 @@ class GPUBackend:
         self.weights = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, self.device)
         self.runner: GPURunner | None = None
 
-    def fit_context(self, explicit: bool, extra: int = 0, mtp_layers: int = 0) -> int:
+    def fit_context(self, explicit: bool, extra: int = 0, mtp_layers: int = 0, attn_rows: int = 0) -> int:
         """Check that the longest request, max_model_len positions plus `extra` (a speculative tree's
-        slots) with `mtp_layers` drafter layers' cache, fits the GPU's free memory (fit_context); the
-        context the backend then serves (max_model_len, lowered where the model's own did not fit)."""
+        slots) with `mtp_layers` drafter layers' cache and `attn_rows` more rows of attention partials (a
+        speculative engine's), fits the GPU's free memory (fit_context); the context the backend then
+        serves (max_model_len, lowered where the model's own did not fit)."""
 
         def need(n: int) -> int:
             cap = slot_capacity(n + extra, n)
-            return cache_bytes(
-                self.cfg, cap, self.prefill_chunk, self.prefix_snapshots, mtp_layers, self.prefix_park
-            )
+            snaps, park = self.prefix_snapshots, self.prefix_park
+            return cache_bytes(self.cfg, cap, self.prefill_chunk, snaps, mtp_layers, park, attn_rows)
 
         self.max_model_len = fit_context(need, free_gpu_bytes(self.device), self.max_model_len, explicit)
         return self.max_model_len

@@ -895,6 +895,12 @@ class SpecBackend:
         committed ones (and the drafter's steps)."""
         return self.tree.rows + self.tree.depth + 1
 
+    @property
+    def attn_rows(self) -> int:
+        """Rows of attention partials an engine keeps over its runner's positions (GPUSpecEngine's _Rows:
+        the tree's rows, the draft step's one, the feed's depth + 1), for the start-up memory check."""
+        return self.tree.rows + 1 + self.tree.depth + 1
+
     def decoder(self, params: SamplingParams, max_len: int, adaptive: bool = True) -> GPUSpecDecoder:
         """adaptive=False: events only, whatever the policy (its state untouched)."""
         policy = self.policy if adaptive else None

@@ -297,7 +297,9 @@ class LLM:
             backend, self.tree, chain=self.spec == "chain", use_graph=True, adaptive=self.adaptive_spec
         )
         mtp_layers = self.config.mtp_num_hidden_layers  # the drafter's own K/V cache
-        self.max_model_len = backend.fit_context(explicit_context, spec.extra_positions, mtp_layers)
+        self.max_model_len = backend.fit_context(
+            explicit_context, spec.extra_positions, mtp_layers, spec.attn_rows
+        )
         return spec
 
     # ---- public API ----

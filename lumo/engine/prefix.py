@@ -43,8 +43,9 @@ import torch
 # (and a speculative tree's slots) may write before the next request; a request that writes further cuts the
 # parked line back (PrefixCache.resume's `written`).
 PARK_WINDOW = 4096
-# Default cap on the positions a parked line keeps aside (LLM's prefix_park): ~1 GB of K/V on the 27B
-PARK_POSITIONS = 16384
+# Default cap on the positions a parked line keeps aside (LLM's prefix_park): 0.5 GB of K/V on the 27B
+# (twice that while a swap copies)
+PARK_POSITIONS = 8192
 
 
 @dataclass
@@ -189,32 +190,31 @@ class PrefixCache:
     def _check_written(self, written: int | None) -> None:
         """The requests since the previous resume wrote positions below `written`: the parked line's
         snapshots that need slot positions past its saved ones that may have been written are dropped."""
-        p = self.parked
-        if written is None or written > p.hi:
-            p.snapshots = {n: s for n, s in p.snapshots.items() if n <= p.hi}
-            if not p.snapshots:
-                self.parked = None
+        if written is None or written > self.parked.hi:
+            self.parked = _cut(self.parked, self.parked.hi)
 
     def _swap(self, ids: Sequence[int], start: int, positions: Sequence[torch.Tensor]) -> None:
         """The parked line resumes further than the slot's (at `start`): its saved positions go back into
         the slot, and the slot's line is parked in its place (its positions that this restore and the
         request writes copied aside first, as far as `park` allows)."""
         p = self.parked
-        lo = min(p.lo, start)
+        lo = p.lo  # (start > p.lo: the slot's own match is at least as long as a shared snapshot)
         useful = max(self.snapshots, default=0)
         hi = min(useful, lo + self.park, max(p.hi, len(ids) + self.window))
         own = {n: s for n, s in self.snapshots.items() if n > lo}
         line = None
         if own and hi > lo:
+            # hi >= p.hi or no snapshot past hi (p.hi - p.lo <= park): the restore below writes only
+            # positions copied aside here; the prompt may write further
             saved = [t[lo:hi].clone() for t in positions]
-            # (hi >= p.hi or no snapshot past hi: p.hi - p.lo <= park, so the restore below writes only
-            # positions copied aside here)
             line = Parked(self.tokens, own, lo, hi, saved)
+            if len(ids) > hi:
+                line = _cut(line, hi)
         for t, s in zip(positions, p.saved, strict=True):
             t[p.lo : p.hi].copy_(s)
         self.tokens = list(p.tokens)
         self.snapshots = {n: s for n, s in self.snapshots.items() if n <= lo} | p.snapshots
-        self.parked = line if line is not None and line.snapshots else None
+        self.parked = line
         self.swaps += 1
 
     def _protect(self, ids: Sequence[int], start: int, positions: Sequence[torch.Tensor]) -> None:
@@ -224,11 +224,12 @@ class PrefixCache:
         own = {n: s for n, s in self.snapshots.items() if n > start}
         if own and (self.parked is None or max(own) > self.parked.useful):
             hi = min(max(own), start + self.park, len(ids) + self.window)
-            # Snapshots past hi need the slot's positions there, which this prompt overwrites where it
-            # reaches them (else its decoding may: checked at the next resume)
+            # Snapshots past hi need the slot's positions there: lost where this prompt reaches past hi
+            # (where only its decoding may write there: checked at the next resume)
             if len(ids) <= hi or min(own) <= hi:
                 saved = [t[start:hi].clone() for t in positions]
-                self.parked = Parked(list(self.tokens), dict(own), start, hi, saved)
+                line = Parked(list(self.tokens), dict(own), start, hi, saved)
+                self.parked = line if len(ids) <= hi else _cut(line, hi)
                 for n in own:
                     del self.snapshots[n]
                 return
@@ -247,6 +248,8 @@ class PrefixCache:
             for n in [n for n in self.snapshots if lo < n <= p.lo]:
                 p.snapshots[n] = self.snapshots.pop(n)
             p.lo, p.hi = lo, hi
+        if len(ids) > p.hi:
+            self.parked = _cut(p, p.hi)
 
     def begin(self, ids: Sequence[int], start: int) -> None:
         """A prefill of `ids` resumes at position `start` (0, or a snapshot's length from `match`). The
@@ -282,6 +285,13 @@ class PrefixCache:
         self._tick += 1
         s.used = self._tick
         return s
+
+
+def _cut(line: Parked, bound: int) -> Parked | None:
+    """The parked line with only its snapshots <= bound (the slot's positions past bound may have been
+    overwritten); None if none is left."""
+    line.snapshots = {n: s for n, s in line.snapshots.items() if n <= bound}
+    return line if line.snapshots else None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -110,6 +110,7 @@ class GPURunner:
         # Positions past `length` a request's decoding writes (a speculative engine's tree slots): what the
         # prefix cache checks a parked prefix against
         self.write_ahead = 0
+        self._written = 0  # positions [0, _written) may have been written since the latest resume
 
         # ---- per-step values (device): what the captured graph reads and advances ----
         self.tok = torch.zeros(1, dtype=i32, device=dev)  # [1] input token of the next step
@@ -177,6 +178,10 @@ class GPURunner:
         """Empty the slot: zero GDN and conv states, length 0. K/V need no clearing (read only below len)."""
         for s in self.gdn_state + self.conv_state:
             s.zero_()
+        # What the request before may have written: its length, its tree slots (a speculative engine's
+        # capture writes a little further, inside the prefill chunk's margin), a failed prefill chunk
+        ahead = max(self.write_ahead, self.prefill_chunk)
+        self._written = max(self._written, min(self.max_len, self.length + ahead))
         self.length = 0
         self.pos.zero_()
         self.sample_pos.fill_(1)
@@ -241,9 +246,8 @@ class GPURunner:
         owner's prefills are dropped. reuse=False: from position 0 (PrefixCache.resume). positions: the
         owner's position caches (the drafter's K/V), parked with the slot's K/V. The request's token
         history starts here too (begin_history: the whole prompt, nothing generated)."""
-        # what the previous request may have written (its length, its tree slots, a failed prefill chunk)
-        written = min(self.max_len, self.length + max(self.write_ahead, self.prefill_chunk))
-        self.reset()
+        self.reset()  # (a decoder's construction may have reset the slot before: `_written` keeps the mark)
+        written, self._written = self._written, 0
         self.begin_history(ids)
         if self.prefix is None:
             return 0
@@ -580,15 +584,18 @@ def cache_bytes(
     prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
     mtp_layers: int = 0,
     prefix_park: int = 0,
+    attn_rows: int = 0,
 ) -> int:
     """GPU memory a runner of max_len positions needs beside the packed weights: memory_plan's caches,
-    buffers, prefill peak and prefix snapshots (a parked prefix's too), and the K/V of `mtp_layers`
-    drafter layers (a speculative engine's own cache of max_len positions, and a parked prefix's
-    `prefix_park` positions of it)."""
+    buffers, prefill peak and prefix snapshots (a parked prefix's too), the K/V of `mtp_layers` drafter
+    layers (a speculative engine's own cache of max_len positions, and a parked prefix's copies of it),
+    and `attn_rows` rows of attention split-K partials over max_len positions (a speculative engine's tree,
+    draft and feed rows: attn_decode_workspace)."""
     plan = memory_plan(cfg, max_len, chunk, prefix_snapshots=prefix_snapshots, prefix_park=prefix_park)
     park = min(prefix_park, max_len) if prefix_snapshots else 0
-    mtp_kv = mtp_layers * (max_len + park) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
-    return sum(v for k, v in plan.items() if k != "weights") + mtp_kv
+    mtp_kv = mtp_layers * (max_len + 2 * park) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    partials = attn_rows * cfg.num_attention_heads * -(-max_len // ATTN_CHUNK) * (cfg.head_dim + 2) * 4
+    return sum(v for k, v in plan.items() if k != "weights") + mtp_kv + partials
 
 
 def memory_plan(
@@ -602,9 +609,9 @@ def memory_plan(
 ) -> dict:
     """Bytes of each part of a runner: weights, caches, decode buffers, the per-chunk prefill peak and the
     prefix cache's snapshots and parked prefix (prefix.py: its snapshots and at most prefix_park positions
-    of K/V copied aside). partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8
-    below). Plain decoding: the MTP head of tree speculation is not counted (bench/bench_spec.py reports
-    it)."""
+    of K/V copied aside, twice: a swap copies the slot's prefix aside before it frees the parked one's).
+    partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8 below). Plain decoding: the MTP head of
+    tree speculation is not counted (bench/bench_spec.py reports it)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     nh, nkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     nv, dk, dv, C, K = (
@@ -640,5 +647,5 @@ def memory_plan(
         # GDN and conv states + the final-norm row, per snapshot (GPURunner.prefix_state)
         "prefix_snapshots": prefix_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H),
         "prefix_parked": park_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H)
-        + n_full * park * nkv * d * 2 * 2,
+        + 2 * n_full * park * nkv * d * 2 * 2,
     }
