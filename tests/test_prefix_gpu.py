@@ -87,20 +87,22 @@ def test_resumed_prompt_equals_cold_bitwise(variant, spec, params):
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "tree"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_side_request_leaves_the_conversation_parked(variant, spec, params):
+@pytest.mark.parametrize("park,resume_at", [(512, 256), (150, 128)], ids=["park512", "park150"])
+def test_a_side_request_leaves_the_conversation_parked(variant, spec, params, park, resume_at):
     """A conversation, an unrelated request that overwrites its positions, the conversation's next turn:
     the conversation was parked (its K/V, and the drafter's, copied aside and back) and the turn resumes
-    from its snapshot at 256, bitwise a cold start; the side request's own prefix is parked in turn."""
+    from its snapshot at 256, bitwise a cold start; the side request's own prefix is parked in turn. With
+    150 positions copied aside the side request decodes past them: the turn resumes at 128 instead."""
     cfg, _ = packed(variant)
-    warm, cold = backend(variant, 4, spec, park=512), backend(variant, 0, spec)
+    warm, cold = backend(variant, 4, spec, park=park), backend(variant, 0, spec)
     first, side = rand_ids(300, cfg.vocab_size, 1), rand_ids(140, cfg.vocab_size, 8)
     decode(warm.decoder(params, 600), first, 24)
     decode(warm.decoder(params, 600), side, 24)
-    for prompt, resume_at in ((first + rand_ids(40, cfg.vocab_size, 2), 256), (side + [5], 128)):
+    for prompt, at in ((first + rand_ids(40, cfg.vocab_size, 2), resume_at), (side + [5], 128)):
         w, c = warm.decoder(params, 600), cold.decoder(params, 600)
         got, got_state = decode(w, prompt, 48)
         want, want_state = decode(c, prompt, 48)
-        assert (w.cached_tokens, c.cached_tokens) == (resume_at, 0)
+        assert (w.cached_tokens, c.cached_tokens) == (at, 0)
         for i, (a, b) in enumerate(zip(got_state, want_state, strict=True)):
             assert torch.equal(a, b), f"tensor {i} of the state after the prefill"
         assert got == want
