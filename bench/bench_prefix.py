@@ -129,7 +129,14 @@ def main() -> None:
             "side_ms": statistics.median(side_t[True]) * 1e3,
             "side_unparked_ms": statistics.median(side_t[False]) * 1e3,
             "after_side_bitwise_equal": equal_after,
-            "trials": {"cold": cold, "warm": warm, "turn1_off": cold1, "turn1_on": warm1, "after": after},
+            "trials": {
+                "cold": cold,
+                "warm": warm,
+                "turn1_off": cold1,
+                "turn1_on": warm1,
+                "after": after,
+                "side": side_t,
+            },
         }
         rows.append(row)
         print(

@@ -3,7 +3,8 @@
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session42.sh a")  # ~5 min
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session42.sh b")  # ~6 min
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session42.sh c")  # ~6 min
-#   run(carry=[".gpu-deps"], command="bash bench/gpu_session42.sh d")  # ~8 min
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session42.sh d")  # ~5 min
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session42.sh e")  # ~6 min
 # a: session 39's yarn RoPE (rope_kv.cu's rope_scale: kernel and runner tests); session 40's lazy loading
 #    (the LLM GPU tests, `lumo check`); session 41's context check, warm-up and prompt-logprob ranks;
 #    session 42's whole-context reservation by the warm-up (test_llm_gpu) and parked prefix (test_prefix_gpu).
@@ -27,9 +28,13 @@ b)
   group 300 prefix python bench/bench_prefix.py --trials 2
   tail -12 "$out/prefix.log"
   ;;
-d)  # after the review's fixes: the prefix-cache and LLM tests again, then what c's t_spec left unrun
+d)  # after the review's fixes: the prefix-cache and LLM tests again, bench_prefix with per-trial side times
   group 150 t_prefix $P tests/test_prefix_gpu.py tests/test_llm_gpu.py
-  group 420 t_spec2 $P tests/test_gpu_spec_gpu.py -k "penalized or min_tokens or structured or (plain_steps and nvfp4)"
+  group 200 prefix python bench/bench_prefix.py --trials 3
+  tail -6 "$out/prefix.log"
+  ;;
+e)  # what c's t_spec left unrun (it stopped at its time limit after 9 tests, none failed)
+  group 480 t_spec2 $P tests/test_gpu_spec_gpu.py -k "penalized or min_tokens or structured or (plain_steps and nvfp4)"
   ;;
 c)
   group 240 t_greedy $P -s tests/test_gpu_spec_gpu.py -k "greedy_tree_equals_plain and not 27b and not drafter"
