@@ -989,18 +989,17 @@ def test_a_reserved_runner_never_grows_and_keeps_the_prefix(monkeypatch, reserve
     assert got == want[: len(got)]
 
 
-@pytest.mark.parametrize("kind", ["tree", "plain"])
-def test_emulated_parked_prefix_survives_a_side_request(monkeypatch, kind):
-    """The runner's parked prefix (prefix.py) through the GPU engine's bookkeeping: a conversation, an
-    unrelated request (which overwrites its first positions: the target's and the drafter's K/V there
-    copied aside first), the conversation's next turn: it resumes from the conversation's snapshot at 50
-    and equals the same turn on a fresh runner (tokens, states, K/V, the drafter's K/V, draft logits)."""
+FIRST = "import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3  # 50-60 tokens
+
+
+def _parked_runners(monkeypatch, kind: str, params: SamplingParams, max_len: int, park: int):
+    """A runner with a prefix cache that parks (chunks of 10, 3 snapshots), a fresh one beside it, and a
+    decoder factory (one engine per runner, as SpecBackend keeps it) for the emulated engine."""
     _install_emulation(monkeypatch)
     cfg, gw = tiny()
-    params = SamplingParams(temperature=0.7, top_k=20, seed=5)
     tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
-    warm_r, cold_r = (GPURunner(cfg, gw, 128, prefill_chunk=10, device="cpu") for _ in range(2))
-    warm_r.enable_prefix_cache(3, park=100)
+    warm_r, cold_r = (GPURunner(cfg, gw, max_len, prefill_chunk=10, device="cpu") for _ in range(2))
+    warm_r.enable_prefix_cache(3, park=park)
     engines = {}
 
     def decoder(r):
@@ -1008,33 +1007,50 @@ def test_emulated_parked_prefix_survives_a_side_request(monkeypatch, kind):
             return GPUDecoder(r, params, use_graph=False)
         return GPUSpecDecoder(engines.setdefault(id(r), GPUSpecEngine(r, tree)), params)
 
-    first = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3)
-    side = tokenizer().encode("class Point:\n    x: int\n")
-    for prompt in (first, side):
+    return warm_r, cold_r, decoder
+
+
+def _next_turn_equals_a_fresh_runners(warm_r, cold_r, decoder, prompt: list[int], resume_at: int, n: int):
+    """The prompt on both runners: the warm one resumes at resume_at, and the tokens, states, K/V (and
+    the drafter's K/V and draft logits) equal the fresh runner's."""
+    warm, cold = decoder(warm_r), decoder(cold_r)
+    got, want = warm.prefill(prompt), cold.prefill(prompt)
+    assert (warm.cached_tokens, cold.cached_tokens) == (resume_at, 0)
+    while len(got) < n:
+        got += warm.step()
+    while len(want) < len(got):
+        want += cold.step()
+    assert got == want[: len(got)]
+    L = warm_r.length
+    for a, b in zip(warm_r.gdn_state + warm_r.conv_state, cold_r.gdn_state + cold_r.conv_state, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(warm_r.kv_k + warm_r.kv_v, cold_r.kv_k + cold_r.kv_v, strict=True):
+        assert torch.equal(a[:L], b[:L])
+    if isinstance(warm, GPUSpecDecoder):
+        ew, ec = warm.engine, cold.engine
+        for a, b in zip(ew.mtp_k + ew.mtp_v, ec.mtp_k + ec.mtp_v, strict=True):
+            assert torch.equal(a[:L], b[:L])
+        assert torch.equal(ew.draft_logits, ec.draft_logits)
+
+
+@pytest.mark.parametrize("kind", ["tree", "plain"])
+def test_emulated_parked_prefix_survives_a_side_request(monkeypatch, kind):
+    """The runner's parked prefix (prefix.py) through the GPU engine's bookkeeping: a conversation, an
+    unrelated request (which overwrites its first positions: the target's and the drafter's K/V there
+    copied aside first), the conversation's next turn: it resumes from the conversation's snapshot at 50
+    and equals the same turn on a fresh runner (tokens, states, K/V, the drafter's K/V, draft logits)."""
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5)
+    warm_r, cold_r, decoder = _parked_runners(monkeypatch, kind, params, 128, park=100)
+    first = tokenizer().encode(FIRST)
+    for prompt in (first, tokenizer().encode("class Point:\n    x: int\n")):
         d = decoder(warm_r)
         d.prefill(prompt)
         for _ in range(3):
             d.step()
     assert warm_r.prefix.parked is not None and warm_r.prefix.parked.tokens == first
     second = first + tokenizer().encode("    print(name)\n")
-    warm, cold = decoder(warm_r), decoder(cold_r)
-    got, want = warm.prefill(second), cold.prefill(second)
-    assert (warm.cached_tokens, cold.cached_tokens) == (50, 0) and warm_r.prefix.swaps == 1
-    while len(got) < 16:
-        got += warm.step()
-    while len(want) < len(got):
-        want += cold.step()
-    assert got == want[: len(got)]
-    n = warm_r.length
-    for a, b in zip(warm_r.gdn_state + warm_r.conv_state, cold_r.gdn_state + cold_r.conv_state, strict=True):
-        assert torch.equal(a, b)
-    for a, b in zip(warm_r.kv_k + warm_r.kv_v, cold_r.kv_k + cold_r.kv_v, strict=True):
-        assert torch.equal(a[:n], b[:n])
-    if kind == "tree":
-        ew, ec = warm.engine, cold.engine
-        for a, b in zip(ew.mtp_k + ew.mtp_v, ec.mtp_k + ec.mtp_v, strict=True):
-            assert torch.equal(a[:n], b[:n])
-        assert torch.equal(ew.draft_logits, ec.draft_logits)
+    _next_turn_equals_a_fresh_runners(warm_r, cold_r, decoder, second, 50, 16)
+    assert warm_r.prefix.swaps == 1
 
 
 @pytest.mark.parametrize("side_steps", [0, 60], ids=["long-side-prompt", "side-decodes-far"])
@@ -1045,20 +1061,10 @@ def test_emulated_parked_prefix_past_its_saved_positions_is_cut_back(monkeypatch
     resumes from a snapshot inside them (40), not from 50, and equals a fresh runner's. The plain decoder
     resets the slot before resume: the runner keeps what was written across that reset (review of
     session 42: resume once saw length 0 and restored overwritten positions)."""
-    _install_emulation(monkeypatch)
-    cfg, gw = tiny()
-    params = SamplingParams(temperature=0.0)
-    tree = TreeConfig(depth=4, topk=3, budget=7, rows=8)
-    warm_r, cold_r = (GPURunner(cfg, gw, 256, prefill_chunk=10, device="cpu") for _ in range(2))
-    warm_r.enable_prefix_cache(3, park=45)
-    engines = {}
-
-    def decoder(r):
-        if kind == "plain":
-            return GPUDecoder(r, params, use_graph=False)
-        return GPUSpecDecoder(engines.setdefault(id(r), GPUSpecEngine(r, tree)), params)
-
-    first = tokenizer().encode("import os\nimport sys\n\n\ndef main(argv):\n    for name in argv:\n" * 3)
+    warm_r, cold_r, decoder = _parked_runners(
+        monkeypatch, kind, SamplingParams(temperature=0.0), 256, park=45
+    )
+    first = tokenizer().encode(FIRST)
     side = [7] + first[1:] if side_steps == 0 else tokenizer().encode("class Point:\n")
     d = decoder(warm_r)
     d.prefill(first)
@@ -1068,17 +1074,7 @@ def test_emulated_parked_prefix_past_its_saved_positions_is_cut_back(monkeypatch
     while warm_r.length < len(side) + side_steps:
         d.step()
     second = first + tokenizer().encode("    print(name)\n")
-    warm, cold = decoder(warm_r), decoder(cold_r)
-    got, want = warm.prefill(second), cold.prefill(second)
-    assert warm.cached_tokens == 40
-    while len(got) < 8:
-        got += warm.step()
-    while len(want) < len(got):
-        want += cold.step()
-    assert got == want[: len(got)]
-    n = warm_r.length
-    for a, b in zip(warm_r.kv_k + warm_r.kv_v, cold_r.kv_k + cold_r.kv_v, strict=True):
-        assert torch.equal(a[:n], b[:n])
+    _next_turn_equals_a_fresh_runners(warm_r, cold_r, decoder, second, 40, 8)
 
 
 def test_the_memory_check_counts_the_engines_attention_partials_and_mtp_cache(monkeypatch):

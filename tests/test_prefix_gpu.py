@@ -61,6 +61,18 @@ def decode(dec, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor
     return out[:n], snap
 
 
+def resumes_as_cold(warm, cold, params: SamplingParams, prompt: list[int], resume_at: int) -> None:
+    """The prompt on a backend with prefix caching resumes at resume_at and computes what it computes on
+    one without: the state after the prefill (snapshot_of) and 48 tokens."""
+    w, c = warm.decoder(params, 600), cold.decoder(params, 600)
+    got, got_state = decode(w, prompt, 48)
+    want, want_state = decode(c, prompt, 48)
+    assert (w.cached_tokens, c.cached_tokens) == (resume_at, 0)
+    for i, (a, b) in enumerate(zip(got_state, want_state, strict=True)):
+        assert torch.equal(a, b), f"tensor {i} of the state after the prefill"
+    assert got == want
+
+
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "tree"])
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -75,13 +87,7 @@ def test_resumed_prompt_equals_cold_bitwise(variant, spec, params):
     ]
     decode(warm.decoder(params, 600), first, 24)  # turn 1, decoded past its prompt
     for prompt, resume_at in follow_ups:
-        w, c = warm.decoder(params, 600), cold.decoder(params, 600)
-        got, got_state = decode(w, prompt, 48)
-        want, want_state = decode(c, prompt, 48)
-        assert (w.cached_tokens, c.cached_tokens) == (resume_at, 0)
-        for i, (a, b) in enumerate(zip(got_state, want_state, strict=True)):
-            assert torch.equal(a, b), f"tensor {i} of the state after the prefill"
-        assert got == want
+        resumes_as_cold(warm, cold, params, prompt, resume_at)
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
@@ -99,13 +105,7 @@ def test_a_side_request_leaves_the_conversation_parked(variant, spec, params, pa
     decode(warm.decoder(params, 600), first, 24)
     decode(warm.decoder(params, 600), side, 24)
     for prompt, at in ((first + rand_ids(40, cfg.vocab_size, 2), resume_at), (side + [5], 128)):
-        w, c = warm.decoder(params, 600), cold.decoder(params, 600)
-        got, got_state = decode(w, prompt, 48)
-        want, want_state = decode(c, prompt, 48)
-        assert (w.cached_tokens, c.cached_tokens) == (at, 0)
-        for i, (a, b) in enumerate(zip(got_state, want_state, strict=True)):
-            assert torch.equal(a, b), f"tensor {i} of the state after the prefill"
-        assert got == want
+        resumes_as_cold(warm, cold, params, prompt, at)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
