@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
-from .config import DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
+from .config import DEFAULT_PREFIX_PARK, DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
 
 USER_ERROR = 2
 
@@ -71,6 +71,15 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         "27B); the output is unchanged. 0 turns it off",
     )
     p.add_argument(
+        "--prefix-park",
+        type=int,
+        default=DEFAULT_PREFIX_PARK,
+        metavar="N",
+        help="a cached prefix another prompt would overwrite (a coding agent's side call between two turns) "
+        "is parked: the positions that prompt may write are copied aside, at most N (0: none parked; on a "
+        "27B N x 128 KiB of memory, reserved at start-up)",
+    )
+    p.add_argument(
         "--chat-template",
         default=None,
         metavar="FILE|TEMPLATE",
@@ -97,6 +106,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         draft_vocab=args.draft_vocab,
         draft_quant=args.draft_quant,
         prefix_snapshots=args.prefix_snapshots,
+        prefix_park=args.prefix_park,
         adaptive_spec=args.adaptive_spec,
         chat_template=args.chat_template,
     )

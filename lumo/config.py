@@ -29,6 +29,9 @@ class ConfigError(ValueError):
 
 DRAFT_QUANTS = ("auto", "nvfp4", "none")  # the drafter's precision (lumo.engine.gpu_weights.draft_quant)
 DEFAULT_PREFIX_SNAPSHOTS = 4  # prefix-cache state snapshots kept (lumo.engine.prefix): ~0.6 GB on a 27B
+# Positions a parked prefix keeps aside at most (lumo.engine.prefix): 0.5 GB of K/V on the 27B (twice that
+# while a swap copies)
+DEFAULT_PREFIX_PARK = 8192
 
 
 def check_draft_quant(choice: str) -> str:

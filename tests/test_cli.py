@@ -102,6 +102,7 @@ def test_generate_chat_stop_and_spec(tmp_path):
         (["quantize", "/no/such/dir", "/tmp/lumo-out-never"], "/no/such/dir"),
         (["generate", "--prompt", "x", "--device", "cpu", "--draft-quant", "nvfp4"], "kernels backend"),
         (["generate", "--prompt", "x", "--device", "cpu", "--prefix-snapshots", "-1"], "prefix_snapshots"),
+        (["generate", "--prompt", "x", "--device", "cpu", "--prefix-park", "-1"], "prefix_park"),
         (["generate", "--prompt", "x", "--chat-template", "/no/such.jinja"], "no such file"),
         (["generate", "--prompt", "x", "--chat-template", "{% if %}"], "does not compile"),
         (["serve", "--api-key", " "], "API key is empty"),

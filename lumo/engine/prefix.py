@@ -39,13 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import DEFAULT_PREFIX_PARK
+
 # Positions past a prompt copied aside for a parked line when a request starts inside it: what its decoding
 # (and a speculative tree's slots) may write before the next request; a request that writes further cuts the
 # parked line back (PrefixCache.resume's `written`).
 PARK_WINDOW = 4096
-# Default cap on the positions a parked line keeps aside (LLM's prefix_park): 0.5 GB of K/V on the 27B
-# (twice that while a swap copies)
-PARK_POSITIONS = 8192
+PARK_POSITIONS = DEFAULT_PREFIX_PARK  # the default cap on the positions a parked line keeps aside
 
 
 @dataclass
