@@ -257,7 +257,7 @@ class Slot1:
         self.pc = PrefixCache(chunk, capacity, park=park, window=window)
         self.kv = torch.full((max_len,), -1, dtype=torch.int64)
         self.state = torch.zeros(1, dtype=torch.int64)
-        self.written, self.chunk = None, chunk
+        self.written = None
 
     @staticmethod
     def h(ids) -> int:
@@ -271,7 +271,7 @@ class Slot1:
         assert start == 0 or int(self.state) == self.h(ids[:start])
         for p in range(start, len(ids)):
             self.kv[p] = self.h(ids[: p + 1])
-            if self.pc.wants(p + 1) and (p + 1) % self.chunk == 0:
+            if self.pc.wants(p + 1):
                 self.pc.add(p + 1, [torch.tensor([self.h(ids[: p + 1])])])
         end = min(len(self.kv), len(ids) + new + ahead)
         junk = torch.randint(0, 1 << 40, (end - len(ids),), generator=rng)

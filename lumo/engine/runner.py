@@ -636,6 +636,7 @@ def memory_plan(
     attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
     park = min(prefix_park, max_len) if prefix_snapshots else 0  # positions a parked prefix copies aside
     park_snapshots = prefix_snapshots if park else 0
+    snapshot = n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H  # GDN, conv states, final-norm row
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
         "splitk_partials": splitk_partial_bytes(cfg, partial_min_splits) if nvfp4 else 0,
@@ -644,8 +645,6 @@ def memory_plan(
         "conv_state": n_gdn * C * (K - 1) * 2,
         "decode_buffers": attn_partials + 2 * V + 4 * 2 * (2 * I + C + nv * dv),  # + logits, activations
         "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
-        # GDN and conv states + the final-norm row, per snapshot (GPURunner.prefix_state)
-        "prefix_snapshots": prefix_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H),
-        "prefix_parked": park_snapshots * (n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H)
-        + 2 * n_full * park * nkv * d * 2 * 2,
+        "prefix_snapshots": prefix_snapshots * snapshot,
+        "prefix_parked": park_snapshots * snapshot + 2 * n_full * park * nkv * d * 2 * 2,
     }
