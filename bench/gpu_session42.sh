@@ -33,6 +33,9 @@ d)  # after the review's fixes: the prefix-cache and LLM tests again, bench_pref
   group 200 prefix python bench/bench_prefix.py --trials 3
   tail -6 "$out/prefix.log"
   ;;
+p)  # the prefix-cache GPU tests alone (little device time left)
+  group 150 t_prefix $P tests/test_prefix_gpu.py
+  ;;
 e)  # what c's t_spec left unrun (it stopped at its time limit after 9 tests, none failed)
   group 480 t_spec2 $P tests/test_gpu_spec_gpu.py -k "penalized or min_tokens or structured or (plain_steps and nvfp4)"
   ;;
