@@ -361,3 +361,20 @@ def test_the_slots_snapshots_shared_with_the_parked_line_stay_its_own():
     s.request(list(range(500, 510)))
     assert s.pc.parked.lo == 0 and 24 in s.pc.parked.snapshots
     assert s.request(conv[:27] + [9]) == 24
+
+
+def test_common_prefix_against_a_plain_scan():
+    """common_prefix compares 4096-token blocks first: the same lengths as a token-by-token scan, at the
+    block boundaries too, with lists and tuples."""
+    rng = random.Random(1)
+
+    def scan(a, b):
+        n = min(len(a), len(b))
+        return next((i for i in range(n) if a[i] != b[i]), n)
+
+    for _ in range(300):
+        a = [rng.randrange(3) for _ in range(rng.choice([0, 1, 4095, 4096, 4097, 9000]))]
+        cut = rng.choice([0, len(a), 4096, 4095, 8192, rng.randrange(len(a) + 1)])
+        b = a[:cut] + [rng.randrange(3) for _ in range(rng.randrange(0, 5000))]
+        a, b = (a, tuple(b)) if rng.random() < 0.5 else (b, a)
+        assert common_prefix(a, b) == scan(a, b)

