@@ -1100,3 +1100,38 @@ def test_the_memory_check_counts_the_engines_attention_partials_and_mtp_cache(mo
     base = cache_bytes(cfg, L, prefix_snapshots=0)
     assert cache_bytes(cfg, L, prefix_snapshots=0, attn_rows=spec.attn_rows) - base == partials
     assert cache_bytes(cfg, L, prefix_snapshots=0, mtp_layers=cfg.mtp_num_hidden_layers) - base == mtp
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_emulated_random_conversations_with_parking_equal_fresh_runners(monkeypatch, seed):
+    """Two conversations that grow turn by turn, unrelated side requests of random lengths and decode
+    lengths, plain and tree decoders on one runner that parks (small cap and prefill chunk): every request's
+    tokens equal the same request's on a fresh runner, whatever it resumed from."""
+    import random
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.7, top_k=20, seed=5)
+    warm_r, cold_r, plain = _parked_runners(monkeypatch, "plain", params, 256, park=rng.choice([20, 40, 90]))
+    _, _, tree = _parked_runners(monkeypatch, "tree", params, 256, park=0)
+    kind = rng.choice([plain, tree])  # one decoder kind per runner: another owner's prefill empties the cache
+    vocab = tiny()[0].vocab_size
+    convs = [[rng.randrange(vocab) for _ in range(30)] for _ in range(2)]
+    hits = 0
+    for _ in range(14):
+        r = rng.random()
+        if r < 0.6:
+            c = rng.randrange(2)
+            convs[c] = convs[c] + [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
+            prompt = convs[c][:150]
+        else:
+            prompt = [rng.randrange(vocab) for _ in range(rng.randrange(3, 70))]
+        steps = rng.randrange(0, 40)
+        warm, cold = kind(warm_r), kind(cold_r)
+        got, want = warm.prefill(prompt), cold.prefill(prompt)
+        while len(got) < steps and warm_r.length < 200:
+            got += warm.step()
+        while len(want) < len(got):
+            want += cold.step()
+        assert got == want[: len(got)], (prompt, warm.cached_tokens)
+        hits += warm.cached_tokens > 0
+    assert hits > 0
