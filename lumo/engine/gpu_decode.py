@@ -24,7 +24,7 @@ from .runner import PREFILL_CHUNK, GPURunner, cache_bytes
 from .sampling import SamplingParams
 
 # What runner.cache_bytes does not count: the CUDA graphs' pools, cuBLAS workspaces, a speculative engine's
-# tree buffers but its attention partials (~0.15 GB on the 27B), the allocator's rounding
+# tree buffers other than its attention partials (~0.15 GB on the 27B), the allocator's rounding
 GPU_MEMORY_MARGIN = 1 << 30
 
 

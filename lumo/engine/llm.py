@@ -17,14 +17,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import DEFAULT_PREFIX_SNAPSHOTS, ConfigError, ModelConfig, TreeConfig, check_draft_quant
+from ..config import (
+    DEFAULT_PREFIX_PARK,
+    DEFAULT_PREFIX_SNAPSHOTS,
+    ConfigError,
+    ModelConfig,
+    TreeConfig,
+    check_draft_quant,
+)
 from ..tokenizer import IncrementalDetokenizer, Tokenizer, read_chat_template
 from ..weights import load_model, resolve_model_path
 from .decode import Slot, make_decoder
 from .draft_vocab import draft_vocab_ids
 from .grammar import Constraint, GrammarCompiler, StructuredOutputs
 from .logprobs import TokenLogprob, check_logprobs
-from .prefix import PARK_POSITIONS
 from .sampling import SamplingParams
 from .tree import build_tree, chain_config
 
@@ -144,7 +150,7 @@ class LLM:
         prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
         adaptive_spec: bool = True,
         chat_template: str | os.PathLike | None = None,
-        prefix_park: int = PARK_POSITIONS,
+        prefix_park: int = DEFAULT_PREFIX_PARK,
     ):
         """chat_template: a jinja chat template (a file's path or the text) used instead of the
         checkpoint's; prefix_park: the positions a prefix parked out of another prompt's way keeps aside
