@@ -146,7 +146,8 @@ class PrefixCache:
         [0, written) may have been written since the previous resume (its request's length and what its
         decoding writes past it; None: any)."""
         self.claim(owner)
-        if positions is None or not self.park:
+        parking = positions is not None and self.park > 0
+        if not parking:
             self.parked = None
         elif self.parked is not None:
             self._check_written(written)
@@ -156,7 +157,7 @@ class PrefixCache:
                     self._swap(ids, parked.length, positions)
         snap = self.match(ids) if reuse else None
         start = 0 if snap is None else snap.length
-        if positions is not None and self.park:
+        if parking:
             self._protect(ids, start, positions)
         if snap is not None:
             for dst, src in zip(state, snap.tensors, strict=True):
@@ -228,7 +229,7 @@ class PrefixCache:
             # (where only its decoding may write there: checked at the next resume)
             if len(ids) <= hi or min(own) <= hi:
                 saved = [t[start:hi].clone() for t in positions]
-                line = Parked(list(self.tokens), dict(own), start, hi, saved)
+                line = Parked(list(self.tokens), own, start, hi, saved)
                 self.parked = line if len(ids) <= hi else _cut(line, hi)
                 for n in own:
                     del self.snapshots[n]

@@ -577,6 +577,11 @@ def splitk_partial_bytes(cfg: ModelConfig, min_splits: int = 16) -> int:
     return total
 
 
+def _parked_positions(max_len: int, prefix_snapshots: int, prefix_park: int) -> int:
+    """Positions a parked prefix copies aside at most (none without prefix caching)."""
+    return min(prefix_park, max_len) if prefix_snapshots else 0
+
+
 def cache_bytes(
     cfg: ModelConfig,
     max_len: int,
@@ -592,7 +597,7 @@ def cache_bytes(
     and `attn_rows` rows of attention split-K partials over max_len positions (a speculative engine's tree,
     draft and feed rows: attn_decode_workspace)."""
     plan = memory_plan(cfg, max_len, chunk, prefix_snapshots=prefix_snapshots, prefix_park=prefix_park)
-    park = min(prefix_park, max_len) if prefix_snapshots else 0
+    park = _parked_positions(max_len, prefix_snapshots, prefix_park)
     mtp_kv = mtp_layers * (max_len + 2 * park) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
     partials = attn_rows * cfg.num_attention_heads * -(-max_len // ATTN_CHUNK) * (cfg.head_dim + 2) * 4
     return sum(v for k, v in plan.items() if k != "weights") + mtp_kv + partials
@@ -634,7 +639,7 @@ def memory_plan(
         gdn += chunked_workspace_bytes(T, nv, dk, dv)
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
-    park = min(prefix_park, max_len) if prefix_snapshots else 0  # positions a parked prefix copies aside
+    park = _parked_positions(max_len, prefix_snapshots, prefix_park)
     park_snapshots = prefix_snapshots if park else 0
     snapshot = n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H  # GDN, conv states, final-norm row
     return {
