@@ -13,7 +13,10 @@ the answer, decoded, is prefilled again). For each context C: turn 1 = C random 
 - with an unrelated `--side`-token request (a coding agent's side call) between the two turns: turn 2's
   time to first token and cached tokens with the conversation parked (prefix.py; `--park` positions at
   most) and without parking, the side request's time with and without parking (its copy aside), and
-  whether turn 2 after it still equals the cold one bitwise.
+  whether turn 2 after it still equals the cold one bitwise;
+- a coding agent with a sub-agent: turn 1, a side request, a `--sub`-token sub-agent conversation, a side
+  request, the sub-agent's next turn (+ `--answer` + `--message`), a side request, turn 2: the two next
+  turns' time to first token and cached tokens with two lines parked (the default) and with one.
 JSON goes to $OUT or bench/results/bench_prefix.json.
 """
 
@@ -60,6 +63,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--side", type=int, default=600, help="tokens of the side request between the turns")
     ap.add_argument("--park", type=int, default=PARK_POSITIONS, help="positions a parked prefix keeps aside")
+    ap.add_argument("--sub", type=int, default=8192, help="tokens of the sub-agent's conversation")
     args = ap.parse_args()
 
     cfg = config_27b(num_layers=args.layers)
@@ -74,9 +78,11 @@ def main() -> None:
     for C in args.contexts:
         turn1 = torch.randint(0, cfg.vocab_size, (C,), generator=gen).tolist()
         turn2 = turn1 + torch.randint(0, cfg.vocab_size, (extra,), generator=gen).tolist()
-        first_token(runner, turn1[:4096])  # warm-up: kernels compiled and loaded
-        cold, cold1, warm, warm1 = [], [], [], []
         side = torch.randint(0, cfg.vocab_size, (args.side,), generator=gen).tolist()
+        runner.prefix = None
+        for warm_up in (turn1[:4096], side):  # kernels compiled and loaded, each prefill's shapes seen
+            first_token(runner, warm_up)
+        cold, cold1, warm, warm1 = [], [], [], []
         after = {True: [], False: []}  # parked: turn 2's time after the side request
         side_t = {True: [], False: []}  # parked: the side request's time
         for _ in range(args.trials):
@@ -107,6 +113,22 @@ def main() -> None:
                 if parked:
                     got = state(runner, len(turn2))
                     equal_after = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        sub = torch.randint(0, cfg.vocab_size, (args.sub,), generator=gen).tolist()
+        sub2 = sub + torch.randint(0, cfg.vocab_size, (extra,), generator=gen).tolist()
+        agent = {2: [], 1: []}  # lines parked: (sub-agent's turn 2 s, cached, turn 2 s, cached) per trial
+        for _ in range(args.trials):
+            for lines in agent:
+                runner.enable_prefix_cache(args.snapshots, args.park, lines)
+                for prompt in (turn1, sub):
+                    first_token(runner, prompt)
+                    for _ in range(8):
+                        runner.decode_step(use_graph=False)
+                    first_token(runner, side)
+                ts, cs = first_token(runner, sub2)
+                for _ in range(8):
+                    runner.decode_step(use_graph=False)
+                first_token(runner, side)
+                agent[lines].append((ts, cs, *first_token(runner, turn2)))
         cold_s, warm_s = statistics.median(cold), statistics.median(warm)
         rate = len(turn2) / cold_s  # tokens/s of a cold prefill of turn 2
         row = {
@@ -130,6 +152,7 @@ def main() -> None:
             "side_unparked_ms": statistics.median(side_t[False]) * 1e3,
             "after_side_bitwise_equal": equal_after,
             "trials": {
+                "agent": agent,
                 "cold": cold,
                 "warm": warm,
                 "turn1_off": cold1,
@@ -138,6 +161,12 @@ def main() -> None:
                 "side": side_t,
             },
         }
+        for lines, trials in agent.items():  # medians over the trials
+            sub_s, sub_cached, turn2_s, turn2_cached = (
+                statistics.median(x) for x in zip(*trials, strict=True)
+            )
+            row |= {f"agent_sub_ms_{lines}": sub_s * 1e3, f"agent_sub_cached_{lines}": sub_cached}
+            row |= {f"agent_turn2_ms_{lines}": turn2_s * 1e3, f"agent_turn2_cached_{lines}": turn2_cached}
         rows.append(row)
         print(
             f"context {C}: turn 2 cold {row['cold_ms']:.1f} ms, warm {row['warm_ms']:.1f} ms "
@@ -172,6 +201,18 @@ def main() -> None:
             f"{r['after_side_unparked_ms']:.1f} ({r['after_side_unparked_cached']}) | "
             f"{r['side_ms']:.1f} / {r['side_unparked_ms']:.1f} | {r['after_side_bitwise_equal']}"
         )
+    print(
+        f"\na coding agent: turn 1, a {args.sub}-token sub-agent conversation, the sub-agent's next turn, "
+        f"turn 2, a {args.side}-token side request after each; two lines parked / one"
+    )
+    print("context | sub-agent's turn 2 ms (cached), 2 lines | 1 line | turn 2 ms (cached), 2 lines | 1 line")
+    for r in rows:
+        cells = [
+            f"{r[f'agent_{w}_ms_{n}']:.1f} ({r[f'agent_{w}_cached_{n}']:.0f})"
+            for w in ("sub", "turn2")
+            for n in (2, 1)
+        ]
+        print(f"{r['context']} | " + " | ".join(cells))
     out = Path(os.environ.get("OUT", "bench/results")) / "bench_prefix.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": dev, "layers": args.layers, "rows": rows}, indent=1))

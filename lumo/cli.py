@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from . import __version__
-from .config import DEFAULT_PREFIX_PARK, DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
+from .config import DEFAULT_PREFIX_LINES, DEFAULT_PREFIX_PARK, DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
 
 USER_ERROR = 2
 
@@ -77,7 +77,16 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         metavar="N",
         help="a cached prefix another prompt would overwrite (a coding agent's side call between two turns) "
         "is parked: the positions that prompt may write are copied aside, at most N (0: none parked; on a "
-        "27B its snapshots, ~0.6 GB, and about N x 136 KiB, counted by the start-up memory check)",
+        "27B each parked prefix takes its snapshots, ~0.6 GB, and about N x 68 KiB, one more N x 68 KiB "
+        "for swapping them, counted by the start-up memory check)",
+    )
+    p.add_argument(
+        "--prefix-lines",
+        type=int,
+        default=DEFAULT_PREFIX_LINES,
+        metavar="N",
+        help="prefixes parked at once, those with the longest cached prefix kept (a conversation and a "
+        "sub-agent's, while a side call runs; 0: none parked)",
     )
     p.add_argument(
         "--chat-template",
@@ -107,6 +116,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         draft_quant=args.draft_quant,
         prefix_snapshots=args.prefix_snapshots,
         prefix_park=args.prefix_park,
+        prefix_lines=args.prefix_lines,
         adaptive_spec=args.adaptive_spec,
         chat_template=args.chat_template,
     )

@@ -29,9 +29,12 @@ class ConfigError(ValueError):
 
 DRAFT_QUANTS = ("auto", "nvfp4", "none")  # the drafter's precision (lumo.engine.gpu_weights.draft_quant)
 DEFAULT_PREFIX_SNAPSHOTS = 4  # prefix-cache state snapshots kept (lumo.engine.prefix): ~0.6 GB on a 27B
-# Positions a parked prefix keeps aside at most (lumo.engine.prefix): 0.5 GB of K/V on the 27B (twice that
-# while a swap copies)
-DEFAULT_PREFIX_PARK = 8192
+# Positions a parked prefix keeps aside at most (lumo.engine.prefix): 2.1 GB of K/V on the 27B, one line's
+# more while a swap copies. A coding agent's sub-agent conversation of up to this many tokens less the
+# decoding window (4096) leaves the main conversation parked.
+DEFAULT_PREFIX_PARK = 32768
+# Prefixes parked at once (a conversation and a coding agent's sub-agent, while a side request runs)
+DEFAULT_PREFIX_LINES = 2
 
 
 def check_draft_quant(choice: str) -> str:

@@ -103,6 +103,7 @@ def test_generate_chat_stop_and_spec(tmp_path):
         (["generate", "--prompt", "x", "--device", "cpu", "--draft-quant", "nvfp4"], "kernels backend"),
         (["generate", "--prompt", "x", "--device", "cpu", "--prefix-snapshots", "-1"], "prefix_snapshots"),
         (["generate", "--prompt", "x", "--device", "cpu", "--prefix-park", "-1"], "prefix_park"),
+        (["generate", "--prompt", "x", "--device", "cpu", "--prefix-lines", "-1"], "prefix_lines"),
         (["generate", "--prompt", "x", "--chat-template", "/no/such.jinja"], "no such file"),
         (["generate", "--prompt", "x", "--chat-template", "{% if %}"], "does not compile"),
         (["serve", "--api-key", " "], "API key is empty"),

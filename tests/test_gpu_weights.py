@@ -196,19 +196,25 @@ def test_memory_plan_matches_the_reference_cache():
     for n in (64, 128):
         pc.add(n, [*cache.gdn_state, *cache.conv_state, hidden])
     assert memory_plan(cfg, L, chunk=64, prefix_snapshots=2)["prefix_snapshots"] == pc.nbytes()
-    # at most: a parked prefix with as many snapshots and prefix_park positions of K/V copied aside (twice:
-    # the peak of a swap, which copies the slot's aside before it frees the parked one's), beside the slot's
-    # own snapshots
-    pc = PrefixCache(chunk=64, capacity=2, park=128, window=1000)
-    state = [*cache.gdn_state, *cache.conv_state, hidden]
-    for ids in (list(range(200)), list(range(1000, 1200))):
-        pc.resume(ids, state, positions=cache.kv_k + cache.kv_v, written=200)
-        for n in (64, 128):
-            pc.add(n, state)
-    assert pc.parked is not None and pc.parked.hi - pc.parked.lo == 128 and len(pc.parked.snapshots) == 2
-    plan = memory_plan(cfg, L, chunk=64, prefix_snapshots=2, prefix_park=128)
-    assert plan["prefix_snapshots"] + plan["prefix_parked"] == pc.nbytes() + nbytes(pc.parked.saved)
-    assert memory_plan(cfg, L, chunk=64, prefix_snapshots=0, prefix_park=100)["prefix_parked"] == 0
+    # at most: prefix_lines parked prefixes, each with as many snapshots and prefix_park positions of K/V
+    # copied aside, and one line's positions more (the peak of a swap, which parks the slot's prefix before
+    # it frees the swapped one's), beside the slot's own snapshots
+    for lines in (1, 2, 3):
+        pc = PrefixCache(chunk=64, capacity=2, park=128, window=1000, lines=lines)
+        state = [*cache.gdn_state, *cache.conv_state, hidden]
+        for i in range(lines + 1):
+            pc.resume(
+                list(range(i * 1000, i * 1000 + 200)), state, positions=cache.kv_k + cache.kv_v, written=200
+            )
+            for n in (64, 128):
+                pc.add(n, state)
+        assert len(pc.lines) == lines
+        assert all(p.hi - p.lo == 128 and len(p.snapshots) == 2 for p in pc.lines)
+        plan = memory_plan(cfg, L, chunk=64, prefix_snapshots=2, prefix_park=128, prefix_lines=lines)
+        assert plan["prefix_snapshots"] + plan["prefix_parked"] == pc.nbytes() + nbytes(pc.lines[0].saved)
+    for snaps, park, lines in ((0, 100, 2), (2, 0, 2), (2, 100, 0)):
+        plan = memory_plan(cfg, L, chunk=64, prefix_snapshots=snaps, prefix_park=park, prefix_lines=lines)
+        assert plan["prefix_parked"] == 0
     # the 128k plan on the 27B model fits a GB10 (128 GB shared with the OS) with a wide margin
     big = memory_plan(config_27b(), 131072)
     assert sum(big.values()) < 40e9

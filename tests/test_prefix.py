@@ -233,16 +233,25 @@ def test_llm_reports_cached_tokens_and_keeps_outputs(tmp_path):
     assert (r1.cached_tokens, r2.cached_tokens) == (0, 512)
     ref = off.generate(again, max_tokens=12, temperature=0.7, seed=3)
     assert ref.cached_tokens == 0 and r2.token_ids == ref.token_ids
-    # an unrelated request in between parks the conversation (LLM's default prefix_park), and not with 0
-    for llm, cached in ((on, 512), (LLM(d, device="cpu", spec="tree", prefix_park=0), 0)):
-        llm.generate(prompt, max_tokens=4, temperature=0.7, seed=3)
-        llm.generate(tokens(40, 6), max_tokens=8)
+    # an unrelated request in between parks the conversation (LLM's default prefix_park), and not with 0;
+    # two conversations and a side request after each: both parked with the default two lines, with one
+    # only the first (their cached prefixes are as long: the line parked earlier stays)
+    other = tokens(700, 7)
+    for kw, cached in (({}, (512, 512)), ({"prefix_park": 0}, (0, 0)), ({"prefix_lines": 1}, (512, 0))):
+        llm = on if not kw else LLM(d, device="cpu", spec="tree", **kw)
+        for p in (prompt, other):
+            llm.generate(p, max_tokens=4, temperature=0.7, seed=3)
+            llm.generate(tokens(40, 6), max_tokens=8)
         r3 = llm.generate(again, max_tokens=12, temperature=0.7, seed=3)
-        assert r3.cached_tokens == cached and r3.token_ids == ref.token_ids
+        assert r3.cached_tokens == cached[0] and r3.token_ids == ref.token_ids, kw
+        r4 = llm.generate(other[:650], max_tokens=4, temperature=0.7, seed=3)
+        assert r4.cached_tokens == cached[1], kw
     with pytest.raises(ValueError, match="prefix_snapshots"):
         LLM(d, device="cpu", prefix_snapshots=-1)
     with pytest.raises(ValueError, match="prefix_park"):
         LLM(d, device="cpu", prefix_park=-1)
+    with pytest.raises(ValueError, match="prefix_lines"):
+        LLM(d, device="cpu", prefix_lines=-1)
 
 
 # ---- parked lines (a prefix moved out of the way of a request that would overwrite it) --------------
@@ -253,8 +262,10 @@ class Slot1:
     on the tokens <= p), the state after n positions a hash of the first n; a request's decoding writes its
     outputs' positions and `ahead` more (a speculative tree's slots) with junk."""
 
-    def __init__(self, max_len: int, chunk: int = 4, capacity: int = 3, park: int = 40, window: int = 6):
-        self.pc = PrefixCache(chunk, capacity, park=park, window=window)
+    def __init__(
+        self, max_len: int, chunk: int = 4, capacity: int = 3, park: int = 40, window: int = 6, lines: int = 1
+    ):
+        self.pc = PrefixCache(chunk, capacity, park=park, window=window, lines=lines)
         self.kv = torch.full((max_len,), -1, dtype=torch.int64)
         self.state = torch.zeros(1, dtype=torch.int64)
         self.written = None
@@ -303,14 +314,20 @@ def test_parking_keeps_the_longer_line_and_respects_its_cap():
     s.request(long_)
     s.request(mid)  # long_ parked
     s.request(short)  # mid's line is shorter than the parked one: dropped, long_ stays parked
-    assert s.pc.parked.tokens == long_
+    assert [p.tokens for p in s.pc.lines] == [long_]
     assert s.request(long_ + [7]) == 48
     assert s.request(mid + [7]) == 0
+    # two lines: both kept, longest first
+    s = Slot1(80, park=64, lines=2)
+    for ids in (long_, mid, short):
+        s.request(ids)
+    assert [p.tokens for p in s.pc.lines] == [long_, mid]
+    assert s.request(long_ + [7]) == 48 and s.request(mid + [7]) == 28 and s.request(short + [7]) == 8
     # a cap smaller than the positions to copy aside: nothing parked, the next turn starts from 0
     s = Slot1(80, park=2)
     s.request(long_)
     s.request(short)
-    assert s.pc.parked is None and s.request(long_ + [7]) == 0
+    assert s.pc.lines == [] and s.request(long_ + [7]) == 0
 
 
 def test_a_request_decoding_past_the_saved_window_cuts_the_parked_line_back():
@@ -325,6 +342,27 @@ def test_a_request_decoding_past_the_saved_window_cuts_the_parked_line_back():
         assert s.request(conv + [1]) == want
 
 
+def test_a_conversation_and_a_sub_agent_both_survive_side_requests():
+    """Claude Code with a sub-agent: the main conversation waits while a sub-agent's conversation (a system
+    prompt of its own) runs turn after turn, each turn followed by a side request (a command check), then
+    the main conversation goes on. With two lines parked both conversations resume from their longest
+    snapshots every time; with one the sub-agent's is dropped each time a side request parks it (the main
+    conversation's is longer) and every sub-agent turn starts from 0."""
+    main, check = list(range(100, 160)), list(range(600, 606))
+    for lines in (2, 1):
+        s = Slot1(128, park=80, window=8, lines=lines)
+        sub = list(range(300, 330))
+        s.request(main)
+        got = []
+        for turn in range(3):
+            sub = sub + [700 + turn] * 5
+            got.append(s.request(sub))
+            s.request(check + [turn])
+            sub = sub + [800 + turn] * 4  # the sub-agent's answer, prefilled again in its next turn
+        assert got == ([0, 32, 44] if lines == 2 else [0, 0, 0]), (lines, got)
+        assert s.request(main + [1, 2]) == 60
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_requests_keep_the_slot_consistent(seed):
     """Random conversations, branches, side requests, decode lengths, caps and windows: whatever resume
@@ -332,8 +370,8 @@ def test_random_requests_keep_the_slot_consistent(seed):
     it), and the parked line never keeps more than its cap aside."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    park = rng.choice([0, 8, 24, 96])
-    s = Slot1(96, chunk=4, capacity=rng.choice([1, 2, 3, 5]), park=park, window=rng.choice([0, 3, 10]))
+    park, lines, capacity = rng.choice([0, 8, 24, 96]), rng.choice([1, 2, 3]), rng.choice([1, 2, 3, 5])
+    s = Slot1(96, chunk=4, capacity=capacity, park=park, window=rng.choice([0, 3, 10]), lines=lines)
     bases = [[rng.randrange(50) for _ in range(60)] for _ in range(3)]
     hits = 0
     for _ in range(60):
@@ -343,8 +381,10 @@ def test_random_requests_keep_the_slot_consistent(seed):
         if rng.random() < 0.3:
             ids = ids + [rng.randrange(50) for _ in range(rng.randrange(1, 8))]
         hits += s.request(ids[:80], new=rng.randrange(0, 12), ahead=rng.randrange(0, 4), rng=gen)
-        p = s.pc.parked
-        assert p is None or (0 < p.hi - p.lo <= park and p.saved[0].shape[0] == p.hi - p.lo)
+        assert len(s.pc.lines) <= lines
+        for p in s.pc.lines:
+            assert p.hi - p.lo <= park and (p.hi == p.lo or p.saved[0].shape[0] == min(park, 96))
+            assert 0 < len(p.snapshots) <= capacity and min(p.snapshots) > p.lo
     assert hits > 0
 
 
@@ -357,9 +397,9 @@ def test_the_slots_snapshots_shared_with_the_parked_line_stay_its_own():
     s = Slot1(64, capacity=5)
     s.request(conv)
     assert s.request(conv[:26] + list(range(300, 310))) == 24
-    assert s.pc.parked.lo == 24
+    assert s.pc.lines[0].lo == 24
     s.request(list(range(500, 510)))
-    assert s.pc.parked.lo == 0 and 24 in s.pc.parked.snapshots
+    assert s.pc.lines[0].lo == 0 and 24 in s.pc.lines[0].snapshots
     assert s.request(conv[:27] + [9]) == 24
 
 

@@ -36,9 +36,10 @@ def rand_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def backend(variant: str, snapshots: int, spec: bool, park: int = 0):
+def backend(variant: str, snapshots: int, spec: bool, park: int = 0, lines: int = 2):
     cfg, gw = packed(variant)
-    be = GPUBackend(cfg, gw, 1024, DEV, prefill_chunk=CHUNK, prefix_snapshots=snapshots, prefix_park=park)
+    parking = {"prefix_snapshots": snapshots, "prefix_park": park, "prefix_lines": lines}
+    be = GPUBackend(cfg, gw, 1024, DEV, prefill_chunk=CHUNK, **parking)
     return SpecBackend(be, TreeConfig(), use_graph=True) if spec else be
 
 
@@ -106,6 +107,24 @@ def test_a_side_request_leaves_the_conversation_parked(variant, spec, params, pa
     decode(warm.decoder(params, 600), side, 24)
     for prompt, at in ((first + rand_ids(40, cfg.vocab_size, 2), resume_at), (side + [5], 128)):
         resumes_as_cold(warm, cold, params, prompt, at)
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "tree"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_conversation_and_a_sub_agent_both_stay_parked(variant, spec):
+    """Two lines parked (a coding agent's conversation and its sub-agent's, each followed by a side
+    request): both next turns resume from their own snapshots, bitwise cold starts, after swaps that
+    copy each one's positions, the target's K/V and the drafter's, out and back."""
+    cfg, _ = packed(variant)
+    params = PARAMS[1]
+    warm, cold = backend(variant, 4, spec, park=512, lines=2), backend(variant, 0, spec)
+    main, sub = rand_ids(300, cfg.vocab_size, 1), rand_ids(270, cfg.vocab_size, 11)
+    for i, prompt in enumerate((main, sub)):
+        decode(warm.decoder(params, 600), prompt, 24)
+        decode(warm.decoder(params, 600), rand_ids(100, cfg.vocab_size, 20 + i), 24)  # a side request
+    for prompt in (sub + rand_ids(30, cfg.vocab_size, 2), main + rand_ids(40, cfg.vocab_size, 3)):
+        resumes_as_cold(warm, cold, params, prompt, 256)
+    assert (warm.backend if spec else warm).runner.prefix.swaps == 2
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

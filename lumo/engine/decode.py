@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import model as M
-from ..config import ModelConfig, TreeConfig
+from ..config import DEFAULT_PREFIX_LINES, ModelConfig, TreeConfig
 from ..weights import ModelWeights
 from .grammar import Constraint, bitmask_words, unpack_bitmask
 from .logprobs import PromptLogprobs, ScoresTokens
@@ -40,9 +40,12 @@ class Slot:
     """A sequence's cache kept across requests, with its prefix cache (lumo.engine.prefix): what an LLM on
     the torch backend keeps so that a prompt sharing a prefix with an earlier one resumes after it."""
 
-    def __init__(self, prefix_snapshots: int = 0, prefix_park: int = 0):
+    def __init__(
+        self, prefix_snapshots: int = 0, prefix_park: int = 0, prefix_lines: int = DEFAULT_PREFIX_LINES
+    ):
         self.cache: M.Cache | None = None
-        self.prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots, prefix_park) if prefix_snapshots else None
+        prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots, prefix_park, lines=prefix_lines)
+        self.prefix = prefix if prefix_snapshots else None
         self.write_ahead = 0  # positions past its length a request's decoding writes (its decoders' most)
 
     def cache_for(self, cfg: ModelConfig, max_len: int, device, dtype) -> M.Cache:

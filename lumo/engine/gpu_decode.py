@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import DEFAULT_PREFIX_LINES, ConfigError, ModelConfig
 from ..weights import ModelWeights
 from .decode import slot_capacity
 from .gpu_weights import GPUWeights, pack_weights
@@ -148,10 +148,15 @@ class GPUBackend:
         prefill_chunk: int = PREFILL_CHUNK,
         prefix_snapshots: int = 0,
         prefix_park: int = 0,
+        prefix_lines: int = DEFAULT_PREFIX_LINES,
     ):
         self.cfg, self.device = cfg, torch.device(device)
         self.max_model_len, self.use_graph, self.prefill_chunk = max_model_len, use_graph, prefill_chunk
-        self.prefix_snapshots, self.prefix_park = prefix_snapshots, prefix_park
+        self.prefix_snapshots, self.prefix_park, self.prefix_lines = (
+            prefix_snapshots,
+            prefix_park,
+            prefix_lines,
+        )
         self.weights = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, self.device)
         self.runner: GPURunner | None = None
 
@@ -163,8 +168,8 @@ class GPUBackend:
 
         def need(n: int) -> int:
             cap = slot_capacity(n + extra, n)
-            snaps, park = self.prefix_snapshots, self.prefix_park
-            return cache_bytes(self.cfg, cap, self.prefill_chunk, snaps, mtp_layers, park, attn_rows)
+            snaps, park, lines = self.prefix_snapshots, self.prefix_park, self.prefix_lines
+            return cache_bytes(self.cfg, cap, self.prefill_chunk, snaps, mtp_layers, park, attn_rows, lines)
 
         self.max_model_len = fit_context(need, free_gpu_bytes(self.device), self.max_model_len, explicit)
         return self.max_model_len
@@ -188,7 +193,7 @@ class GPUBackend:
             torch.cuda.empty_cache()
             cap = slot_capacity(need, self.max_model_len)
             self.runner = GPURunner(self.cfg, self.weights, cap, self.prefill_chunk, self.device)
-            self.runner.enable_prefix_cache(self.prefix_snapshots, self.prefix_park)
+            self.runner.enable_prefix_cache(self.prefix_snapshots, self.prefix_park, self.prefix_lines)
         return self.runner
 
     def reserve(self) -> GPURunner:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..config import (
+    DEFAULT_PREFIX_LINES,
     DEFAULT_PREFIX_PARK,
     DEFAULT_PREFIX_SNAPSHOTS,
     ConfigError,
@@ -151,10 +152,12 @@ class LLM:
         adaptive_spec: bool = True,
         chat_template: str | os.PathLike | None = None,
         prefix_park: int = DEFAULT_PREFIX_PARK,
+        prefix_lines: int = DEFAULT_PREFIX_LINES,
     ):
         """chat_template: a jinja chat template (a file's path or the text) used instead of the
-        checkpoint's; prefix_park: the positions a prefix parked out of another prompt's way keeps aside
-        (lumo.engine.prefix; 0: none parked); the other arguments are `lumo serve`'s flags (README)."""
+        checkpoint's; prefix_park: the positions each prefix parked out of another prompt's way keeps
+        aside, prefix_lines: how many are parked at once (lumo.engine.prefix; either 0: none parked); the
+        other arguments are `lumo serve`'s flags (README)."""
         # checked before minutes of loading weights
         template = None if chat_template is None else read_chat_template(chat_template)
         if spec not in ("auto", "off", "chain", "tree"):
@@ -169,7 +172,10 @@ class LLM:
         self.prefix_snapshots = int(prefix_snapshots)
         if _integer(prefix_park, "prefix_park") < 0:
             raise ValueError(f"prefix_park must be >= 0 (0: no prefix parked), got {prefix_park}")
-        self.prefix_park = int(prefix_park) if self.prefix_snapshots else 0
+        if _integer(prefix_lines, "prefix_lines") < 0:
+            raise ValueError(f"prefix_lines must be >= 0 (0: no prefix parked), got {prefix_lines}")
+        parking = self.prefix_snapshots and prefix_park and prefix_lines
+        self.prefix_park, self.prefix_lines = (int(prefix_park), int(prefix_lines)) if parking else (0, 0)
         # Tree speculation on the kernels falls back to plain steps while events do not pay (lumo.engine.
         # adaptive: the same tokens either way); False: always speculate.
         self.adaptive_spec = bool(adaptive_spec)
@@ -269,7 +275,8 @@ class LLM:
             and "OMP_NUM_THREADS" not in os.environ
         )
         # the torch backend's caches
-        self._slot = Slot(self.prefix_snapshots, self.prefix_park) if self._gpu is None else None
+        prefix = (self.prefix_snapshots, self.prefix_park, self.prefix_lines)
+        self._slot = Slot(*prefix) if self._gpu is None else None
         self._grammars: GrammarCompiler | None = None  # built by the first structured request
         self._grammars_lock = threading.Lock()
 
@@ -292,6 +299,7 @@ class LLM:
             self.device,
             prefix_snapshots=self.prefix_snapshots,
             prefix_park=self.prefix_park,
+            prefix_lines=self.prefix_lines,
         )
         if self.spec == "off":
             self.max_model_len = backend.fit_context(explicit_context)

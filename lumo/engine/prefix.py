@@ -18,34 +18,37 @@ Snapshots are kept least-recently-used first out, `capacity` of them (0 turns re
 the GDN states (f32), the conv states and the final-norm hidden row of its last position (the MTP
 head's input for the next chunk's first pair): ~154 MB for a 27B model.
 
-A parked prefix: one slot holds one prefix, and a prompt that shares little of it overwrites it. A coding
-agent's short side requests (Claude Code's title and command checks, with system prompts of their own)
-would so erase the conversation's cache between two of its turns, and every turn would prefill the whole
-conversation again. So a prefix about to be overwritten (a *line*: its tokens and the snapshots past the
-point the new request starts from) is parked: the K/V positions the new request may write are copied
-aside first (`saved`, positions [lo, hi)), and a later prompt that resumes further in the parked line
-than in the slot's swaps the two back (the saved positions copied into the slot, the slot's own copied
-aside). One line is parked at a time, the one with the longer cached prefix; `park` caps the positions
-copied aside (0: no parking). The slot's positions the parked line still needs beyond `hi` are checked
-against what the requests since wrote (`written`, the high-water mark the slot passes to `resume`): a line
-whose positions were overwritten keeps only its snapshots below them. Parked positions and states are
-bit copies, so a prefill resumed from a parked line computes a cold start's bits, like any other.
+Parked lines: one slot holds one prefix, and a prompt that shares little of it overwrites it. A coding
+agent's short side requests (Claude Code's title and command checks, with system prompts of their own) and
+its sub-agents' conversations would so erase the main conversation's cache between two of its turns, and
+every turn would prefill the whole conversation again. So a prefix about to be overwritten (a *line*: its
+tokens and the snapshots past the point the new request starts from) is parked: before anything writes the
+slot's positions [a, b) (a prefill and a window past the prompt for its decoding, or a parked line copied
+back), every parked line copies aside the ones of them it still takes from the slot (`saved`: its values
+at [lo, hi)). A later prompt that resumes further in a parked line than in the slot's swaps it in: its
+saved positions are copied back and the slot's line is parked in its turn. Up to `lines` lines are
+parked, those with the longest cached prefixes; `park` caps the positions each keeps aside (0: no
+parking). A parked line's positions past `hi` are still the slot's, checked against what the requests
+since wrote (`written`, the high-water mark the slot passes to `resume`): a line whose positions were
+overwritten keeps only its snapshots below them. Parked positions and states are bit copies, so a
+prefill resumed from a parked line computes a cold start's bits, like any other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DEFAULT_PREFIX_PARK
+from ..config import DEFAULT_PREFIX_LINES, DEFAULT_PREFIX_PARK
 
-# Positions past a prompt copied aside for a parked line when a request starts inside it: what its decoding
-# (and a speculative tree's slots) may write before the next request; a request that writes further cuts the
-# parked line back (PrefixCache.resume's `written`).
+# Positions past a prompt guarded for the parked lines when a request starts inside them: what its decoding
+# (and a speculative tree's slots) may write before the next request; a request that writes further cuts
+# them back (PrefixCache.resume's `written`).
 PARK_WINDOW = 4096
 PARK_POSITIONS = DEFAULT_PREFIX_PARK  # the default cap on the positions a parked line keeps aside
+PARK_LINES = DEFAULT_PREFIX_LINES  # the default number of parked lines
 
 
 @dataclass
@@ -65,12 +68,30 @@ class Parked:
     snapshots: dict[int, Snapshot]  # its own, every one longer than lo (the slot's up to lo are shared)
     lo: int
     hi: int
-    saved: list[torch.Tensor]  # per position cache of the slot: its values at [lo, hi)
+    # Per position cache of the slot, its values at [lo, hi) in a ring of `park` rows (position p at row
+    # p % park: a run grows either way in place); empty until something is saved
+    saved: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def useful(self) -> int:
         """Positions worth keeping: up to its longest snapshot (beyond it no state follows them)."""
         return max(self.snapshots, default=0)
+
+    def save(self, positions: Sequence[torch.Tensor], a: int, b: int, rows: int) -> None:
+        """Copy the slot's positions [a, b) into the ring (`rows` of it, made by the first save)."""
+        if not self.saved:
+            self.saved = [t.new_empty((min(rows, len(t)), *t.shape[1:])) for t in positions]
+        for dst, src in zip(self.saved, positions, strict=True):
+            for s, e, r in _ring(a, b, len(dst)):
+                dst[r : r + e - s].copy_(src[s:e])
+
+    def restore(self, positions: Sequence[torch.Tensor]) -> None:
+        """Copy the saved positions [lo, hi) back into the slot's."""
+        if self.hi == self.lo:
+            return
+        for dst, src in zip(positions, self.saved, strict=True):
+            for s, e, r in _ring(self.lo, self.hi, len(src)):
+                dst[s:e].copy_(src[r : r + e - s])
 
 
 class PrefixCache:
@@ -78,19 +99,25 @@ class PrefixCache:
 
     The slot calls `resume(ids, state, owner)` before a prefill (its state restored, the position to
     prefill from returned), `add(length, state)` after every chunk that ends on the grid (`wants`), and
-    `truncate(n)` before anything else writes its positions n.. (a warm-up, a seek). With `park` > 0 and
-    the slot's position caches passed to `resume`, a prefix the next prefill would overwrite is parked
-    (module docstring), at most `park` of its positions copied aside (`window` past a prompt for what its
-    decoding writes)."""
+    `truncate(n)` before anything else writes its positions n.. (a warm-up, a seek). With `park` > 0,
+    `lines` > 0 and the slot's position caches passed to `resume`, a prefix the next prefill would
+    overwrite is parked (module docstring): up to `lines` of them, each with at most `park` positions
+    copied aside (`window` past a prompt for what its decoding writes)."""
 
-    def __init__(self, chunk: int, capacity: int, park: int = 0, window: int = PARK_WINDOW):
-        if chunk < 1 or capacity < 0 or park < 0:
-            raise ValueError(f"need chunk >= 1, capacity >= 0 and park >= 0, got {chunk}, {capacity}, {park}")
+    def __init__(
+        self, chunk: int, capacity: int, park: int = 0, window: int = PARK_WINDOW, lines: int = PARK_LINES
+    ):
+        if chunk < 1 or capacity < 0 or park < 0 or lines < 0:
+            raise ValueError(
+                f"need chunk >= 1 and capacity, park, lines >= 0, got {chunk}, {capacity}, {park}, {lines}"
+            )
         self.chunk, self.capacity, self.park, self.window = chunk, capacity, park, window
+        self.max_lines = lines if park else 0
         self.tokens: list[int] = []  # token ids at positions [0, len) as the latest prefill wrote them
         self.snapshots: dict[int, Snapshot] = {}  # by length
-        self.parked: Parked | None = None
-        self.swaps = 0  # requests that resumed from the parked line
+        self.lines: list[Parked] = []  # parked, longest cached prefix first
+        self.swaps = 0  # requests that resumed from a parked line
+        self._guarded = 0  # the latest request's writes past this were not guarded for the parked lines
         self._tick = 0
         # Whoever prefilled keeps caches of its own beside the slot's (a speculative engine: the MTP head's
         # K/V); a prefill by another owner starts the cache afresh (`claim`). A token the owner holds, not
@@ -103,7 +130,7 @@ class PrefixCache:
     def clear(self) -> None:
         self.tokens = []
         self.snapshots.clear()
-        self.parked = None
+        self.lines = []
 
     def claim(self, owner: object | None) -> None:
         """The next prefill is `owner`'s (compared by identity): if another one's prefills made the cache,
@@ -113,19 +140,16 @@ class PrefixCache:
             self.owner = owner
 
     def nbytes(self) -> int:
-        snaps = [*self.snapshots.values(), *(self.parked.snapshots.values() if self.parked else ())]
-        ts = [t for s in snaps for t in s.tensors] + (self.parked.saved if self.parked else [])
+        """Bytes of the snapshots and the parked lines' saved positions (a snapshot shared by two lines
+        once)."""
+        snaps = {id(s): s for d in (self.snapshots, *(p.snapshots for p in self.lines)) for s in d.values()}
+        ts = [t for s in snaps.values() for t in s.tensors] + [t for p in self.lines for t in p.saved]
         return sum(t.numel() * t.element_size() for t in ts)
 
     def match(self, ids: Sequence[int]) -> Snapshot | None:
         """The snapshot a prefill of `ids` can resume from: the longest whose positions hold ids'
         first tokens and that leaves at least one token to prefill (the first token's logits)."""
-        n = common_prefix(self.tokens, ids)
-        best = None
-        for s in self.snapshots.values():
-            if s.length <= n and s.length < len(ids) and (best is None or s.length > best.length):
-                best = s
-        return best
+        return _longest(self.snapshots.values(), common_prefix(self.tokens, ids), len(ids))
 
     def resume(
         self,
@@ -141,24 +165,23 @@ class PrefixCache:
         as the slot's tokens (`begin`), and return the position the prefill starts at (0: nothing cached,
         `state` untouched). reuse=False: prefill from 0 (every prompt position's output is wanted); the
         cache is rebuilt by that prefill.
-        positions: the slot's position caches ([max_len, ...] each: the K/V, the drafter's K/V), which a
-        parked line is copied out of and back into (None: nothing is parked). written: the slot's positions
-        [0, written) may have been written since the previous resume (its request's length and what its
-        decoding writes past it; None: any)."""
+        positions: the slot's position caches ([max_len, ...] each: the K/V, the drafter's K/V), which the
+        parked lines are copied out of and back into (None: nothing is parked). written: the slot's
+        positions [0, written) may have been written since the previous resume (its request's length and
+        what its decoding writes past it; None: any)."""
         self.claim(owner)
-        parking = positions is not None and self.park > 0
+        parking = positions is not None and self.max_lines > 0
         if not parking:
-            self.parked = None
-        elif self.parked is not None:
+            self.lines = []
+        elif self.lines:
             self._check_written(written)
-            if reuse and self.parked is not None:
-                live, parked = self.match(ids), self._parked_match(ids)
-                if parked is not None and (live is None or parked.length > live.length):
-                    self._swap(ids, parked.length, positions)
+            if reuse:
+                self._swap_in(ids, positions)
         snap = self.match(ids) if reuse else None
         start = 0 if snap is None else snap.length
         if parking:
-            self._protect(ids, start, positions)
+            self._park(start)
+            self._guard(start, len(ids) + self.window, positions)
         if snap is not None:
             for dst, src in zip(state, snap.tensors, strict=True):
                 dst.copy_(src)
@@ -167,8 +190,8 @@ class PrefixCache:
 
     def truncate(self, n: int) -> None:
         """Positions n.. are about to be overwritten by something other than a resumed prefill: forget
-        their tokens and the snapshots past n, and the parked line (whose positions were not copied aside)."""
-        self.parked = None
+        their tokens and the snapshots past n, and the parked lines (whose positions were not saved)."""
+        self.lines = []
         self._truncate_live(n)
 
     def _truncate_live(self, n: int) -> None:
@@ -176,81 +199,81 @@ class PrefixCache:
         for length in [k for k in self.snapshots if k > n]:
             del self.snapshots[length]
 
-    # ---- the parked line ----
-    def _parked_match(self, ids: Sequence[int]) -> Snapshot | None:
-        """As `match`, in the parked line: its own snapshots and the slot's up to its `lo` (shared)."""
-        p = self.parked
-        n = common_prefix(p.tokens, ids)
+    # ---- the parked lines ----
+    def _parked_match(self, p: Parked, ids: Sequence[int]) -> Snapshot | None:
+        """As `match`, in the parked line p: its own snapshots and the slot's up to its `lo` (shared)."""
         shared = [s for s in self.snapshots.values() if s.length <= p.lo]
-        best = None
-        for s in [*p.snapshots.values(), *shared]:
-            if s.length <= n and s.length < len(ids) and (best is None or s.length > best.length):
-                best = s
-        return best
+        return _longest([*p.snapshots.values(), *shared], common_prefix(p.tokens, ids), len(ids))
 
     def _check_written(self, written: int | None) -> None:
-        """The requests since the previous resume wrote positions below `written`: the parked line's
-        snapshots that need slot positions past its saved ones that may have been written are dropped."""
-        if written is None or written > self.parked.hi:
-            self.parked = _cut(self.parked, self.parked.hi)
+        """The latest request wrote the slot's positions below `written`, and guarded those below
+        `_guarded` (`_guard`): the parked lines' snapshots past their saved positions that need positions
+        it may have written unguarded are dropped."""
+        if written is not None and written <= self._guarded:
+            return
+        bound = 0 if written is None else self._guarded
+        self.lines = [p for p in self.lines if _cut(p, max(p.hi, bound)) is not None]
 
-    def _swap(self, ids: Sequence[int], start: int, positions: Sequence[torch.Tensor]) -> None:
-        """The parked line resumes further than the slot's (at `start`): its saved positions go back into
-        the slot, and the slot's line is parked in its place (its positions that this restore and the
-        request writes copied aside first, as far as `park` allows)."""
-        p = self.parked
-        lo = p.lo  # (start > p.lo: the slot's own match is at least as long as a shared snapshot)
-        useful = max(self.snapshots, default=0)
-        hi = min(useful, lo + self.park, max(p.hi, len(ids) + self.window))
-        own = {n: s for n, s in self.snapshots.items() if n > lo}
-        line = None
-        if own and hi > lo:
-            # hi >= p.hi or no snapshot past hi (p.hi - p.lo <= park): the restore below writes only
-            # positions copied aside here; the prompt may write further
-            saved = [t[lo:hi].clone() for t in positions]
-            line = Parked(self.tokens, own, lo, hi, saved)
-            if len(ids) > hi:
-                line = _cut(line, hi)
-        for t, s in zip(positions, p.saved, strict=True):
-            t[p.lo : p.hi].copy_(s)
+    def _swap_in(self, ids: Sequence[int], positions: Sequence[torch.Tensor]) -> None:
+        """A parked line that resumes ids further than the slot's goes back into the slot: the slot's line
+        is parked (`_park` from the swapped line's lo, where they part), its saved positions are copied
+        back over the slot's (guarded for the other lines first), and its snapshots become the slot's."""
+        live = self.match(ids)
+        best, best_len = None, 0 if live is None else live.length
+        for p in self.lines:
+            s = self._parked_match(p, ids)
+            if s is not None and s.length > best_len:
+                best, best_len = p, s.length
+        if best is None:
+            return
+        self.lines.remove(best)
+        p = best
+        # (p.lo < best_len: were the slot's shared snapshot longest, the slot's own match would be as long)
+        self._park(p.lo)
+        self._guard(p.lo, p.hi, positions)
+        p.restore(positions)
         self.tokens = list(p.tokens)
-        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= lo} | p.snapshots
-        self.parked = line
+        self.snapshots = {n: s for n, s in self.snapshots.items() if n <= p.lo} | p.snapshots
         self.swaps += 1
 
-    def _protect(self, ids: Sequence[int], start: int, positions: Sequence[torch.Tensor]) -> None:
-        """The request about to prefill ids from `start` writes the slot's positions start..: a line of
-        snapshots past start is parked (if it is longer than the parked one), and the parked line's
-        positions the request may write are copied aside (a window past the prompt for its decoding)."""
-        own = {n: s for n, s in self.snapshots.items() if n > start}
-        if own and (self.parked is None or max(own) > self.parked.useful):
-            hi = min(max(own), start + self.park, len(ids) + self.window)
-            # Snapshots past hi need the slot's positions there: lost where this prompt reaches past hi
-            # (where only its decoding may write there: checked at the next resume)
-            if len(ids) <= hi or min(own) <= hi:
-                saved = [t[start:hi].clone() for t in positions]
-                line = Parked(list(self.tokens), own, start, hi, saved)
-                self.parked = line if len(ids) <= hi else _cut(line, hi)
-                for n in own:
-                    del self.snapshots[n]
-                return
-        p = self.parked
-        if p is None or start >= p.useful:
+    def _park(self, start: int) -> None:
+        """The slot's positions start.. are about to be written: its snapshots past start become a parked
+        line (nothing saved yet: `_guard` copies what it needs aside), which joins the lines kept if its
+        cached prefix is among the `max_lines` longest (the other lines' cached prefixes are their longest
+        snapshots: the prompts they served resume there)."""
+        own = {n: s for n, s in self.snapshots.items() if n > start}  # (the slot drops them in `begin`)
+        if not own:
             return
-        lo = min(p.lo, start)
-        hi = max(p.hi, min(p.useful, len(ids) + self.window, lo + self.park))
-        if p.hi - lo > self.park:  # the positions it needs from lo on do not fit the cap
-            self.parked = None
-            return
-        if (lo, hi) != (p.lo, p.hi):
-            pairs = zip(positions, p.saved, strict=True)
-            p.saved = [torch.cat([t[lo : p.lo], s, t[p.hi : hi]]) for t, s in pairs]
-            # the slot's snapshots in (lo, p.lo] are the parked line's too; the request overwrites them
-            for n in [n for n in self.snapshots if lo < n <= p.lo]:
-                p.snapshots[n] = self.snapshots.pop(n)
-            p.lo, p.hi = lo, hi
-        if len(ids) > p.hi:
-            self.parked = _cut(p, p.hi)
+        line = Parked(list(self.tokens), own, start, start)
+        self.lines = sorted([*self.lines, line], key=lambda p: p.useful, reverse=True)[: self.max_lines]
+
+    def _guard(self, a: int, b: int, positions: Sequence[torch.Tensor]) -> None:
+        """The slot's positions [a, b) are about to be written: each parked line copies aside those of them
+        it takes from the slot (below its lo, where it shares the slot's snapshots too, and from its hi up to
+        its longest snapshot), its saved positions staying one run [lo, hi) of at most `park`. A line
+        that cannot keep the positions below a is dropped; one whose saved run cannot reach b is cut back to
+        its snapshots inside it."""
+        self._guarded = b
+        kept = []
+        for p in self.lines:
+            below = a < p.lo  # positions it shares with the slot are written
+            above = max(a, p.hi) < min(b, p.useful)  # positions past its saved run are written
+            if below or above:
+                lo = a if below else p.lo
+                if p.hi - lo > self.park:  # the positions it needs from lo on do not fit the cap
+                    continue
+                want = min(b, p.useful) if above else p.hi
+                hi = min(max(p.hi, want), lo + self.park)
+                p.save(positions, lo, p.lo, self.park)
+                p.save(positions, p.hi, hi, self.park)
+                # the slot's snapshots in (lo, p.lo] are the parked line's too; the write overwrites them
+                shared = {n: s for n, s in self.snapshots.items() if lo < n <= p.lo}
+                p.snapshots = dict(sorted((p.snapshots | shared).items())[-self.capacity :])
+                p.lo, p.hi = lo, hi
+                if hi < want and _cut(p, max(hi, a)) is None:  # positions [hi, want) are lost
+                    continue
+            kept.append(p)
+        self.lines = kept
 
     def begin(self, ids: Sequence[int], start: int) -> None:
         """A prefill of `ids` resumes at position `start` (0, or a snapshot's length from `match`). The
@@ -268,13 +291,13 @@ class PrefixCache:
 
     def add(self, length: int, tensors: Sequence[torch.Tensor]) -> None:
         """Keep a copy of `tensors` (the slot's state after positions [0, length)); at capacity the
-        least recently used snapshot's buffers are reused for it."""
+        least recently used snapshot's buffers are reused for it (unless a parked line shares them)."""
         if not self.wants(length):
             raise ValueError(f"a snapshot at {length} is not on the grid of {self.chunk}-token chunks")
         old = self.snapshots.pop(length, None)
         if old is None and len(self.snapshots) >= self.capacity:
             old = self.snapshots.pop(min(self.snapshots.values(), key=lambda s: s.used).length)
-        if old is not None:  # one slot's state: the same shapes every time
+        if old is not None and not any(s is old for p in self.lines for s in p.snapshots.values()):
             for dst, src in zip(old.tensors, tensors, strict=True):
                 dst.copy_(src)
             copies = old.tensors
@@ -286,6 +309,24 @@ class PrefixCache:
         self._tick += 1
         s.used = self._tick
         return s
+
+
+def _ring(lo: int, hi: int, rows: int):
+    """Positions [lo, hi) (at most `rows` of them) as runs (start, end, ring row of start) of a ring."""
+    while lo < hi:
+        r = lo % rows
+        end = min(hi, lo + rows - r)
+        yield lo, end, r
+        lo = end
+
+
+def _longest(snapshots, n: int, limit: int) -> Snapshot | None:
+    """The longest snapshot within the first n positions that leaves at least one of `limit` to prefill."""
+    best = None
+    for s in snapshots:
+        if s.length <= n and s.length < limit and (best is None or s.length > best.length):
+            best = s
+    return best
 
 
 def _cut(line: Parked, bound: int) -> Parked | None:

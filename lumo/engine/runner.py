@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..config import DEFAULT_PREFIX_SNAPSHOTS, FULL, ModelConfig
+from ..config import DEFAULT_PREFIX_LINES, DEFAULT_PREFIX_SNAPSHOTS, FULL, ModelConfig
 from ..kernels.attention import CHUNK as ATTN_CHUNK
 from ..kernels.attention import attn_decode, attn_decode_workspace, attn_prefill, check_heads
 from ..kernels.conv import conv_prefill
@@ -221,10 +221,11 @@ class GPURunner:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().to(self.device)
         self.prompt_mask.index_fill_(0, ids, 1)
 
-    def enable_prefix_cache(self, snapshots: int, park: int = 0) -> None:
-        """Keep up to `snapshots` prefix snapshots on this runner's prefill grid (0: none), and park a
-        prefix another prompt would overwrite with up to `park` of its positions copied aside (prefix.py)."""
-        self.prefix = PrefixCache(self.prefill_chunk, snapshots, park) if snapshots else None
+    def enable_prefix_cache(self, snapshots: int, park: int = 0, lines: int = DEFAULT_PREFIX_LINES) -> None:
+        """Keep up to `snapshots` prefix snapshots on this runner's prefill grid (0: none), and park up to
+        `lines` prefixes other prompts would overwrite, each with up to `park` of its positions copied
+        aside (prefix.py)."""
+        self.prefix = PrefixCache(self.prefill_chunk, snapshots, park, lines=lines) if snapshots else None
 
     def prefix_state(self) -> list[torch.Tensor]:
         """What a prefix snapshot keeps: the recurrent states and the final-norm row of the last position
@@ -577,9 +578,13 @@ def splitk_partial_bytes(cfg: ModelConfig, min_splits: int = 16) -> int:
     return total
 
 
-def _parked_positions(max_len: int, prefix_snapshots: int, prefix_park: int) -> int:
-    """Positions a parked prefix copies aside at most (none without prefix caching)."""
-    return min(prefix_park, max_len) if prefix_snapshots else 0
+def _parked_positions(max_len: int, prefix_snapshots: int, prefix_park: int, prefix_lines: int) -> int:
+    """Positions the parked prefixes hold copied aside at most: prefix_park of them per line, and one
+    line's more while a swap parks the slot's prefix before the swapped one's copy is freed (none without
+    prefix caching)."""
+    if not (prefix_snapshots and prefix_park and prefix_lines):
+        return 0
+    return (prefix_lines + 1) * min(prefix_park, max_len)
 
 
 def cache_bytes(
@@ -590,15 +595,17 @@ def cache_bytes(
     mtp_layers: int = 0,
     prefix_park: int = 0,
     attn_rows: int = 0,
+    prefix_lines: int = DEFAULT_PREFIX_LINES,
 ) -> int:
     """GPU memory a runner of max_len positions needs beside the packed weights: memory_plan's caches,
-    buffers, prefill peak and prefix snapshots (a parked prefix's too), the K/V of `mtp_layers` drafter
-    layers (a speculative engine's own cache of max_len positions, and a parked prefix's copies of it),
+    buffers, prefill peak and prefix snapshots (the parked prefixes' too), the K/V of `mtp_layers` drafter
+    layers (a speculative engine's own cache of max_len positions, and the parked prefixes' copies of it),
     and `attn_rows` rows of attention split-K partials over max_len positions (a speculative engine's tree,
     draft and feed rows: attn_decode_workspace)."""
-    plan = memory_plan(cfg, max_len, chunk, prefix_snapshots=prefix_snapshots, prefix_park=prefix_park)
-    park = _parked_positions(max_len, prefix_snapshots, prefix_park)
-    mtp_kv = mtp_layers * (max_len + 2 * park) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
+    parking = {"prefix_snapshots": prefix_snapshots, "prefix_park": prefix_park, "prefix_lines": prefix_lines}
+    plan = memory_plan(cfg, max_len, chunk, **parking)
+    park = _parked_positions(max_len, **parking)
+    mtp_kv = mtp_layers * (max_len + park) * cfg.num_key_value_heads * cfg.head_dim * 2 * 2
     partials = attn_rows * cfg.num_attention_heads * -(-max_len // ATTN_CHUNK) * (cfg.head_dim + 2) * 4
     return sum(v for k, v in plan.items() if k != "weights") + mtp_kv + partials
 
@@ -611,10 +618,12 @@ def memory_plan(
     partial_min_splits: int = 16,
     prefix_snapshots: int = DEFAULT_PREFIX_SNAPSHOTS,
     prefix_park: int = 0,
+    prefix_lines: int = DEFAULT_PREFIX_LINES,
 ) -> dict:
     """Bytes of each part of a runner: weights, caches, decode buffers, the per-chunk prefill peak and the
-    prefix cache's snapshots and parked prefix (prefix.py: its snapshots and at most prefix_park positions
-    of K/V copied aside, twice: a swap copies the slot's prefix aside before it frees the parked one's).
+    prefix cache's snapshots and parked prefixes (prefix.py: up to prefix_lines of them, each with as many
+    snapshots and at most prefix_park positions of K/V copied aside; one line's positions more while a swap
+    parks the slot's prefix before it frees the swapped one's).
     partial_min_splits: see splitk_partial_bytes (16 for sm_90+, 8 below). Plain decoding: the MTP head of
     tree speculation is not counted (bench/bench_spec.py reports it)."""
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -639,8 +648,8 @@ def memory_plan(
         gdn += chunked_workspace_bytes(T, nv, dk, dv)
     attn = 2 * T * (3 * H + (nh * 2 * d + 2 * nkv * d) + 2 * nh * d)
     attn_partials = 4 * nh * (-(-max_len // ATTN_CHUNK)) * (d + 2)  # one row's attn_decode_workspace
-    park = _parked_positions(max_len, prefix_snapshots, prefix_park)
-    park_snapshots = prefix_snapshots if park else 0
+    park = _parked_positions(max_len, prefix_snapshots, prefix_park, prefix_lines)
+    park_snapshots = prefix_lines * prefix_snapshots if park else 0
     snapshot = n_gdn * (nv * dk * dv * 4 + C * (K - 1) * 2) + 2 * H  # GDN, conv states, final-norm row
     return {
         "weights": linear_weight_bytes(cfg, nvfp4) + 2 * V * H,  # linears + bf16 embedding
@@ -651,5 +660,5 @@ def memory_plan(
         "decode_buffers": attn_partials + 2 * V + 4 * 2 * (2 * I + C + nv * dv),  # + logits, activations
         "prefill_chunk": max(mlp, gdn, attn) + (64 << 20),
         "prefix_snapshots": prefix_snapshots * snapshot,
-        "prefix_parked": park_snapshots * snapshot + 2 * n_full * park * nkv * d * 2 * 2,
+        "prefix_parked": park_snapshots * snapshot + n_full * park * nkv * d * 2 * 2,
     }

@@ -8,15 +8,20 @@ invariant (see attention.cu): a tree row is bitwise the plain decode of the same
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from .compile import Kernel, compile_kernel, sm_count
 from .linear import smem_limit
+
+# torch SDPA backends for attn_prefill on CUDA, in order (its docstring says why not cuDNN)
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 CHUNK = 128  # positions per split-K partial (must match attention.cu)
 _SUB = 16  # positions per warp (attention.cu)
@@ -223,6 +228,10 @@ def attn_prefill(
     query heads with a stride-0 view (no copy, no reliance on enable_gqa support in every backend), and
     the offset causal mask is SDPA's lower-right causal bias, which flash attention implements natively
     (query i sees keys <= start + i); CPU falls back to the math backend with the same mask.
+    On CUDA only flash attention (memory-efficient attention where flash cannot run): torch's default
+    also picks cuDNN for some shapes (a chunk from position 0), whose first call at each new length
+    plans for 65 ms to 1.5 s on an H100 (bench/probe_sdpa.py), a cost every prompt of an unseen length
+    paid; flash runs at the same speed with nothing to plan.
     """
     T, nh, d = q.shape
     nkv = k_cache.shape[1]
@@ -232,14 +241,15 @@ def attn_prefill(
     if out is None:
         out = torch.empty_like(q)
     bias = causal_lower_right(T, S)
-    for h in range(nkv):
-        qh = q[:, h * G : (h + 1) * G].transpose(0, 1)[None]  # [1, G, T, d]
-        kh = k_cache[:S, h][None, None].expand(1, G, S, d)  # [1, G, S, d] stride 0 over G
-        vh = v_cache[:S, h][None, None].expand(1, G, S, d)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)[0].transpose(0, 1)  # [T, G, d]
-        if gate is not None:
-            o = (o.float() * torch.sigmoid(gate[:, h * G : (h + 1) * G].float())).to(out.dtype)
-        out[:, h * G : (h + 1) * G] = o
+    with sdpa_kernel(PREFILL_SDPA) if q.is_cuda else contextlib.nullcontext():
+        for h in range(nkv):
+            qh = q[:, h * G : (h + 1) * G].transpose(0, 1)[None]  # [1, G, T, d]
+            kh = k_cache[:S, h][None, None].expand(1, G, S, d)  # [1, G, S, d] stride 0 over G
+            vh = v_cache[:S, h][None, None].expand(1, G, S, d)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias)[0].transpose(0, 1)  # [T, G, d]
+            if gate is not None:
+                o = (o.float() * torch.sigmoid(gate[:, h * G : (h + 1) * G].float())).to(out.dtype)
+            out[:, h * G : (h + 1) * G] = o
     return out
 
 
