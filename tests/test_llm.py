@@ -96,8 +96,9 @@ def test_warm_up_is_nothing_on_the_torch_backend(llm):
 def test_warm_up_request_fits_any_context(context, monkeypatch):
     """The kernels' warm-up request (its arithmetic, run here on the torch backend in its place) fits a
     context of any length >= 2 (`lumo serve --max-model-len 2` starts), and where the context allows, its
-    prompt is long enough for the chunked GDN prefill's kernels (2 x CHUNKED_MIN_TOKENS). Before it the
-    backend reserves its runner for the whole context (no later request grows it; test_gpu_spec_dryrun.py)."""
+    prompt is long enough for the chunked GDN prefill's kernels (2 x CHUNKED_MIN_TOKENS), and a second one
+    short enough for the sequential prefill's. Before them the backend reserves its runner for the whole
+    context (no later request grows it; test_gpu_spec_dryrun.py)."""
     llm = LLM(max_model_len=context, device="cpu")
     asked = []
 
@@ -114,8 +115,9 @@ def test_warm_up_request_fits_any_context(context, monkeypatch):
     llm._gpu = Kernels()
     assert llm.warm_up() > 0
     assert asked[0] == "reserve"
-    ((n, new),) = asked[1:]
+    (n, new), (n2, new2) = asked[1:]
     assert n >= 1 and new >= 1 and n + new <= context and (context < 261 or (n, new) == (256, 4))
+    assert 1 <= n2 < 128 and new2 >= 1 and n2 + new2 <= context and (context < 261 or n2 == 32)
 
 
 def test_token_id_prompts(llm):

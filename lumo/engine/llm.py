@@ -405,6 +405,13 @@ class LLM:
         prompt = (line * (n // len(line) + 1))[:n]
         new = min(4, self.max_model_len - len(prompt))
         self.generate(prompt, max_tokens=new, temperature=0, logprobs=1, ignore_eos=True)
+        # and a prompt shorter than that (the sequential GDN prefill and the small-M projections: what a
+        # short prompt, or a prompt's last few tokens past the prefill grid, runs; 3.4 s of NVRTC compiles on
+        # an H100 with an empty kernel cache, bench/results/probe_first_prompt_session43.log)
+        short = prompt[: max(1, min(CHUNKED_MIN_TOKENS // 4, len(prompt) - 1))]
+        self.generate(
+            short, max_tokens=min(4, self.max_model_len - len(short)), temperature=0, ignore_eos=True
+        )
         self.reset_adaptive()
         return time.perf_counter() - t0
 
