@@ -92,13 +92,14 @@ def test_warm_up_is_nothing_on_the_torch_backend(llm):
     assert llm.generate("import os", max_tokens=6, temperature=0).token_ids == want
 
 
-@pytest.mark.parametrize("context", [2, 3, 6, 16, 300, 4096])
+@pytest.mark.parametrize("context", [2, 3, 6, 12, 16, 300, 4096])
 def test_warm_up_request_fits_any_context(context, monkeypatch):
-    """The kernels' warm-up request (its arithmetic, run here on the torch backend in its place) fits a
-    context of any length >= 2 (`lumo serve --max-model-len 2` starts), and where the context allows, its
-    prompt is long enough for the chunked GDN prefill's kernels (2 x CHUNKED_MIN_TOKENS), and a second one
-    short enough for the sequential prefill's. Before them the backend reserves its runner for the whole
-    context (no later request grows it; test_gpu_spec_dryrun.py)."""
+    """The kernels' warm-up requests (their arithmetic, run here on the torch backend in their place) fit a
+    context of any length >= 2 (`lumo serve --max-model-len 2` starts), and where the context allows, the
+    first prompt is long enough for the chunked GDN prefill's kernels (2 x CHUNKED_MIN_TOKENS), then come
+    prompts of 8, 16, 24 and 32 tokens for the sequential prefill's and each GEMV width's (where they fit).
+    Before them the backend reserves its runner for the whole context (no later request grows it;
+    test_gpu_spec_dryrun.py)."""
     llm = LLM(max_model_len=context, device="cpu")
     asked = []
 
@@ -115,9 +116,10 @@ def test_warm_up_request_fits_any_context(context, monkeypatch):
     llm._gpu = Kernels()
     assert llm.warm_up() > 0
     assert asked[0] == "reserve"
-    (n, new), (n2, new2) = asked[1:]
+    (n, new), *short = asked[1:]
     assert n >= 1 and new >= 1 and n + new <= context and (context < 261 or (n, new) == (256, 4))
-    assert 1 <= n2 < 128 and new2 >= 1 and n2 + new2 <= context and (context < 261 or n2 == 32)
+    assert [s for s, _ in short] == [s for s in (8, 16, 24, 32) if s < context]
+    assert all(new >= 1 and s + new <= context for s, new in short)
 
 
 def test_token_id_prompts(llm):

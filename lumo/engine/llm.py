@@ -389,12 +389,14 @@ class LLM:
         otherwise (`lumo serve` calls this): the runner (and the speculative engine) reserved at
         max_model_len positions, the memory the start-up check found free, so that no later request grows
         it, which would recapture the graphs and start the prefix cache empty (a long conversation's next
-        turn prefilled again from its first token); then a greedy generation of a few tokens with
-        logprobs, after which adaptive speculation forgets what it measured. Returns the seconds it took;
-        on the torch backend nothing is done (0.0)."""
+        turn prefilled again from its first token); then greedy generations of a few tokens after
+        prompts of the lengths whose prefill chunks run kernels of their own (`WARM_UP_PROMPTS`), the first
+        with logprobs, after which adaptive speculation forgets what it measured. Returns the seconds it
+        took; on the torch backend nothing is done (0.0)."""
         if self._gpu is None:
             return 0.0
         from ..kernels.gdn import CHUNKED_MIN_TOKENS
+        from ..kernels.linear import SMALL_M
 
         t0 = time.perf_counter()
         self._gpu.reserve()
@@ -402,16 +404,17 @@ class LLM:
         # and 4 new tokens, fewer where the context is shorter (it holds at least 2)
         n = max(1, min(2 * CHUNKED_MIN_TOKENS, self.max_model_len - 5))
         line = self.tokenizer.encode("def main():\n    return 0\n") or [0]
-        prompt = (line * (n // len(line) + 1))[:n]
-        new = min(4, self.max_model_len - len(prompt))
-        self.generate(prompt, max_tokens=new, temperature=0, logprobs=1, ignore_eos=True)
-        # and a prompt shorter than that (the sequential GDN prefill and the small-M projections: what a
-        # short prompt, or a prompt's last few tokens past the prefill grid, runs; 3.4 s of NVRTC compiles on
-        # an H100 with an empty kernel cache, bench/results/probe_first_prompt_session43.log)
-        short = prompt[: max(1, min(CHUNKED_MIN_TOKENS // 4, len(prompt) - 1))]
-        self.generate(
-            short, max_tokens=min(4, self.max_model_len - len(short)), temperature=0, ignore_eos=True
-        )
+        text = line * (max(n, SMALL_M) // len(line) + 1)
+        new = min(4, self.max_model_len - n)
+        self.generate(text[:n], max_tokens=new, temperature=0, logprobs=1, ignore_eos=True)
+        # and prompts of up to SMALL_M tokens: the sequential GDN prefill and the projections' GEMV kernels
+        # for each 8 rows (what a short prompt, or a prompt's last few tokens past the prefill grid, runs; 8
+        # NVRTC compiles in 3.4 s on an H100 with an empty kernel cache for a 4-token chunk,
+        # bench/results/probe_first_prompt_session43.log)
+        for short in range(8, SMALL_M + 1, 8):
+            if short < self.max_model_len:
+                new = min(4, self.max_model_len - short)
+                self.generate(text[:short], max_tokens=new, temperature=0, ignore_eos=True)
         self.reset_adaptive()
         return time.perf_counter() - t0
 
