@@ -1034,6 +1034,32 @@ def _next_turn_equals_a_fresh_runners(warm_r, cold_r, decoder, prompt: list[int]
 
 
 @pytest.mark.parametrize("kind", ["tree", "plain"])
+def test_the_written_mark_is_what_a_request_wrote(monkeypatch, kind):
+    """The positions a request may have written, which the next resume checks the parked prefixes
+    against: its prompt and decoded tokens and what the decoder writes ahead (a tree's slots), not a
+    prefill chunk more (a review found every answer of more than ~2048 tokens cutting the parked lines
+    back); a prefill that fails midway counts the chunk it was in."""
+    warm_r, _, decoder = _parked_runners(monkeypatch, kind, SamplingParams(temperature=0.0), 128, park=100)
+    prompt = tokenizer().encode(FIRST)[:25]
+    d = decoder(warm_r)
+    d.prefill(prompt)
+    for _ in range(4):
+        d.step()
+    length = warm_r.length  # prompt + decoded tokens (a tree event commits several)
+    assert length > len(prompt)
+    warm_r.reset()
+    assert warm_r._written == length + max(warm_r.write_ahead, 1)
+
+    def fail(*a, **k):
+        raise RuntimeError("a failed chunk")
+
+    monkeypatch.setattr(warm_r, "_prefill_chunk", fail)
+    with pytest.raises(RuntimeError):
+        decoder(warm_r).prefill(prompt[:13])  # resumes at 10 (its snapshot), fails in the chunk [10, 13)
+    assert warm_r._written == 13
+
+
+@pytest.mark.parametrize("kind", ["tree", "plain"])
 def test_emulated_parked_prefix_survives_a_side_request(monkeypatch, kind):
     """The runner's parked prefix (prefix.py) through the GPU engine's bookkeeping: a conversation, an
     unrelated request (which overwrites its first positions: the target's and the drafter's K/V there

@@ -181,7 +181,9 @@ class PrefixCache:
         start = 0 if snap is None else snap.length
         if parking:
             self._park(start)
-            self._guard(start, len(ids) + self.window, positions)
+            # from start - 1: a speculative prefill rewrites the drafter's pair at start - 1 (its hidden row
+            # with the token at start), which the lines parked at start share
+            self._guard(max(start - 1, 0), len(ids) + self.window, positions)
         if snap is not None:
             for dst, src in zip(state, snap.tensors, strict=True):
                 dst.copy_(src)

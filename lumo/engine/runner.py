@@ -178,10 +178,9 @@ class GPURunner:
         """Empty the slot: zero GDN and conv states, length 0. K/V need no clearing (read only below len)."""
         for s in self.gdn_state + self.conv_state:
             s.zero_()
-        # What the request before may have written: its length, its tree slots (a speculative engine's
-        # capture writes a little further, inside the prefill chunk's margin), a failed prefill chunk
-        ahead = max(self.write_ahead, self.prefill_chunk)
-        self._written = max(self._written, min(self.max_len, self.length + ahead))
+        # What the request before may have written: its length and its tree slots (prefill marks each
+        # chunk's end before it runs: a failed chunk's positions too)
+        self._written = max(self._written, min(self.max_len, self.length + max(self.write_ahead, 1)))
         self.length = 0
         self.pos.zero_()
         self.sample_pos.fill_(1)
@@ -306,6 +305,7 @@ class GPURunner:
         if not record:
             self._forget_from(self.length)
         for s in range(0, n, chunk):
+            self._written = max(self._written, self.length + min(chunk, n - s))
             self._prefill_chunk(ids[s : s + chunk], self.length, hidden_hook)
             self.length += min(chunk, n - s)
             if record and self.prefix.wants(self.length):
