@@ -44,8 +44,11 @@ class Slot:
         self, prefix_snapshots: int = 0, prefix_park: int = 0, prefix_lines: int = DEFAULT_PREFIX_LINES
     ):
         self.cache: M.Cache | None = None
-        prefix = PrefixCache(PREFILL_CHUNK, prefix_snapshots, prefix_park, lines=prefix_lines)
-        self.prefix = prefix if prefix_snapshots else None
+        self.prefix = (
+            PrefixCache(PREFILL_CHUNK, prefix_snapshots, prefix_park, lines=prefix_lines)
+            if prefix_snapshots
+            else None
+        )
         self.write_ahead = 0  # positions past its length a request's decoding writes (its decoders' most)
 
     def cache_for(self, cfg: ModelConfig, max_len: int, device, dtype) -> M.Cache:

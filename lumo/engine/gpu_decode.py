@@ -152,11 +152,8 @@ class GPUBackend:
     ):
         self.cfg, self.device = cfg, torch.device(device)
         self.max_model_len, self.use_graph, self.prefill_chunk = max_model_len, use_graph, prefill_chunk
-        self.prefix_snapshots, self.prefix_park, self.prefix_lines = (
-            prefix_snapshots,
-            prefix_park,
-            prefix_lines,
-        )
+        self.prefix_snapshots = prefix_snapshots
+        self.prefix_park, self.prefix_lines = prefix_park, prefix_lines
         self.weights = weights if isinstance(weights, GPUWeights) else pack_weights(cfg, weights, self.device)
         self.runner: GPURunner | None = None
 

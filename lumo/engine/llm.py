@@ -390,8 +390,9 @@ class LLM:
         max_model_len positions, the memory the start-up check found free, so that no later request grows
         it, which would recapture the graphs and start the prefix cache empty (a long conversation's next
         turn prefilled again from its first token); then greedy generations of a few tokens after
-        prompts of the lengths whose prefill chunks run kernels of their own (`WARM_UP_PROMPTS`), the first
-        with logprobs, after which adaptive speculation forgets what it measured. Returns the seconds it
+        prompts of the lengths whose prefill chunks run kernels of their own (2 x CHUNKED_MIN_TOKENS, then
+        8, 16, 24 and 32), the first with logprobs, after which adaptive speculation forgets what it
+        measured. Returns the seconds it
         took; on the torch backend nothing is done (0.0)."""
         if self._gpu is None:
             return 0.0

@@ -48,7 +48,6 @@ from ..config import DEFAULT_PREFIX_LINES, DEFAULT_PREFIX_PARK
 # them back (PrefixCache.resume's `written`).
 PARK_WINDOW = 4096
 PARK_POSITIONS = DEFAULT_PREFIX_PARK  # the default cap on the positions a parked line keeps aside
-PARK_LINES = DEFAULT_PREFIX_LINES  # the default number of parked lines
 
 
 @dataclass
@@ -105,7 +104,12 @@ class PrefixCache:
     copied aside (`window` past a prompt for what its decoding writes)."""
 
     def __init__(
-        self, chunk: int, capacity: int, park: int = 0, window: int = PARK_WINDOW, lines: int = PARK_LINES
+        self,
+        chunk: int,
+        capacity: int,
+        park: int = 0,
+        window: int = PARK_WINDOW,
+        lines: int = DEFAULT_PREFIX_LINES,
     ):
         if chunk < 1 or capacity < 0 or park < 0 or lines < 0:
             raise ValueError(
