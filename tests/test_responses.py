@@ -231,7 +231,7 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": "a", "conversation": "conv_1"}, "conversation", "not supported"),
         ({"input": "a", "background": True}, "background", "not supported"),
         ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
-        ({"input": "a", "tools": [{"type": "web_search"}]}, "tools[0]", "function tools only"),
+        ({"input": "a", "tools": [{"type": "web_search"}]}, "tools[0]", "function and custom tools only"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input[0].content[0]",

@@ -647,7 +647,7 @@ class _Server:
         max_tokens = self._budget(len(prompt_ids), body.max_new_tokens(), None, "messages", name)
         _check_min_tokens(body, max_tokens)
         structured = await self._structured(body)
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        tools = body.template_tools()
 
         ticket = self.worker.admit()  # a 503 now, or a place held for the first job
 
@@ -660,6 +660,7 @@ class _Server:
                 parse_tools=body.parse_tools,
                 tools=tools,
                 reasoning=body.include_reasoning is not False,
+                custom=body.custom_tools(),
             )
             return job, parser
 
@@ -717,9 +718,12 @@ class _Server:
         except APIError as e:  # the chat field's name -> the Responses one
             e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
             raise
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+        tools = chat.template_tools()
         parser = ChatOutputParser(
-            in_reasoning=opens_reasoning(prompt), parse_tools=chat.parse_tools, tools=tools
+            in_reasoning=opens_reasoning(prompt),
+            parse_tools=chat.parse_tools,
+            tools=tools,
+            custom=chat.custom_tools(),
         )
         build = ResponseBuilder(response_head(body, self.served_name))
 
@@ -796,7 +800,7 @@ class _Server:
         room = self.llm.max_model_len - len(prompt_ids)
         max_tokens = min(body.max_tokens, room)
         structured = await self._structured(chat)
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+        tools = chat.template_tools()
         parser = ChatOutputParser(
             in_reasoning=opens_reasoning(prompt, continued_text(chat)),
             parse_tools=chat.parse_tools,

@@ -85,15 +85,24 @@ def forced_tool_calls(tokenizer: Any, req: ChatCompletionRequest) -> StructuredO
     A JSON call's arguments follow the tool's parameters schema (its own, so its `$ref`s resolve;
     json.dumps' separators, as the templates write calls; llguidance's lenient mode: keywords it does not
     know are ignored, as the model's template would). An XML call follows it too (_xml_call_rules).
+    A custom tool is its function (custom_function): in the XML form its input text follows the tool's
+    grammar, if it has one (_custom_grammars); in the JSON form a regular expression's (the input string's
+    `pattern`, anchored), while a Lark grammar's input there is any JSON string.
     None for "auto", "none" or no choice."""
     choice = req.tool_choice
     if not (choice == "required" or isinstance(choice, NamedToolChoice)):
         return None
-    functions = [t.function for t in req.tools or []]
+    tools = req.tools or []
     if isinstance(choice, NamedToolChoice):
-        functions = [f for f in functions if f.name == choice.function.get("name")]
+        tools = [t for t in tools if t.function.name == choice.function["name"]]
+    functions = [t.function for t in tools]
     source = tokenizer.chat_template_source(tools=True) or ""
-    rules = _xml_call_rules(functions) if "<function=" in source else _json_call_rules(functions)
+    if "<function=" in source:
+        rules = _xml_call_rules(functions, _custom_grammars(tools))
+    else:
+        patterns = {t.function.name: t.custom.format.grammar for t in tools if t.type == "custom"}
+        patterns = {k: g.definition for k, g in patterns.items() if g is not None and g.syntax == "regex"}
+        rules = _json_call_rules(functions, patterns)
     opening, closing = (_lark_tag(tokenizer, tag) for tag in (TOOL_OPEN, TOOL_CLOSE))
     calls = "call" if req.parallel_tool_calls is False else 'call ("\\n" call)*'
     head = [f"start: {LEAD}? {calls}", f'call: {opening} "\\n" body "\\n" {closing}']
@@ -120,12 +129,18 @@ def _json_rule(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': options})}"
 
 
-def _json_call_rules(functions: list) -> list[str]:
-    """`{"name": "f", "arguments": ARGS}`, ARGS each tool's parameters schema in a %json rule of its own."""
+def _json_call_rules(functions: list, patterns: dict[str, str] | None = None) -> list[str]:
+    """`{"name": "f", "arguments": ARGS}`, ARGS each tool's parameters schema in a %json rule of its own.
+    patterns: function name -> the regular expression its one parameter's string matches whole (a custom
+    tool's: custom_function)."""
     rules = ["body: " + " | ".join(f"c{i}" for i in range(len(functions)))]
     for i, f in enumerate(functions):
         schema = f.parameters if isinstance(f.parameters, dict) else {}
         schema = schema if "type" in schema else {"type": "object", **schema}  # arguments are an object
+        if f.name in (patterns or {}):
+            ((param, prop),) = schema["properties"].items()
+            prop = {**prop, "pattern": f"^(?:{patterns[f.name]})$"}
+            schema = {**schema, "properties": {param: prop}, "additionalProperties": False}
         head = '{"name": ' + json.dumps(f.name) + ', "arguments": '
         rules += [f'c{i}: {json.dumps(head)} a{i} "}}"', f"a{i}: {_json_rule(schema)}"]
     return rules
@@ -140,7 +155,27 @@ _XML_VALUE = (
 _XML_END = r'"\n</parameter>\n"'  # a value's end in Lark
 
 
-def _xml_call_rules(functions: list) -> list[str]:
+def _custom_grammars(tools: list) -> dict[str, str]:
+    """Custom tool name -> its input's grammar in llguidance's Lark (a regular expression as the one
+    lexeme of one), for the tools that have one."""
+    out = {}
+    for t in tools:
+        grammar = t.custom.format.grammar if t.type == "custom" else None
+        if grammar is not None:
+            out[t.function.name] = grammar.definition if grammar.syntax == "lark" else _regex_rule(grammar)
+    return out
+
+
+def _regex_rule(grammar: Any) -> str:
+    """A regular expression as a Lark grammar of one lexeme: `/.../`, its unescaped slashes escaped."""
+    out, escaped = [], False
+    for c in grammar.definition:
+        out.append("\\/" if c == "/" and not escaped else c)
+        escaped = c == "\\" and not escaped
+    return "start: /" + "".join(out) + "/"
+
+
+def _xml_call_rules(functions: list, grammars: dict[str, str] | None = None) -> list[str]:
     """`<function=NAME>\n`, its parameters (`<parameter=P>\nVALUE\n</parameter>\n` each), `</function>`.
     Where the tool's schema lists properties, its parameters are those, in the schema's order (llguidance
     orders a JSON object's properties so too), each at most once and every required one present; a value
@@ -150,7 +185,8 @@ def _xml_call_rules(functions: list) -> list[str]:
     or those a `$ref`, an `anyOf` / `oneOf` or an enum's values imply, so pydantic's Optional[int] is JSON
     and a `$ref` to a string enum one of its texts). Parameters the listed properties leave out are refused
     (as OpenAI's strict mode would). Without listed properties: any names, text values. A name that the form
-    cannot carry (a `>`, a newline, blanks at its ends) is a 400."""
+    cannot carry (a `>`, a newline, blanks at its ends) is a 400. grammars: function name -> the Lark
+    grammar its one parameter's text follows (a custom tool's: _custom_grammars), nested (`%lark`)."""
     functions_alt = " | ".join(f"f{i}" for i in range(len(functions)))
     rules = [f'body: "<function=" ({functions_alt}) "</function>"']
     for i, f in enumerate(functions):
@@ -160,6 +196,11 @@ def _xml_call_rules(functions: list) -> list[str]:
             if not name or name != name.strip() or any(c in name for c in ">\n"):
                 msg = f"tool {f.name!r}: the name {name!r} cannot be written in the template's XML call form"
                 raise APIError(400, msg, "tools")
+        if f.name in (grammars or {}):
+            (param,) = props  # custom_function's one parameter
+            opening = json.dumps(f"<parameter={param}>\n")
+            rules += [f"f{i}: {head} {opening} g{i} {_XML_END}", f"g{i}: %lark {{\n{grammars[f.name]}\n}}"]
+            continue
         if not isinstance(props, dict):
             rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" /[^>\\n]+/ ">\\n" value']
             continue
@@ -225,7 +266,7 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
             400, "this model has no chat template; use /v1/completions with a plain prompt", "messages"
         )
     messages = [template_message(i, m) for i, m in enumerate(req.messages)]
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = req.template_tools() or None
     kwargs = dict(req.chat_template_kwargs or {})
     if taken := sorted(
         kwargs.keys() & {"messages", "tools", "add_generation_prompt", "continue_final_message"}
@@ -233,7 +274,8 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
     if req.tool_choice is not None:
         choice = req.tool_choice
-        kwargs["tool_choice"] = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+        named = isinstance(choice, NamedToolChoice)  # a function's form, as the template knows tools
+        kwargs["tool_choice"] = {"type": "function", "function": choice.function} if named else choice
     try:
         return tokenizer.apply_chat_template(
             messages,
@@ -262,19 +304,23 @@ def continued_text(req: ChatCompletionRequest) -> str | None:
 
 
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A function call (`function`: name, arguments) or a custom tool's (`custom`: name, input)."""
     out: dict[str, Any] = {} if index is None else {"index": index}
-    out.update(
-        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-    )
+    if call.custom:
+        out.update({"id": call.id, "type": "custom", "custom": {"name": call.name, "input": call.arguments}})
+    else:
+        fn = {"name": call.name, "arguments": call.arguments}
+        out.update({"id": call.id, "type": "function", "function": fn})
     return out
 
 
 def piece_json(p: ToolCallPiece) -> dict[str, Any]:
     """A streamed tool-call delta: a call's first piece names it (id, type, name), later ones only add to
-    its arguments (OpenAI's streaming shape)."""
+    its arguments, or a custom tool's input (OpenAI's streaming shape)."""
     if p.id is None:
-        return {"index": p.index, "function": {"arguments": p.arguments}}
-    return tool_call_json(ToolCall(p.name or "", p.arguments, p.id), p.index)
+        key, field = ("custom", "input") if p.custom else ("function", "arguments")
+        return {"index": p.index, key: {field: p.arguments}}
+    return tool_call_json(ToolCall(p.name or "", p.arguments, p.id, p.custom), p.index)
 
 
 def delta_json(d: ParsedDelta) -> dict[str, Any]:

@@ -11,11 +11,21 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from ..engine.grammar import StructuredOutputs
 from ..engine.logprobs import MAX_LOGPROBS
 from .errors import APIError
+from .toolparse import CUSTOM_PARAMETER
 
 
 class StreamOptions(BaseModel):
@@ -28,10 +38,31 @@ class FunctionCall(BaseModel):
     arguments: str | dict[str, Any] = "{}"
 
 
+class CustomCall(BaseModel):
+    name: str
+    input: str
+
+
 class ToolCallIn(BaseModel):
+    """A call in an assistant message: of a function, or of a custom tool (its input text), which the
+    template is shown as a call of the function the custom tool is shown as (custom_function)."""
+
     id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    type: Literal["function", "custom"] = "function"
+    function: FunctionCall | None = None
+    custom: CustomCall | None = None
+
+    @model_validator(mode="after")
+    def _as_function(self) -> ToolCallIn:
+        if self.type == "custom":
+            if self.custom is None:
+                raise ValueError("a custom tool call needs `custom` (name, input)")
+            self.function = FunctionCall(
+                name=self.custom.name, arguments={CUSTOM_PARAMETER: self.custom.input}
+            )
+        elif self.function is None:
+            raise ValueError("a function tool call needs `function` (name, arguments)")
+        return self
 
 
 class FunctionDef(BaseModel):
@@ -41,14 +72,81 @@ class FunctionDef(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
+class CustomGrammar(BaseModel):
+    definition: str = Field(min_length=1)
+    syntax: Literal["lark", "regex"]
+
+
+class CustomFormat(BaseModel):
+    """A custom tool's input: any text, or text a grammar (Lark, or a regular expression) matches."""
+
+    type: Literal["text", "grammar"] = "text"
+    grammar: CustomGrammar | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self) -> CustomFormat:
+        if (self.type == "grammar") != (self.grammar is not None):
+            raise ValueError("a grammar format needs `grammar` (definition, syntax), a text format none")
+        return self
+
+
+class CustomTool(BaseModel):
+    name: str
+    description: str | None = None
+    format: CustomFormat = Field(default_factory=CustomFormat)
+
+
 class ToolDef(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionDef
+    """A function tool, or a custom (free-form) tool, which the model is shown as a function of one string
+    parameter (custom_function) and whose calls carry that text."""
+
+    type: Literal["function", "custom"] = "function"
+    function: FunctionDef | None = None
+    custom: CustomTool | None = None
+
+    @model_validator(mode="after")
+    def _as_function(self) -> ToolDef:
+        if self.type == "custom":
+            if self.custom is None:
+                raise ValueError("a custom tool needs `custom` (name, description, format)")
+            self.function = custom_function(self.custom)
+        elif self.function is None:
+            raise ValueError("a function tool needs `function` (name, description, parameters)")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as the chat template and the output parser see it: a function."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+def custom_function(tool: CustomTool) -> FunctionDef:
+    """A custom tool as the model is shown it: a function whose one string parameter holds the input text
+    (described with the tool's grammar, if it has one)."""
+    about = "The tool's input as plain text, written as it is (not JSON)"
+    grammar = tool.format.grammar
+    if grammar is not None:
+        kind = "Lark grammar" if grammar.syntax == "lark" else "regular expression"
+        about += f", matching this {kind}:\n{grammar.definition}"
+    param = {"type": "string", "description": about}
+    schema = {"type": "object", "properties": {CUSTOM_PARAMETER: param}, "required": [CUSTOM_PARAMETER]}
+    return FunctionDef(name=tool.name, description=tool.description, parameters=schema)
 
 
 class NamedToolChoice(BaseModel):
-    type: Literal["function"] = "function"
-    function: dict[str, Any]
+    """A function the output must call (`{"type": "function", "function": {"name": ...}}`), or a custom
+    tool (`{"type": "custom", "custom": {"name": ...}}`, held as its name in `function` too)."""
+
+    type: Literal["function", "custom"] = "function"
+    function: dict[str, Any] | None = None
+    custom: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> NamedToolChoice:
+        given = self.custom if self.type == "custom" else self.function
+        if not isinstance(given, dict) or not isinstance(given.get("name"), str):
+            raise ValueError(f'a {self.type} tool_choice needs `{self.type}`: {{"name": ...}}')
+        self.function = {"name": given["name"]}
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -406,15 +504,20 @@ class ChatCompletionRequest(_Common):
                 raise APIError(400, f"{name} is not supported: use tools and tool_choice", name)
         if self.echo not in (None, False):
             raise APIError(400, "echo is not supported on chat completions", "echo")
+        kinds: dict[str, str] = {}  # tool name -> type
+        for i, t in enumerate(self.tools or []):
+            if t.function.name in kinds and "custom" in (t.type, kinds[t.function.name]):
+                msg = f"tool name {t.function.name!r} is used twice (a custom tool's name must be its own)"
+                raise APIError(400, msg, f"tools[{i}]")
+            kinds[t.function.name] = t.type
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) or choice == "required":
-            names = {t.function.name for t in self.tools or []}
-            if not names:
+            if not kinds:
                 raise APIError(400, "tool_choice needs a non-empty tools list", "tool_choice")
-            if isinstance(choice, NamedToolChoice) and choice.function.get("name") not in names:
-                raise APIError(
-                    400, f"tool_choice names unknown tool {choice.function.get('name')!r}", "tool_choice"
-                )
+            if isinstance(choice, NamedToolChoice) and kinds.get(choice.function["name"]) != choice.type:
+                name = choice.function["name"]
+                what = "unknown tool" if name not in kinds else f"a {kinds[name]} tool as {choice.type}"
+                raise APIError(400, f"tool_choice names {what} {name!r}", "tool_choice")
 
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -425,6 +528,14 @@ class ChatCompletionRequest(_Common):
     @property
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def custom_tools(self) -> list[str]:
+        """The names of the custom tools (their calls carry input text: toolparse)."""
+        return [t.function.name for t in self.tools or [] if t.type == "custom"]
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as the template and the output parser see them (functions)."""
+        return [t.template_dict() for t in self.tools or []]
 
 
 class TokenizeRequest(BaseModel):

@@ -1,13 +1,15 @@
 """OpenAI's Responses API (POST /v1/responses) over the chat machinery.
 
 The request's `input` items become chat messages that the model's own template renders (`instructions` a
-system message first; `function_call` items the assistant's tool calls; `function_call_output` items tool
-results; `reasoning` items the next assistant message's reasoning), sampled like a chat completion; the
-output parser's reasoning, text and tool-call pieces become output items: a `reasoning` item, a `message`
-with one `output_text` part, `function_call` items. Streamed, each item is opened, filled by deltas and
-closed in turn (`response.output_item.added`, `...output_text.delta` / `...reasoning_text.delta` /
-`...function_call_arguments.delta`, `...done`), between `response.created` and `response.completed` (or
-`response.incomplete` when `max_output_tokens` cut it), whose response holds exactly the streamed items.
+system message first; `function_call` and `custom_tool_call` items the assistant's tool calls;
+`function_call_output` and `custom_tool_call_output` items tool results; `reasoning` items the next
+assistant message's reasoning), sampled like a chat completion; the output parser's reasoning, text and
+tool-call pieces become output items: a `reasoning` item, a `message` with one `output_text` part,
+`function_call` items, `custom_tool_call` items (a custom tool's call: its input text). Streamed, each item
+is opened, filled by deltas and closed in turn (`response.output_item.added`, `...output_text.delta` /
+`...reasoning_text.delta` / `...function_call_arguments.delta` / `...custom_tool_call_input.delta`,
+`...done`), between `response.created` and `response.completed` (or `response.incomplete` when
+`max_output_tokens` cut it), whose response holds exactly the streamed items.
 lumo keeps no responses: `previous_response_id` is refused (send the conversation as `input`).
 """
 
@@ -72,6 +74,15 @@ class ResponsesRequest(BaseModel):
         items, origin = _messages(self.input)
         origin = [[-1]] * len(messages) + origin  # -1: instructions
         messages += items
+        # The instructions and the system / developer messages before the first other message are one system
+        # message: the family's templates take a system message only first (Codex CLI sends instructions
+        # and then developer messages)
+        lead = 0
+        while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+            lead += 1
+        if lead > 1:
+            text = "\n\n".join(m["content"] for m in messages[:lead])
+            messages[:lead], origin[:lead] = [{"role": "system", "content": text}], origin[:1]
         if not messages:
             raise APIError(400, "input must not be empty", "input")
         body = {
@@ -99,7 +110,7 @@ class ResponsesRequest(BaseModel):
 # the chat request's fields under their Responses names (a validation error names the request's own)
 _RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 # a chat message's fields under their input items' names
-_ITEM_NAMES = {"tool_call_id": "call_id", "id": "call_id", "function": None}
+_ITEM_NAMES = {"tool_call_id": "call_id", "id": "call_id", "function": None, "custom": None}
 
 
 def _item_loc(loc: tuple[Any, ...], origin: list[list[int]]) -> tuple[Any, ...]:
@@ -172,9 +183,14 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             reasoning = None
             out.append(msg)
             origin.append([i])
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function"}
-            call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+        elif kind in ("function_call", "custom_tool_call"):
+            call: dict[str, Any] = {"id": item.get("call_id")}
+            if kind == "function_call":
+                call["type"] = "function"
+                call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+            else:
+                call["type"] = "custom"
+                call["custom"] = {"name": item.get("name"), "input": item.get("input")}
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":  # the calls' own assistant message
                 last = {"role": "assistant", "content": None}
@@ -184,7 +200,7 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
                 origin.append([i])
             last.setdefault("tool_calls", []).append(call)
             origin[-1].append(i)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             reasoning = None  # reasoning belongs to the assistant turn right after it
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
@@ -204,20 +220,31 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
-    """A Responses function tool (flat: name, description, parameters) as a chat tool."""
-    if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-        raise APIError(
-            400, f"tool type {tool.get('type')!r} is not supported (function tools only)", f"tools[{i}]"
-        )
-    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-    return {"type": "function", "function": fn}
+    """A Responses function tool (flat: name, description, parameters) or custom tool (flat: name,
+    description, format; a grammar format flat too: syntax, definition) as a chat tool."""
+    kind = tool.get("type")
+    if kind not in ("function", "custom") or not isinstance(tool.get("name"), str):
+        msg = f"tool type {kind!r} is not supported (function and custom tools only)"
+        raise APIError(400, msg, f"tools[{i}]")
+    if kind == "function":
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        return {"type": "function", "function": fn}
+    custom = {k: tool[k] for k in ("name", "description") if tool.get(k) is not None}
+    fmt = tool.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise APIError(400, "a custom tool's format is an object (type text or grammar)", f"tools[{i}]")
+        grammar = {k: fmt[k] for k in ("syntax", "definition") if k in fmt}
+        custom["format"] = {"type": fmt.get("type"), **({"grammar": grammar} if grammar else {})}
+    return {"type": "custom", "custom": custom}
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if isinstance(choice, dict):
-        if choice.get("type") != "function":
-            raise APIError(400, f"tool_choice type {choice.get('type')!r} is not supported", "tool_choice")
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        kind = choice.get("type")
+        if kind not in ("function", "custom"):
+            raise APIError(400, f"tool_choice type {kind!r} is not supported", "tool_choice")
+        return {"type": kind, kind: {"name": choice.get("name")}}
     return choice
 
 
@@ -254,11 +281,16 @@ class ResponseBuilder:
                 continue
             if value.id is not None:  # a new call: its own item
                 events += self._close()
-                item = {"type": "function_call", "id": new_id("fc"), "call_id": value.id, "name": value.name}
-                events += self._add({**item, "arguments": "", "status": "in_progress"})
+                if value.custom:  # a custom tool's call has no status
+                    item = {"type": "custom_tool_call", "id": new_id("ctc"), "input": ""}
+                else:
+                    item = {"type": "function_call", "id": new_id("fc"), "arguments": ""}
+                    item["status"] = "in_progress"
+                events += self._add({**item, "call_id": value.id, "name": value.name})
             if value.arguments:
-                self.open["arguments"] += value.arguments
-                events.append(self._on_open("response.function_call_arguments.delta", delta=value.arguments))
+                field, kind = _CALL_FIELDS[self.open["type"]]
+                self.open[field] += value.arguments
+                events.append(self._on_open(f"response.{kind}.delta", delta=value.arguments))
         return events
 
     def finish(self, status: str = "completed") -> list[dict[str, Any]]:
@@ -301,10 +333,13 @@ class ResponseBuilder:
         item = self.open
         if item is None:
             return []
-        item["status"] = status
-        if item["type"] == "function_call":
-            events = [self._on_open("response.function_call_arguments.done", arguments=item["arguments"])]
+        if item["type"] in _CALL_FIELDS:
+            field, kind = _CALL_FIELDS[item["type"]]
+            if "status" in item:
+                item["status"] = status
+            events = [self._on_open(f"response.{kind}.done", **{field: item[field]})]
         else:
+            item["status"] = status
             part = item["content"][0]
             if item["type"] == "reasoning":
                 events = [self._on_open("response.reasoning_text.done", content_index=0, text=part["text"])]
@@ -317,6 +352,13 @@ class ResponseBuilder:
         )
         self.open = None
         return events
+
+
+# a call item's type -> the field its deltas fill and their events' name
+_CALL_FIELDS = {
+    "function_call": ("arguments", "function_call_arguments"),
+    "custom_tool_call": ("input", "custom_tool_call_input"),
+}
 
 
 def _copy(x: Any) -> Any:

@@ -18,13 +18,18 @@ its arguments, whatever the split.
 A complete tool call inside the reasoning (Qwen3 models sometimes call a tool before `</think>`, or never
 close it) is a tool call too, taken out of the reasoning text; one that is not closed before `</think>` or
 the end, or does not parse, stays reasoning text.
+
+A call of a custom tool (OpenAI's free-form tools: the model sees a function with one string parameter,
+`input`) carries that parameter's text instead of JSON arguments (`custom` set; _CustomInput): streamed as
+it is generated too, and the same whatever the split.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -40,23 +45,25 @@ def new_tool_call_id() -> str:
 @dataclass
 class ToolCall:
     name: str
-    arguments: str  # a JSON string, as OpenAI sends it
+    arguments: str  # a JSON string, as OpenAI sends it; a custom tool's input text (custom)
     id: str = field(default_factory=new_tool_call_id)
+    custom: bool = False
 
 
 @dataclass
 class ToolCallPiece:
     """Part of tool call `index` (numbered over the whole output): its first piece carries the id and the
-    name, every piece a fragment of the JSON arguments."""
+    name, every piece a fragment of the JSON arguments (of a custom tool's input text: custom)."""
 
     index: int
     arguments: str
     name: str | None = None
     id: str | None = None
+    custom: bool = False
 
     @classmethod
     def whole(cls, index: int, call: ToolCall) -> ToolCallPiece:
-        return cls(index, call.arguments, call.name, call.id)
+        return cls(index, call.arguments, call.name, call.id, call.custom)
 
 
 @dataclass
@@ -107,14 +114,14 @@ class ParsedDelta:
         if kind == "tool" and last.index == piece.index and piece.id is None:
             last.arguments += piece.arguments
         else:
-            self.parts.append(("tool", ToolCallPiece(piece.index, piece.arguments, piece.name, piece.id)))
+            self.parts.append(("tool", replace(piece)))
 
     def calls(self) -> list[ToolCall]:
         """The whole tool calls these pieces make (every call's first piece among them)."""
         out: dict[int, ToolCall] = {}
         for p in self.tool_calls:
             if p.id is not None:
-                out[p.index] = ToolCall(p.name or "", p.arguments, p.id)
+                out[p.index] = ToolCall(p.name or "", p.arguments, p.id, p.custom)
             else:
                 out[p.index].arguments += p.arguments
         return [out[i] for i in sorted(out)]
@@ -135,6 +142,7 @@ class ChatOutputParser:
     reasoning and only `</think>` will appear. tools: the request's OpenAI tool list, whose JSON schemas type
     the XML form's parameter values. parse_tools=False leaves `<tool_call>` text in the content.
     reasoning=False: the reasoning is recognised but left out of the output (vLLM's include_reasoning).
+    custom: the names of the request's custom tools, whose calls carry their input text (_CustomInput).
     Whitespace that only separates parts (after `</think>`, around tool calls) is dropped; the output's own
     leading and trailing whitespace (a continued line's indentation, the text before a stop string) is kept.
     """
@@ -145,8 +153,10 @@ class ChatOutputParser:
         parse_tools: bool = True,
         tools: list[dict[str, Any]] | None = None,
         reasoning: bool = True,
+        custom: Collection[str] = (),
     ) -> None:
         self._shows_reasoning = reasoning
+        self._custom = frozenset(custom)
         self._mode = _REASONING if in_reasoning else _CONTENT
         self._tags = (THINK_OPEN, TOOL_OPEN) if parse_tools else (THINK_OPEN,)
         self._reasoning_tags = (THINK_CLOSE, TOOL_OPEN) if parse_tools else (THINK_CLOSE,)
@@ -155,6 +165,7 @@ class ChatOutputParser:
         self._held_ws = ""  # trailing content whitespace, sent only if more content follows
         self._at_start = False  # no content since the last tag: leading whitespace is dropped
         self._xml: _XmlArguments | None = None  # the XML call streaming now
+        self._input: _CustomInput | None = None  # its input text, if it calls a custom tool
         self.n_tool_calls = 0
 
     def feed(self, text: str) -> ParsedDelta:
@@ -229,10 +240,11 @@ class ChatOutputParser:
             if head is _UNDECIDED:
                 return False
             name, at = head
-            call = ToolCall(name, "")
+            call = ToolCall(name, "", custom=name in self._custom)
             out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
             self.n_tool_calls += 1
             self._xml = _XmlArguments(self._schemas.get(name, {}))
+            self._input = _CustomInput() if call.custom else None
             buf, i = buf[at:], (i - at if i >= 0 else -1)
         if i < 0:
             keep = _partial_tag_len(buf, (TOOL_CLOSE,))
@@ -243,13 +255,15 @@ class ChatOutputParser:
         self._end_xml_call(self._xml.feed(buf[:i], final=True), out)
         return True
 
-    def _add_arguments(self, text: str, out: ParsedDelta) -> None:
+    def _add_arguments(self, text: str, out: ParsedDelta, final: bool = False) -> None:
+        if self._input is not None:
+            text = self._input.feed(text, final)
         if text:
-            out.add_piece(ToolCallPiece(self.n_tool_calls - 1, text))
+            out.add_piece(ToolCallPiece(self.n_tool_calls - 1, text, custom=self._input is not None))
 
     def _end_xml_call(self, text: str, out: ParsedDelta) -> None:
-        self._add_arguments(text, out)
-        self._xml = None
+        self._add_arguments(text, out, final=True)
+        self._xml = self._input = None
         self._mode, self._at_start, self._held_ws = _CONTENT, True, ""
 
     def _tool_call_in_reasoning(self, buf: str, j: int, i: int, out: ParsedDelta) -> bool:
@@ -265,7 +279,7 @@ class ChatOutputParser:
             self._buf = buf[j:]
             return False
         end = k + len(TOOL_CLOSE)
-        call = parse_tool_call(buf[j + len(TOOL_OPEN) : k], self._schemas)
+        call = self._whole_call(buf[j + len(TOOL_OPEN) : k])
         if call is None:
             out.add_reasoning(buf[:end])
         else:
@@ -287,8 +301,15 @@ class ChatOutputParser:
         self._held_ws = "" if boundary else text[len(stripped) :]
         out.add_content(stripped)
 
-    def _close_tool_call(self, body: str, out: ParsedDelta, closed: bool) -> None:
+    def _whole_call(self, body: str) -> ToolCall | None:
+        """A call parsed whole (parse_tool_call); a custom tool's with its input text."""
         call = parse_tool_call(body, self._schemas)
+        if call is not None and call.name in self._custom:
+            call.arguments, call.custom = _CustomInput().feed(call.arguments, final=True), True
+        return call
+
+    def _close_tool_call(self, body: str, out: ParsedDelta, closed: bool) -> None:
+        call = self._whole_call(body)
         self._mode, self._at_start = _CONTENT, True
         if call is None:
             raw = TOOL_OPEN + body + (TOOL_CLOSE if closed else "")
@@ -299,6 +320,87 @@ class ChatOutputParser:
         self._held_ws = ""
         out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
         self.n_tool_calls += 1
+
+
+# How a custom tool's call begins: its input parameter (the only one the model is shown) as JSON text,
+# as _XmlArguments and parse_tool_call (json.dumps' separators) write it
+CUSTOM_PARAMETER = "input"
+_INPUT_HEAD = '{"input": "'
+
+
+class _CustomInput:
+    """A custom tool's input text from its call's JSON arguments, fed as they stream in: the text of the
+    `input` string as it becomes certain (an escape is held until whole), up to its closing quote (what
+    follows it, another parameter, is ignored). Arguments of another shape are held to the end and read
+    whole: a string that is the only parameter, whatever its name; no parameters, empty text; else the
+    arguments' JSON text itself (nothing the model wrote is lost). The same text whatever the split."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.state = "head"  # head: before the string; text: inside it; held: another shape; done
+
+    def feed(self, text: str, final: bool = False) -> str:
+        self.buf += text
+        out = ""
+        if self.state == "head":
+            if self.buf.startswith(_INPUT_HEAD):
+                self.buf, self.state = self.buf[len(_INPUT_HEAD) :], "text"
+            elif not _INPUT_HEAD.startswith(self.buf):
+                self.state = "held"
+        if self.state == "text":
+            out, self.buf, closed = _string_prefix(self.buf)
+            if closed:
+                self.state = "done"
+        if self.state == "done":
+            self.buf = ""
+        if final:
+            if self.state in ("head", "held"):
+                out += _whole_input(self.buf)
+            elif self.state == "text":  # the string never closed (the output was cut): what is left
+                out += self.buf
+            self.buf, self.state = "", "done"
+        return out
+
+
+def _string_prefix(s: str) -> tuple[str, str, bool]:
+    """The text of a JSON string's body `s` (after its opening quote) that is certain, what is left of s
+    (an escape not yet whole), and whether the string closed."""
+    i, n = 0, len(s)
+    while i < n:
+        c = s[i]
+        if c == '"':
+            return _unescape(s[:i]), "", True
+        if c == "\\":
+            size = 6 if s[i + 1 : i + 2] == "u" else 2
+            if s[i + 1 : i + 2] == "u" and "d800" <= s[i + 2 : i + 6].lower() < "dc00":
+                size = 12 if s[i + 6 : i + 8] == "\\u" or i + 8 > n else 6  # a surrogate pair's two halves
+            if i + size > n:
+                break
+            i += size
+        else:
+            i += 1
+    return _unescape(s[:i]), s[i:], False
+
+
+def _unescape(body: str) -> str:
+    try:
+        return json.loads('"' + body + '"')
+    except ValueError:  # not JSON's escapes (never from json.dumps): as written
+        return body
+
+
+def _whole_input(arguments: str) -> str:
+    try:
+        args = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    if not isinstance(args, dict):
+        return arguments
+    if isinstance(args.get(CUSTOM_PARAMETER), str):
+        return args[CUSTOM_PARAMETER]
+    if len(args) == 1 and isinstance(next(iter(args.values())), str):
+        return next(iter(args.values()))
+    return "" if not args else arguments
 
 
 def _parameter_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
