@@ -526,3 +526,50 @@ def test_a_codex_shaped_request(scripted):
     # the instructions and the developer message: one system message (the template takes one, first)
     assert prompt.index("You are a coding agent.\n\n<env>linux</env>") < prompt.index("Add a.txt")
     assert prompt.index("Use a patch.") < prompt.index("Success. Updated a.txt") < prompt.index('"ls"')
+
+
+def test_what_an_agents_history_holds_is_served(scripted):
+    """What a text model cannot use is left out rather than refused (a refused item in an agent's history
+    would fail every later turn): a hosted tool (Codex CLI sends web_search by default) and its calls, an
+    image (a note in its place); a developer message mid-conversation is a user message (the templates take
+    a system message only first); text parts one per line; any model name."""
+    llm, url, _ = scripted
+    body = {
+        "model": "gpt-5-codex",
+        "tools": [{"type": "web_search", "external_web_access": False}, RESPONSES_TOOL],
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, {"type": "input_image"}]},
+            {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"query": "q"}},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Seen."}]},
+            {"role": "developer", "content": [{"type": "input_text", "text": "<mode>plan</mode>"}]},
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+            },
+        ],
+    }
+    events = _sse(url, "/v1/responses", body)
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["model"] == "scripted"
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert "Look:\n[an image was left out: this model reads text only]" in prompt
+    assert prompt.index("Seen.") < prompt.index("<mode>plan</mode>") < prompt.index("a\nb")
+    assert "web_search" not in prompt and "apply_patch" in prompt
+
+
+def test_a_conversation_past_the_context_fails_in_the_stream(tmp_path):
+    """Streamed, a conversation longer than the context is response.failed with code
+    context_length_exceeded (Codex CLI compacts on that), not an HTTP 400; unstreamed it is the 400."""
+    with scripted_server(tmp_path, "x", max_model_len=32) as (_, url):
+        body = {"model": "scripted", "input": "word " * 200}
+        events = _sse(url, "/v1/responses", body)
+        assert [e["type"] for e in events] == ["response.created", "error", "response.failed"]
+        failed = events[-1]["response"]
+        # the SDK's ResponseError lists no context_length_exceeded (Codex CLI's source reads it there):
+        # the events' shapes are checked with another code in its place
+        for e in events:
+            EVENT.validate_python(
+                json.loads(json.dumps(e).replace("context_length_exceeded", "server_error"))
+            )
+        assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -231,11 +231,16 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": "a", "conversation": "conv_1"}, "conversation", "not supported"),
         ({"input": "a", "background": True}, "background", "not supported"),
         ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
-        ({"input": "a", "tools": [{"type": "web_search"}]}, "tools[0]", "function and custom tools only"),
+        ({"input": "a", "tools": [{"type": "local_shell"}]}, "tools[0]", "function and custom tools"),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "refusal"}]}]},
             "input[0].content[0]",
             "text only",
+        ),
+        (  # a hosted tool is left out, but a choice that forces one cannot be served
+            {"input": "a", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
+            "tool_choice",
+            "web_search",
         ),
         ({"input": "a", "text": {"format": {"type": "json_schema"}}}, "text", "json_schema"),
         ({"input": []}, "input", "empty"),
@@ -258,6 +263,11 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": "a", "text": {"format": 5}}, "text", "object"),
         ({"input": "a", "tool_choice": "bogus"}, "tool_choice", ""),
         ({"input": "a", "tools": [{"type": "function", "name": "f", "parameters": "x"}]}, "tools", ""),
+        (  # the error names the tool's own index, past the hosted tool left out
+            {"input": "a", "tools": [{"type": "web_search"}, {"type": "custom", "name": "p", "format": {}}]},
+            "tools",
+            "tools[1].custom.format",
+        ),
         # a chat message's error names the input item it came from, not the chat message's index
         (
             {"instructions": "s", "input": [{"type": "function_call", "call_id": "c", "name": 5}]},

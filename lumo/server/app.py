@@ -130,6 +130,22 @@ async def _guarded(
             job.cancel()
 
 
+def _response_failed(build: ResponseBuilder, err: APIError) -> list[str]:
+    """A Responses stream's end on an error: `error`, then `response.failed` carrying its code."""
+    code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
+    response = build.response("failed")
+    response["error"] = {"code": code, "message": err.message}
+    return [
+        _event(build.event("error", code=code, message=err.message, param=err.param)),
+        _event(build.event("response.failed", response=response)),
+    ]
+
+
+async def _listed(items: list[str]) -> AsyncIterator[str]:
+    for item in items:
+        yield item
+
+
 def _engine_error(exc: Exception) -> APIError:
     # ValueError from the engine (PromptTooLongError among them) is about the request; anything else is ours
     if isinstance(exc, APIError):
@@ -704,19 +720,25 @@ class _Server:
 
     # ---- /v1/responses ----
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
-        """OpenAI's Responses API over the chat machinery (lumo/server/responses.py)."""
-        self._check_model(body.model)
+        """OpenAI's Responses API over the chat machinery (lumo/server/responses.py); any model name (as
+        /v1/messages: an agent's configured model, Codex CLI's review model). Streamed, a conversation past
+        the context is a `response.failed` with code context_length_exceeded (what Codex CLI looks for before
+        it compacts the conversation), not an HTTP 400."""
         chat = body.to_chat()
         chat.check_supported()
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
-        prompt_ids = await self._encode(prompt, "input")
+        build = ResponseBuilder(response_head(body, self.served_name))
         try:
+            prompt_ids = await self._encode(prompt, "input")
             max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input", "max_output_tokens")
             structured = await self._structured(chat)
         except APIError as e:  # the chat field's name -> the Responses one
             e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
+            if body.stream and e.code == "context_length_exceeded":
+                created = build.event("response.created", response=build.response("in_progress"))
+                return self._streaming(_listed([_event(created), *_response_failed(build, e)]))
             raise
         tools = chat.template_tools()
         parser = ChatOutputParser(
@@ -725,8 +747,6 @@ class _Server:
             tools=tools,
             custom=chat.custom_tools(),
         )
-        build = ResponseBuilder(response_head(body, self.served_name))
-
         ticket = self.worker.admit()  # a 503 now, or a place held for the job
 
         def submit() -> Job:
@@ -777,13 +797,7 @@ class _Server:
 
         def failed(err: APIError) -> list[str]:
             """An engine error ends the stream with `error` and `response.failed`."""
-            code = err.code or ("server_error" if err.status >= 500 else "invalid_request")
-            response = build.response("failed")
-            response["error"] = {"code": code, "message": err.message}
-            return [
-                _event(build.event("error", code=code, message=err.message, param=err.param)),
-                _event(build.event("response.failed", response=response)),
-            ]
+            return _response_failed(build, err)
 
         return self._streaming(_guarded(events(), jobs, failed))
 

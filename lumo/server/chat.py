@@ -34,7 +34,7 @@ def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
         if not isinstance(part.get("text"), str):
             raise APIError(400, f"{where}: a text part needs `text`, a string", where)
         parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)  # one per line, as vLLM joins a message's parts
 
 
 def _arguments(args: str | dict[str, Any]) -> str | dict[str, Any]:

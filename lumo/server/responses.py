@@ -11,6 +11,12 @@ is opened, filled by deltas and closed in turn (`response.output_item.added`, `.
 `...done`), between `response.created` and `response.completed` (or `response.incomplete` when
 `max_output_tokens` cut it), whose response holds exactly the streamed items.
 lumo keeps no responses: `previous_response_id` is refused (send the conversation as `input`).
+
+What a text model cannot use but an agent's history holds is not refused (Codex CLI, served by a server
+that refused it, would fail every later turn of the session): tools the API's servers run (web search,
+file search, ...) are left out, as are their calls in the history; an image or a file in the input is a
+short note saying it was left out; a system or developer message after the conversation started is a user
+message (the family's templates take a system message only first).
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
 
     def to_chat(self) -> ChatCompletionRequest:
-        """The equivalent chat request (a 400 naming the field for what lumo cannot serve)."""
+        """The equivalent chat request (a 400 naming the field for what lumo cannot serve; the module's
+        docstring says what is left out instead)."""
         for name in ("previous_response_id", "conversation", "prompt", "background"):
             if getattr(self, name):
                 msg = f"{name} is not supported: lumo keeps no responses or prompts (send the whole input)"
@@ -83,11 +90,16 @@ class ResponsesRequest(BaseModel):
         if lead > 1:
             text = "\n\n".join(m["content"] for m in messages[:lead])
             messages[:lead], origin[:lead] = [{"role": "system", "content": text}], origin[:1]
+        for m in messages[1:]:  # Codex CLI's developer messages when its settings change mid-session
+            if m["role"] in ("system", "developer"):
+                m["role"] = "user"
+        tools = [_chat_tool(i, t) for i, t in enumerate(self.tools or [])]
+        kept = [i for i, t in enumerate(tools) if t is not None]  # chat tool j is tools[kept[j]]
         if not messages:
             raise APIError(400, "input must not be empty", "input")
         body = {
             "messages": messages,
-            "tools": [_chat_tool(i, t) for i, t in enumerate(self.tools or [])] or None,
+            "tools": [t for t in tools if t is not None] or None,
             "tool_choice": _chat_tool_choice(self.tool_choice),
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": None if kind == "text" else response_format,
@@ -103,7 +115,10 @@ class ResponsesRequest(BaseModel):
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             err = e.errors()[0]
-            param = loc_to_param(_item_loc(tuple(err["loc"]), origin)) or "input"
+            loc = tuple(err["loc"])
+            if loc[:1] == ("tools",) and len(loc) > 1 and isinstance(loc[1], int):
+                loc = ("tools", kept[loc[1]], *loc[2:])
+            param = loc_to_param(_item_loc(loc, origin)) or "input"
             raise APIError(400, f"{param}: {err['msg']}", param.split(".")[0].split("[")[0]) from None
 
 
@@ -140,8 +155,34 @@ def text_format(text: Any) -> dict[str, Any]:
     return {"type": "text", **fmt}
 
 
+# an input part lumo's models cannot read -> the note that stands in for it
+_LEFT_OUT = {
+    "input_image": "[an image was left out: this model reads text only]",
+    "input_file": "[a file was left out: this model reads text only]",
+    "input_audio": "[audio was left out: this model reads text only]",
+}
+# tools the API's own servers run, which lumo cannot: left out of the tools, their calls out of the input
+HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "mcp",
+        "tool_search",
+    }
+)
+_HOSTED_CALLS = frozenset(
+    {"web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call", "mcp_call"}
+)
+
+
 def _text_of(content: Any, where: str) -> str:
-    """A message's text: a string, or its text parts joined (other parts: a 400)."""
+    """A message's text: a string, or its parts' texts one per line (vLLM joins a chat message's parts so);
+    an image, file or audio part is a note that it was left out; any other part is a 400."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -149,12 +190,15 @@ def _text_of(content: Any, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind in _LEFT_OUT:
+            parts.append(_LEFT_OUT[kind])
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        else:
             raise APIError(
                 400, f"content part type {kind!r} is not supported (text only)", f"{where}.content[{j}]"
             )
-        parts.append(part["text"])
-    return "".join(parts)
+    return "\n".join(parts)
 
 
 def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
@@ -214,17 +258,20 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             if not ok or not all(isinstance(t, str) for t in texts):
                 raise APIError(400, f"{where}: a reasoning item's content is a list of text parts", where)
             reasoning = "".join(texts)
-        else:
+        elif kind not in _HOSTED_CALLS:  # a hosted tool's call: left out, as the tool is
             raise APIError(400, f"input item type {kind!r} is not supported", where)
     return out, origin
 
 
-def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any] | None:
     """A Responses function tool (flat: name, description, parameters) or custom tool (flat: name,
-    description, format; a grammar format flat too: syntax, definition) as a chat tool."""
+    description, format; a grammar format flat too: syntax, definition) as a chat tool; None for a hosted
+    tool (left out)."""
     kind = tool.get("type")
+    if kind in HOSTED_TOOLS:
+        return None
     if kind not in ("function", "custom") or not isinstance(tool.get("name"), str):
-        msg = f"tool type {kind!r} is not supported (function and custom tools only)"
+        msg = f"tool type {kind!r} is not supported (function and custom tools; hosted ones are left out)"
         raise APIError(400, msg, f"tools[{i}]")
     if kind == "function":
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
