@@ -187,6 +187,39 @@ def test_conversation_renders_as_the_chat_request(scripted):
     assert n.input_tokens == len(llm.prompts[-1])
 
 
+def test_images_and_documents_are_notes(scripted):
+    """A pasted image and the image a Read tool returned stay in Claude Code's history: each is a note that
+    it was left out (a 400 would fail every later turn), in its place among the text."""
+    llm, _, client = scripted
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "See this:"}, image]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": [image, {"type": "text", "text": "map"}],
+                },
+                pdf,
+            ],
+        },
+    ]
+    client.messages.create(model="any", max_tokens=20, messages=messages, tools=[TOOL])
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    note = "[an image was left out: this model reads text only]"
+    assert f"See this:\n{note}" in prompt and f"{note}\nmap" in prompt
+    assert prompt.index("map") < prompt.index("[a document was left out: this model reads text only]")
+
+
 def test_cut_tool_calls_and_context_limits(tmp_path):
     """A tool call that max_tokens cut short is max_tokens (not tool_use: no call to run), one the context
     cut is model_context_window_exceeded; a prompt the context cannot hold is the API's "prompt is too
@@ -263,7 +296,11 @@ def test_prefilled_assistant_turn_is_continued(scripted):
         ({"messages": []}, "messages must not be empty"),
         ({"messages": [{"role": "system", "content": "x"}]}, "not user or assistant"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "container_upload", "file_id": "f"}]}]},
+            "'container_upload' is not supported",
+        ),
+        (  # an image in an assistant message: not something the API has
+            {"messages": [{"role": "assistant", "content": [{"type": "image", "source": {}}]}]},
             "'image' is not supported",
         ),
         (
@@ -297,7 +334,7 @@ def test_key_and_errors_through_the_sdk(scripted):
     assert e.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.BadRequestError, match="not supported"):
         client.messages.create(
-            model="x", max_tokens=5, messages=[{"role": "user", "content": [{"type": "document"}]}]
+            model="x", max_tokens=5, messages=[{"role": "user", "content": [{"type": "bogus"}]}]
         )
     r = httpx.post(url + "/v1/messages", content=b"{not json", headers={"x-api-key": "sk-ant"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

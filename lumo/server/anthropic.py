@@ -13,6 +13,10 @@ closed (content_block_stop) in turn between message_start and message_stop, and 
 message ended: max_tokens, model_context_window_exceeded, tool_use, stop_sequence (with the string) or
 end_turn.
 
+An image or a document (a user's, or a tool result's: Claude Code's Read tool returns images) is a short
+note saying it was left out, not a 400: it stays in the conversation's history, and a refused block would
+fail every later turn.
+
 lumo serves one model: any `model` name is answered by it (Claude Code asks for its own model names).
 Errors have the API's shape, `{"type": "error", "error": {"type", "message"}}`.
 """
@@ -103,8 +107,16 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
 
 
-def _text(content: Any, where: str) -> str:
-    """A string, or text blocks joined (any other block: a 400)."""
+# a block lumo's models cannot read -> the note that stands in for it
+_LEFT_OUT = {
+    "image": "[an image was left out: this model reads text only]",
+    "document": "[a document was left out: this model reads text only]",
+}
+
+
+def _text(content: Any, where: str, notes: bool = False) -> str:
+    """A string, or text blocks joined (notes: images and documents as _LEFT_OUT's notes; any other block:
+    a 400)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -112,6 +124,9 @@ def _text(content: Any, where: str) -> str:
     parts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        if notes and kind in _LEFT_OUT:
+            parts.append(_LEFT_OUT[kind])
+            continue
         if kind != "text" or not isinstance(block.get("text"), str):
             raise APIError(
                 400, f"{where}[{j}]: content block type {kind!r} is not supported here (text)", where
@@ -136,6 +151,8 @@ def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
             text.append(b["text"])
+        elif kind in _LEFT_OUT and m["role"] == "user":
+            text.append(_LEFT_OUT[kind])
         elif kind == "thinking" and m["role"] == "assistant" and isinstance(b.get("thinking"), str):
             reasoning.append(b["thinking"])
         elif kind == "redacted_thinking" and m["role"] == "assistant":
@@ -149,7 +166,7 @@ def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
             )
         elif kind == "tool_result" and m["role"] == "user":
             out = b.get("content", "")
-            result = _text(out, f"{at}.content")
+            result = _text(out, f"{at}.content", notes=True)
             if b.get("is_error") is True:
                 result = f"Error: {result}"
             results.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": result})
