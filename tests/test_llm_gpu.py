@@ -145,13 +145,18 @@ def test_the_context_fits_the_gpus_free_memory(monkeypatch, capsys):
     free, total = torch.cuda.mem_get_info()
     assert 0 < gd.free_gpu_bytes("cuda") <= total
     path = assets("lumo-tiny")
+    needs = []  # the backend's bytes for n positions (its caches, prefix parking included), as it fits them
+    fit = gd.fit_context
+    monkeypatch.setattr(gd, "fit_context", lambda need, *a, **kw: needs.append(need) or fit(need, *a, **kw))
     full = LLM(path, device="cuda")
     assert full.max_model_len == full.config.max_position_embeddings
     del full
-    # the tiny model's caches: ~85 MB (the prefill's chunk) + ~1.5 KB per position: ~2,400 positions fit
-    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: gd.GPU_MEMORY_MARGIN + 88_000_000)
+    # memory for exactly 2048 positions (the plan grows with every position: 2304 would not fit)
+    need = needs[-1]
+    assert need(2048) < need(2304)
+    monkeypatch.setattr(gd, "free_gpu_bytes", lambda device: gd.GPU_MEMORY_MARGIN + need(2048))
     small = LLM(path, device="cuda")
-    assert 256 <= small.max_model_len < small.config.max_position_embeddings
+    assert small.max_model_len == 2048 < small.config.max_position_embeddings
     assert f"context limited to {small.max_model_len} tokens" in capsys.readouterr().err
     out = small.generate("def fibonacci(n):", max_tokens=16, temperature=0)
     assert len(out.token_ids) == 16
