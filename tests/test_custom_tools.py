@@ -224,6 +224,10 @@ def test_a_forced_custom_call_follows_the_tools_grammar():
     assert _takes("xml", regex, _xml("yes/42")) and not _takes("xml", regex, _xml("yes/421"))
     assert not _takes("xml", regex, _xml("maybe/42"))
     assert _takes("xml", text, _xml("anything at all"))
+    # a greedy expression ends where the value does (a lexeme with the end as its suffix)
+    for definition, value in ((r"[^/]+", "ab"), (r"[\s\S]*", "a\nb"), (r"a\/b|[/]x", "/x")):
+        fmt = {"type": "grammar", "grammar": {"syntax": "regex", "definition": definition}}
+        assert _takes("xml", _custom(fmt), _xml(value)), definition
     assert _takes("json", regex, _json("no/07")) and not _takes("json", regex, _json("xno/07"))
     assert _takes("json", lark, _json("not a patch"))
     assert not _takes(
@@ -554,6 +558,15 @@ def test_what_an_agents_history_holds_is_served(scripted):
     assert "Look:\n[an image was left out: this model reads text only]" in prompt
     assert prompt.index("Seen.") < prompt.index("<mode>plan</mode>") < prompt.index("a\nb")
     assert "web_search" not in prompt and "apply_patch" in prompt
+    # history items of other hosted tools are left out too; an error names the request's own tool index
+    mcp = [{"type": t, "id": "x"} for t in ("mcp_list_tools", "mcp_approval_request", "tool_search_call")]
+    assert (
+        _sse(url, "/v1/responses", {**body, "input": [*body["input"], *mcp]})[-1]["type"]
+        == "response.completed"
+    )
+    twice = [{"type": "web_search"}, RESPONSES_TOOL, {"type": "function", "name": "apply_patch"}]
+    r = httpx.post(url + "/v1/responses", json={"input": "a", "tools": twice}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[2]"
 
 
 def test_a_conversation_past_the_context_fails_in_the_stream(tmp_path):
@@ -573,3 +586,25 @@ def test_a_conversation_past_the_context_fails_in_the_stream(tmp_path):
         assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
         r = httpx.post(url + "/v1/responses", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        # max_output_tokens past the context: the request's own mistake, a 400 streamed or not
+        body = {"model": "scripted", "input": "hi", "max_output_tokens": 1000, "stream": True}
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
+
+
+def test_escaped_input_in_any_split():
+    """The input's JSON escapes (surrogate pairs, lone halves, a high half before another) decode the same
+    whatever the split of the arguments' text (the XML form never escapes them; a JSON-form call could)."""
+    from lumo.server.toolparse import _CustomInput
+
+    pieces = ["\\ud83d", "\\ude00", "\\udfff", "\\ud800", "a", "\\n", '\\"', "\\\\", "é", "\\u00e9", "\\t"]
+    rng = random.Random(7)
+    for _ in range(3000):
+        text = '{"input": "' + "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8))) + '"}'
+        whole = _CustomInput().feed(text, final=True)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        reader, out, at = _CustomInput(), "", 0
+        for cut in [*cuts, len(text)]:
+            out += reader.feed(text[at:cut], final=cut == len(text))
+            at = cut
+        assert out == whole == json.loads(text)["input"], text

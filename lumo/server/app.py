@@ -724,8 +724,7 @@ class _Server:
         /v1/messages: an agent's configured model, Codex CLI's review model). Streamed, a conversation past
         the context is a `response.failed` with code context_length_exceeded (what Codex CLI looks for before
         it compacts the conversation), not an HTTP 400."""
-        chat = body.to_chat()
-        chat.check_supported()
+        chat = body.to_chat()  # checked (check_supported), its errors naming the request's own items
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
@@ -736,7 +735,7 @@ class _Server:
             structured = await self._structured(chat)
         except APIError as e:  # the chat field's name -> the Responses one
             e.param = {"max_tokens": "max_output_tokens", "response_format": "text"}.get(e.param, e.param)
-            if body.stream and e.code == "context_length_exceeded":
+            if body.stream and e.code == "context_length_exceeded" and e.param == "input":
                 created = build.event("response.created", response=build.response("in_progress"))
                 return self._streaming(_listed([_event(created), *_response_failed(build, e)]))
             raise

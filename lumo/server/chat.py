@@ -152,30 +152,37 @@ _XML_VALUE = (
     r"value[lazy]: /(?s:.*)\n<\/parameter>\n/"
     r" & ~/(?s:.*)(<\/parameter>|<parameter=|<\/function>|<\/tool_call>)(?s:.*)<\/parameter>\n/"
 )
-_XML_END = r'"\n</parameter>\n"'  # a value's end in Lark
+_XML_END_TEXT = "\n</parameter>\n"  # a value's end
+_XML_END = json.dumps(_XML_END_TEXT)  # in Lark
 
 
-def _custom_grammars(tools: list) -> dict[str, str]:
-    """Custom tool name -> its input's grammar in llguidance's Lark (a regular expression as the one
-    lexeme of one), for the tools that have one."""
+def _custom_grammars(tools: list) -> dict[str, tuple[str, str]]:
+    """Custom tool name -> (syntax, Lark text) of its input, for the tools with a grammar: a Lark grammar
+    (_xml_call_rules nests it, `%lark {...}`, before the value's end), or a regular expression as the body
+    of a lexeme (which ends lazily at the value's end, a `suffix`: a greedy lexeme such as `[^/]+` would run
+    on into it and never end). A nested grammar takes no such attribute, so a Lark grammar whose last
+    terminal can take the end's text (`/(.|\\n)*/`) cannot end the call; Codex CLI's patch grammar ends
+    its lines at newlines."""
     out = {}
     for t in tools:
         grammar = t.custom.format.grammar if t.type == "custom" else None
-        if grammar is not None:
-            out[t.function.name] = grammar.definition if grammar.syntax == "lark" else _regex_rule(grammar)
+        if grammar is None:
+            continue
+        text = grammar.definition if grammar.syntax == "lark" else f"/{_slashes_escaped(grammar.definition)}/"
+        out[t.function.name] = (grammar.syntax, text)
     return out
 
 
-def _regex_rule(grammar: Any) -> str:
-    """A regular expression as a Lark grammar of one lexeme: `/.../`, its unescaped slashes escaped."""
+def _slashes_escaped(regex: str) -> str:
+    """A regular expression as the body of a Lark `/.../` lexeme: its unescaped slashes escaped."""
     out, escaped = [], False
-    for c in grammar.definition:
+    for c in regex:
         out.append("\\/" if c == "/" and not escaped else c)
         escaped = c == "\\" and not escaped
-    return "start: /" + "".join(out) + "/"
+    return "".join(out)
 
 
-def _xml_call_rules(functions: list, grammars: dict[str, str] | None = None) -> list[str]:
+def _xml_call_rules(functions: list, grammars: dict[str, tuple[str, str]] | None = None) -> list[str]:
     """`<function=NAME>\n`, its parameters (`<parameter=P>\nVALUE\n</parameter>\n` each), `</function>`.
     Where the tool's schema lists properties, its parameters are those, in the schema's order (llguidance
     orders a JSON object's properties so too), each at most once and every required one present; a value
@@ -186,7 +193,7 @@ def _xml_call_rules(functions: list, grammars: dict[str, str] | None = None) -> 
     and a `$ref` to a string enum one of its texts). Parameters the listed properties leave out are refused
     (as OpenAI's strict mode would). Without listed properties: any names, text values. A name that the form
     cannot carry (a `>`, a newline, blanks at its ends) is a 400. grammars: function name -> the Lark
-    grammar its one parameter's text follows (a custom tool's: _custom_grammars), nested (`%lark`)."""
+    grammar its one parameter's text follows (a custom tool's: _custom_grammars)."""
     functions_alt = " | ".join(f"f{i}" for i in range(len(functions)))
     rules = [f'body: "<function=" ({functions_alt}) "</function>"']
     for i, f in enumerate(functions):
@@ -198,8 +205,11 @@ def _xml_call_rules(functions: list, grammars: dict[str, str] | None = None) -> 
                 raise APIError(400, msg, "tools")
         if f.name in (grammars or {}):
             (param,) = props  # custom_function's one parameter
-            opening = json.dumps(f"<parameter={param}>\n")
-            rules += [f"f{i}: {head} {opening} g{i} {_XML_END}", f"g{i}: %lark {{\n{grammars[f.name]}\n}}"]
+            opening, (syntax, text) = json.dumps(f"<parameter={param}>\n"), grammars[f.name]
+            if syntax == "lark":
+                rules += [f"f{i}: {head} {opening} g{i} {_XML_END}", f"g{i}: %lark {{\n{text}\n}}"]
+            else:  # a lexeme, lazily ended by the value's end
+                rules += [f"f{i}: {head} {opening} g{i}", f"g{i}[suffix={_XML_END}]: {text}"]
             continue
         if not isinstance(props, dict):
             rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" /[^>\\n]+/ ">\\n" value']

@@ -22,6 +22,7 @@ message (the family's templates take a system message only first).
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any
@@ -112,7 +113,7 @@ class ResponsesRequest(BaseModel):
             "seed": self.seed,
         }
         try:
-            return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+            chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
             err = e.errors()[0]
             loc = tuple(err["loc"])
@@ -120,6 +121,13 @@ class ResponsesRequest(BaseModel):
                 loc = ("tools", kept[loc[1]], *loc[2:])
             param = loc_to_param(_item_loc(loc, origin)) or "input"
             raise APIError(400, f"{param}: {err['msg']}", param.split(".")[0].split("[")[0]) from None
+        try:
+            chat.check_supported()
+        except APIError as e:  # a tool's index among the chat's tools -> among the request's
+            if e.param and (m := re.fullmatch(r"tools\[(\d+)\]", e.param)):
+                e.param = f"tools[{kept[int(m[1])]}]"
+            raise
+        return chat
 
 
 # the chat request's fields under their Responses names (a validation error names the request's own)
@@ -176,7 +184,18 @@ HOSTED_TOOLS = frozenset(
     }
 )
 _HOSTED_CALLS = frozenset(
-    {"web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call", "mcp_call"}
+    {
+        "web_search_call",
+        "file_search_call",
+        "code_interpreter_call",
+        "image_generation_call",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "tool_search_call",
+        "tool_search_output",
+    }
 )
 
 

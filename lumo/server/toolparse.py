@@ -372,14 +372,24 @@ def _string_prefix(s: str) -> tuple[str, str, bool]:
             return _unescape(s[:i]), "", True
         if c == "\\":
             size = 6 if s[i + 1 : i + 2] == "u" else 2
-            if s[i + 1 : i + 2] == "u" and "d800" <= s[i + 2 : i + 6].lower() < "dc00":
-                size = 12 if s[i + 6 : i + 8] == "\\u" or i + 8 > n else 6  # a surrogate pair's two halves
+            if size == 6 and "d800" <= s[i + 2 : i + 6].lower() < "dc00":  # a pair's first half: its second?
+                low = s[i + 6 : i + 12]
+                if len(low) < 6 and _may_be_low_half(low):
+                    break  # could still be the second half: wait for it
+                if len(low) == 6 and _may_be_low_half(low):
+                    size = 12
             if i + size > n:
                 break
             i += size
         else:
             i += 1
     return _unescape(s[:i]), s[i:], False
+
+
+def _may_be_low_half(p: str) -> bool:
+    """`p` is (the start of) the escape of a surrogate pair's second half, `\\udc00`..`\\udfff`."""
+    allowed = ("\\", "u", "d", "cdef", "0123456789abcdef", "0123456789abcdef")
+    return all(c in ok for c, ok in zip(p.lower(), allowed, strict=False))
 
 
 def _unescape(body: str) -> str:
