@@ -608,3 +608,39 @@ def test_escaped_input_in_any_split():
             out += reader.feed(text[at:cut], final=cut == len(text))
             at = cut
         assert out == whole == json.loads(text)["input"], text
+
+
+def test_namespace_tools(tmp_path):
+    """A namespace's tools (Codex CLI groups its sub-agent tools so) are tools of their own, shown under
+    their own names (`NAMESPACE__NAME` where another tool has the name too); a call of one is a
+    function_call item carrying the namespace, and such an item in the history is that tool's call."""
+    close = {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}
+    spawn = {"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {}}}
+    agents = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [close, spawn]}
+    call = "<tool_call>\n<function=close_agent>\n</function>\n</tool_call>"
+    call += "<tool_call>\n<function=agents__spawn>\n</function>\n</tool_call>"
+    with scripted_server(tmp_path, call) as (llm, url):
+        events = _sse(url, "/v1/responses", {"input": "Close it.", "tools": [agents, spawn]})
+        for e in events:
+            EVENT.validate_python(e)
+        calls = events[-1]["response"]["output"]
+        assert [(c["name"], c.get("namespace")) for c in calls] == [
+            ("close_agent", "agents"),
+            ("spawn", "agents"),
+        ]
+        prompt = llm.tokenizer.decode(llm.prompts[-1])
+        assert '"close_agent"' in prompt and '"agents__spawn"' in prompt and '"spawn"' in prompt
+        history = [
+            {"role": "user", "content": "Close it."},
+            {
+                "type": "function_call",
+                "call_id": "c1",
+                "name": "spawn",
+                "namespace": "agents",
+                "arguments": "{}",
+            },
+            {"type": "function_call_output", "call_id": "c1", "output": "spawned"},
+        ]
+        _sse(url, "/v1/responses", {"input": history, "tools": [agents, spawn]})
+        prompt = llm.tokenizer.decode(llm.prompts[-1])
+        assert prompt.index('"name": "agents__spawn"') < prompt.index("spawned")

@@ -728,7 +728,7 @@ class _Server:
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
-        build = ResponseBuilder(response_head(body, self.served_name))
+        build = ResponseBuilder(response_head(body, self.served_name), body.tool_names)
         try:
             prompt_ids = await self._encode(prompt, "input")
             max_tokens = self._budget(len(prompt_ids), chat.max_tokens, None, "input", "max_output_tokens")

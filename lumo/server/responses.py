@@ -27,7 +27,16 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
 
 from .errors import APIError, loc_to_param
 from .protocol import GUIDED, ChatCompletionRequest
@@ -59,6 +68,12 @@ class ResponsesRequest(BaseModel):
     background: StrictBool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    # set by to_chat: the name each tool is shown to the model under -> (its namespace or None, its name)
+    _names: dict[str, tuple[str | None, str]] = PrivateAttr(default_factory=dict)
+
+    @property
+    def tool_names(self) -> dict[str, tuple[str | None, str]]:
+        return self._names
 
     def to_chat(self) -> ChatCompletionRequest:
         """The equivalent chat request (a 400 naming the field for what lumo cannot serve; the module's
@@ -79,7 +94,9 @@ class ResponsesRequest(BaseModel):
                 raise APIError(400, "text.format json_schema needs schema, a JSON schema object", "text")
             response_format["json_schema"] = {"name": fmt.get("name"), "schema": fmt["schema"]}
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
-        items, origin = _messages(self.input)
+        tools, kept, self._names = _chat_tools(self.tools or [])
+        shown = {origin: name for name, origin in self._names.items()}
+        items, origin = _messages(self.input, shown)
         origin = [[-1]] * len(messages) + origin  # -1: instructions
         messages += items
         # The instructions and the system / developer messages before the first other message are one system
@@ -94,13 +111,11 @@ class ResponsesRequest(BaseModel):
         for m in messages[1:]:  # Codex CLI's developer messages when its settings change mid-session
             if m["role"] in ("system", "developer"):
                 m["role"] = "user"
-        tools = [_chat_tool(i, t) for i, t in enumerate(self.tools or [])]
-        kept = [i for i, t in enumerate(tools) if t is not None]  # chat tool j is tools[kept[j]]
         if not messages:
             raise APIError(400, "input must not be empty", "input")
         body = {
             "messages": messages,
-            "tools": [t for t in tools if t is not None] or None,
+            "tools": tools or None,
             "tool_choice": _chat_tool_choice(self.tool_choice),
             "parallel_tool_calls": self.parallel_tool_calls,
             "response_format": None if kind == "text" else response_format,
@@ -220,10 +235,13 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
-def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
+def _messages(
+    items: str | list[dict[str, Any]], shown: dict[tuple[str | None, str], str] | None = None
+) -> tuple[list[dict[str, Any]], list[list[int]]]:
     """The input's items as chat messages, and each message's origin: the item it came from, then its
     tool calls' items (function_call items merge into one assistant message, which a message item may
-    open; a reasoning item goes into the message after it)."""
+    open; a reasoning item goes into the message after it). shown: (namespace, name) -> the name the
+    tool is shown under (_chat_tools), for calls of a namespace's tools."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], [[0]]
     out: list[dict[str, Any]] = []
@@ -248,12 +266,15 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
             origin.append([i])
         elif kind in ("function_call", "custom_tool_call"):
             call: dict[str, Any] = {"id": item.get("call_id")}
+            name = item.get("name")
+            if isinstance(name, str):
+                name = (shown or {}).get((item.get("namespace"), name), name)
             if kind == "function_call":
                 call["type"] = "function"
-                call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
+                call["function"] = {"name": name, "arguments": item.get("arguments", "{}")}
             else:
                 call["type"] = "custom"
-                call["custom"] = {"name": item.get("name"), "input": item.get("input")}
+                call["custom"] = {"name": name, "input": item.get("input")}
             last = out[-1] if out else None
             if last is None or last["role"] != "assistant":  # the calls' own assistant message
                 last = {"role": "assistant", "content": None}
@@ -280,6 +301,40 @@ def _messages(items: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         elif kind not in _HOSTED_CALLS:  # a hosted tool's call: left out, as the tool is
             raise APIError(400, f"input item type {kind!r} is not supported", where)
     return out, origin
+
+
+def _chat_tools(
+    tools: list[Any],
+) -> tuple[list[dict[str, Any]], list[int], dict[str, tuple[str | None, str]]]:
+    """The request's tools as chat tools: hosted ones left out, a namespace's tools (Codex CLI groups its
+    sub-agent tools so) each a tool of its own, shown to the model under its own name unless another tool
+    has it too (then `NAMESPACE__NAME`). Also each chat tool's index among the request's tools (errors name
+    those) and each shown name -> (its namespace or None, its name)."""
+    flat: list[tuple[int, str | None, Any]] = []
+    for i, t in enumerate(tools):
+        if isinstance(t, dict) and t.get("type") == "namespace":
+            if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
+                raise APIError(400, "a namespace tool needs a name and a list of tools", f"tools[{i}]")
+            flat += [(i, t["name"], member) for member in t["tools"]]
+        else:
+            flat.append((i, None, t))
+    count: dict[Any, int] = {}
+    for _, _, t in flat:
+        name = t.get("name") if isinstance(t, dict) else None
+        count[name] = count.get(name, 0) + 1
+    out, index, names = [], [], {}
+    for i, namespace, t in flat:
+        chat = _chat_tool(i, t)
+        if chat is None:
+            continue
+        spec = chat[chat["type"]]
+        name = spec["name"]
+        if namespace is not None and count[name] > 1:
+            spec["name"] = f"{namespace}__{name}"
+        out.append(chat)
+        index.append(i)
+        names[spec["name"]] = (namespace, name)
+    return out, index, names
 
 
 def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any] | None:
@@ -322,8 +377,9 @@ class ResponseBuilder:
     """A response's output items from the chat parser's deltas, in order, and the streamed events that
     open, fill and close them: `feed(delta)` and `finish()` (closes the last item) return the events."""
 
-    def __init__(self, head: dict[str, Any]) -> None:
+    def __init__(self, head: dict[str, Any], names: dict[str, tuple[str | None, str]] | None = None) -> None:
         self.head = head  # the response object's fields that do not depend on the output
+        self.names = names or {}  # a tool's shown name -> (its namespace, its name): ResponsesRequest's
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being filled: always the last one
         self.seq = 0
@@ -352,7 +408,9 @@ class ResponseBuilder:
                 else:
                     item = {"type": "function_call", "id": new_id("fc"), "arguments": ""}
                     item["status"] = "in_progress"
-                events += self._add({**item, "call_id": value.id, "name": value.name})
+                namespace, name = self.names.get(value.name, (None, value.name))
+                item.update(call_id=value.id, name=name, **({"namespace": namespace} if namespace else {}))
+                events += self._add(item)
             if value.arguments:
                 field, kind = _CALL_FIELDS[self.open["type"]]
                 self.open[field] += value.arguments
