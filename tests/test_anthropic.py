@@ -294,7 +294,8 @@ def test_prefilled_assistant_turn_is_continued(scripted):
     [
         ({"max_tokens": None}, "max_tokens"),
         ({"messages": []}, "messages must not be empty"),
-        ({"messages": [{"role": "system", "content": "x"}]}, "not user or assistant"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "not user, assistant or system"),
+        ({"messages": [{"role": "system", "content": "x"}]}, "need a user or assistant message"),
         (
             {"messages": [{"role": "user", "content": [{"type": "container_upload", "file_id": "f"}]}]},
             "'container_upload' is not supported",

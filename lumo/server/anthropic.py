@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
 from .errors import APIError, loc_to_param
+from .chat import fold_system_messages
 from .protocol import ChatCompletionRequest
 from .toolparse import ParsedDelta
 
@@ -57,8 +58,10 @@ class MessagesRequest(BaseModel):
         out = [] if self.system is None else [{"role": "system", "content": _text(self.system, "system")}]
         for i, m in enumerate(self.messages):
             out += _chat_message(m, f"messages[{i}]")
-        if len(out) == (self.system is not None):
-            raise APIError(400, "messages must not be empty", "messages")
+        if all(m["role"] == "system" for m in out):
+            what = "must not be empty" if not self.messages else "need a user or assistant message"
+            raise APIError(400, f"messages {what}", "messages")
+        fold_system_messages(out)  # Claude Code puts system messages among the messages too
         return out
 
     def to_chat(self, max_tokens: int | None = None) -> ChatCompletionRequest:
@@ -138,9 +141,11 @@ def _text(content: Any, where: str, notes: bool = False) -> str:
 def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
     """One message as chat messages: an assistant's text, reasoning and tool calls in one; a user's tool
     results as tool messages, then its text (if any) as a user message."""
-    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
         role = m.get("role") if isinstance(m, dict) else None
-        raise APIError(400, f"{where}.role {role!r} is not user or assistant", where)
+        raise APIError(400, f"{where}.role {role!r} is not user, assistant or system", where)
+    if m["role"] == "system":  # chat_messages folds it (text blocks only, as `system`'s)
+        return [{"role": "system", "content": _text(m.get("content"), f"{where}.content")}]
     content = m.get("content")
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(blocks, list):

@@ -48,6 +48,24 @@ def _arguments(args: str | dict[str, Any]) -> str | dict[str, Any]:
     return args
 
 
+def fold_system_messages(messages: list[dict[str, Any]]) -> int:
+    """In place, for APIs whose clients put system text anywhere (the Responses API's instructions and
+    developer messages, the Messages API's `system` and system messages): the system / developer messages
+    before any other are one system message, first (joined by blank lines), and a later one is a user
+    message where it stands (the family's templates take one system message, first; a later one folded
+    into the first would change the prompt's prefix, and the prefix cache would miss). Returns how many
+    leading messages became the first."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
+        lead += 1
+    if lead > 1:
+        messages[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:lead])}]
+    for m in messages[1:]:
+        if m["role"] in ("system", "developer"):
+            m["role"] = "user"
+    return lead
+
+
 def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
     role = "system" if m.role == "developer" else m.role
     content = _text(i, m.content)

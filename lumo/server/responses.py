@@ -39,6 +39,7 @@ from pydantic import (
 )
 
 from .errors import APIError, loc_to_param
+from .chat import fold_system_messages
 from .protocol import GUIDED, ChatCompletionRequest
 from .toolparse import ParsedDelta
 
@@ -99,18 +100,10 @@ class ResponsesRequest(BaseModel):
         items, origin = _messages(self.input, shown)
         origin = [[-1]] * len(messages) + origin  # -1: instructions
         messages += items
-        # The instructions and the system / developer messages before the first other message are one system
-        # message: the family's templates take a system message only first (Codex CLI sends instructions
-        # and then developer messages)
-        lead = 0
-        while lead < len(messages) and messages[lead]["role"] in ("system", "developer"):
-            lead += 1
-        if lead > 1:
-            text = "\n\n".join(m["content"] for m in messages[:lead])
-            messages[:lead], origin[:lead] = [{"role": "system", "content": text}], origin[:1]
-        for m in messages[1:]:  # Codex CLI's developer messages when its settings change mid-session
-            if m["role"] in ("system", "developer"):
-                m["role"] = "user"
+        # Codex CLI sends developer messages first (with or without instructions), and more when its
+        # settings change mid-session
+        lead = fold_system_messages(messages)
+        origin[:lead] = origin[: min(lead, 1)]
         if not messages:
             raise APIError(400, "input must not be empty", "input")
         body = {
