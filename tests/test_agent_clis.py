@@ -1,0 +1,144 @@
+"""Real agent CLIs against `lumo serve`'s APIs on a scripted engine (lumo.server.testing.ScriptedLLM, whose
+answers are tool calls in Qwen's XML form, chosen by how many tool results the prompt holds): each must
+run its tools for real (files appear) and send their results back, which the next prompt renders.
+- Codex CLI (`codex exec`, /v1/responses): a free-form `apply_patch` call; Codex applies the patch.
+- Claude Code (`claude -p`, /v1/messages): Write, then Read of a PNG, whose image comes back in the tool
+  result and must be a note, not a 400; Claude Code 2.1.197 also puts system messages among the messages.
+- Qwen Code (`qwen -p`, /v1/chat/completions): write_file, then read_file of a PNG (Qwen Code itself
+  answers that the model reads no images).
+Each runs where its binary is found (LUMO_CODEX / LUMO_CLAUDE / LUMO_QWEN, else PATH; `npm install
+@openai/codex @anthropic-ai/claude-code @qwen-code/qwen-code`); CI has none, so there they are skipped.
+Session 44 ran them with Codex CLI 0.171.0, Claude Code 2.1.197 and Qwen Code 0.15.10."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
+
+from lumo.server.testing import ScriptedLLM, serve_in_thread
+
+CODEX = os.environ.get("LUMO_CODEX") or shutil.which("codex")
+CLAUDE = os.environ.get("LUMO_CLAUDE") or shutil.which("claude")
+QWEN = os.environ.get("LUMO_QWEN") or shutil.which("qwen")
+# a 1x1 PNG
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
+)
+DONE = "All done."
+
+
+def _call(name: str, **params: str) -> str:
+    """A tool call in Qwen's XML form, after some reasoning and text."""
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    call = f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+    return f"<think>\nNext step.\n</think>\n\nOn it.{call}"
+
+
+class _Agent(ScriptedLLM):
+    """steps[i] answers a prompt holding i tool results; DONE after the last."""
+
+    steps: tuple[str, ...] = ()
+
+    def generate_stream(self, prompt, max_tokens=256, **kw):
+        step = self.tokenizer.decode(list(prompt)).count("<tool_response>")
+        self.output = self.steps[step] if step < len(self.steps) else DONE
+        yield from super().generate_stream(prompt, max_tokens, **kw)
+
+
+def _agent(tmp_path, *steps: str) -> _Agent:
+    llm = _Agent.with_test_tokenizer(tmp_path / "tok", DONE, max_model_len=200_000)
+    llm.steps = steps
+    return llm
+
+
+def _run(cmd: list[str], cwd, env: dict[str, str]) -> subprocess.CompletedProcess:
+    run = subprocess.run(
+        cmd,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def _dirs(tmp_path):
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    (work / "pic.png").write_bytes(PNG)
+    return work, home
+
+
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hello from lumo\n*** End Patch"
+
+
+def _codex_catalog(home) -> str:
+    """Codex's own model catalog (`codex debug models`) narrowed to one entry, `scripted`: a model offered
+    the free-form apply_patch tool and plain tools (no code mode), as Codex's catalog describes one."""
+    out = _run([CODEX, "debug", "models"], home, {"CODEX_HOME": str(home)})
+    models = json.loads(out.stdout)["models"]
+    free_form = [m for m in models if m.get("apply_patch_tool_type") == "freeform" and not m.get("tool_mode")]
+    entry = {**(free_form or models)[0], "slug": "scripted", "tool_mode": None, "prefer_websockets": False}
+    entry.update(apply_patch_tool_type="freeform", context_window=200_000, max_context_window=200_000)
+    path = home / "catalog.json"
+    path.write_text(json.dumps({"models": [entry]}))
+    return str(path)
+
+
+@pytest.mark.skipif(CODEX is None, reason="no codex binary (LUMO_CODEX or PATH)")
+def test_codex_exec_applies_a_patch(tmp_path):
+    work, home = _dirs(tmp_path)
+    llm = _agent(tmp_path, _call("apply_patch", input=PATCH))
+    with serve_in_thread(llm) as url:
+        (home / "config.toml").write_text(
+            f'model_catalog_json = "{_codex_catalog(home)}"\nmodel = "scripted"\nmodel_provider = "lumo"\n'
+            'approval_policy = "never"\nsandbox_mode = "workspace-write"\n\n'
+            f'[model_providers.lumo]\nname = "lumo"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
+        )
+        run = _run([CODEX, "exec", "--skip-git-repo-check", "Add hello.txt"], work, {"CODEX_HOME": str(home)})
+    assert (work / "hello.txt").read_text() == "hello from lumo\n" and DONE in run.stdout
+    first, last = (llm.tokenizer.decode(p) for p in (llm.prompts[0], llm.prompts[-1]))
+    assert "apply_patch" in first and "web_search" not in first  # shown as a function; hosted tools left out
+    assert last.index("Add File: hello.txt") < last.index("<tool_response>")  # the call went back, its result
+
+
+@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (LUMO_CLAUDE or PATH)")
+def test_claude_code_writes_a_file_and_reads_an_image(tmp_path):
+    work, home = _dirs(tmp_path)
+    write = _call("Write", file_path=f"{work}/hello.txt", content="hello from lumo")
+    llm = _agent(tmp_path, write, _call("Read", file_path=f"{work}/pic.png"))
+    with serve_in_thread(llm) as url:
+        env = {"HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test"}
+        env.update(DISABLE_TELEMETRY="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+        prompt = "Write hello.txt, then look at pic.png"
+        args = ["--allowedTools", "Write Read", "--permission-mode", "acceptEdits"]
+        run = _run([CLAUDE, "-p", prompt, *args], work, env)
+    assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
+    last = llm.tokenizer.decode(llm.prompts[-1])
+    assert last.count("<tool_response>") == 2
+    assert "[an image was left out: this model reads text only]" in last
+
+
+@pytest.mark.skipif(QWEN is None, reason="no qwen binary (LUMO_QWEN or PATH)")
+def test_qwen_code_writes_a_file_and_reads_an_image(tmp_path):
+    work, home = _dirs(tmp_path)
+    write = _call("write_file", file_path=f"{work}/hello.txt", content="hello from lumo")
+    llm = _agent(tmp_path, write, _call("read_file", file_path=f"{work}/pic.png"))
+    with serve_in_thread(llm) as url:
+        env = {"HOME": str(home), "OPENAI_API_KEY": "sk-test", "OPENAI_BASE_URL": url + "/v1"}
+        env["OPENAI_MODEL"] = "scripted"
+        prompt = "Write hello.txt, then look at pic.png"
+        run = _run([QWEN, "-p", prompt, "--auth-type", "openai", "--yolo"], work, env)
+    assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
+    assert llm.tokenizer.decode(llm.prompts[-1]).count("<tool_response>") == 2
