@@ -6,9 +6,12 @@ run its tools for real (files appear) and send their results back, which the nex
   result and must be a note, not a 400; Claude Code 2.1.197 also puts system messages among the messages.
 - Qwen Code (`qwen -p`, /v1/chat/completions): write_file, then read_file of a PNG (Qwen Code itself
   answers that the model reads no images).
-Each runs where its binary is found (LUMO_CODEX / LUMO_CLAUDE / LUMO_QWEN, else PATH; `npm install
-@openai/codex @anthropic-ai/claude-code @qwen-code/qwen-code`); CI has none, so there they are skipped.
-Session 44 ran them with Codex CLI 0.171.0, Claude Code 2.1.197 and Qwen Code 0.15.10."""
+- opencode (`opencode run`, /v1/chat/completions through its openai-compatible provider): write, then read
+  of a PNG (opencode, told the model takes no images, says so itself).
+Each runs where its binary is found (LUMO_CODEX / LUMO_CLAUDE / LUMO_QWEN / LUMO_OPENCODE, else PATH; `npm
+install @openai/codex @anthropic-ai/claude-code @qwen-code/qwen-code opencode-ai`); CI has none, so there
+they are skipped. Session 44 ran them with Codex CLI 0.171.0, Claude Code 2.1.197, Qwen Code 0.15.10 and
+opencode 1.18.33."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from lumo.server.testing import ScriptedLLM, serve_in_thread
 CODEX = os.environ.get("LUMO_CODEX") or shutil.which("codex")
 CLAUDE = os.environ.get("LUMO_CLAUDE") or shutil.which("claude")
 QWEN = os.environ.get("LUMO_QWEN") or shutil.which("qwen")
+OPENCODE = os.environ.get("LUMO_OPENCODE") or shutil.which("opencode")
 # a 1x1 PNG
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGP4z8DwHwAFAAH/iZk9HQAAAABJRU5ErkJggg=="
@@ -59,14 +63,13 @@ def _agent(tmp_path, *steps: str) -> _Agent:
 
 
 def _run(cmd: list[str], cwd, env: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PWD": str(cwd),
+        **env,
+    }  # opencode finds its project by PWD, not the working directory
     run = subprocess.run(
-        cmd,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, **env},
-        stdin=subprocess.DEVNULL,
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=180, env=env, stdin=subprocess.DEVNULL
     )
     assert run.returncode == 0, run.stdout + run.stderr
     return run
@@ -140,5 +143,25 @@ def test_qwen_code_writes_a_file_and_reads_an_image(tmp_path):
         env["OPENAI_MODEL"] = "scripted"
         prompt = "Write hello.txt, then look at pic.png"
         run = _run([QWEN, "-p", prompt, "--auth-type", "openai", "--yolo"], work, env)
+    assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
+    assert llm.tokenizer.decode(llm.prompts[-1]).count("<tool_response>") == 2
+
+
+@pytest.mark.skipif(OPENCODE is None, reason="no opencode binary (LUMO_OPENCODE or PATH)")
+def test_opencode_writes_a_file_and_reads_an_image(tmp_path):
+    work, home = _dirs(tmp_path)
+    write = _call("write", filePath=f"{work}/hello.txt", content="hello from lumo")
+    llm = _agent(tmp_path, write, _call("read", filePath=f"{work}/pic.png"))
+    with serve_in_thread(llm) as url:
+        provider = {
+            "npm": "@ai-sdk/openai-compatible",
+            "name": "lumo",
+            "options": {"baseURL": url + "/v1", "apiKey": "sk-test"},
+            "models": {"scripted": {"name": "scripted", "tools": True}},
+        }
+        (work / "opencode.json").write_text(
+            json.dumps({"provider": {"lumo": provider}, "model": "lumo/scripted"})
+        )
+        run = _run([OPENCODE, "run", "Write hello.txt, then look at pic.png"], work, {"HOME": str(home)})
     assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
     assert llm.tokenizer.decode(llm.prompts[-1]).count("<tool_response>") == 2
