@@ -116,42 +116,53 @@ def test_codex_exec_applies_a_patch(tmp_path):
     assert last.index("Add File: hello.txt") < last.index("<tool_response>")  # the call went back, its result
 
 
-@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (LUMO_CLAUDE or PATH)")
-def test_claude_code_writes_a_file_and_reads_an_image(tmp_path):
+def _write_then_read(tmp_path, write: str, read: str, path: str) -> tuple:
+    """A scripted agent that writes hello.txt with tool `write`, then reads pic.png with tool `read`
+    (`path`: the tools' path parameter), and its work and home directories."""
     work, home = _dirs(tmp_path)
-    write = _call("Write", file_path=f"{work}/hello.txt", content="hello from lumo")
-    llm = _agent(tmp_path, write, _call("Read", file_path=f"{work}/pic.png"))
-    with serve_in_thread(llm) as url:
-        env = {"HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test"}
-        env.update(DISABLE_TELEMETRY="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
-        prompt = "Write hello.txt, then look at pic.png"
-        args = ["--allowedTools", "Write Read", "--permission-mode", "acceptEdits"]
-        run = _run([CLAUDE, "-p", prompt, *args], work, env)
+    steps = (
+        _call(write, **{path: f"{work}/hello.txt", "content": "hello from lumo"}),
+        _call(read, **{path: f"{work}/pic.png"}),
+    )
+    return _agent(tmp_path, *steps), work, home
+
+
+def _wrote_and_read(run: subprocess.CompletedProcess, llm: _Agent, work) -> str:
+    """The CLI wrote the file, sent both tools' results back and printed the closing text; the last
+    prompt."""
     assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
     last = llm.tokenizer.decode(llm.prompts[-1])
     assert last.count("<tool_response>") == 2
-    assert "[an image was left out: this model reads text only]" in last
+    return last
+
+
+PROMPT = "Write hello.txt, then look at pic.png"
+
+
+@pytest.mark.skipif(CLAUDE is None, reason="no claude binary (LUMO_CLAUDE or PATH)")
+def test_claude_code_writes_a_file_and_reads_an_image(tmp_path):
+    llm, work, home = _write_then_read(tmp_path, "Write", "Read", "file_path")
+    with serve_in_thread(llm) as url:
+        env = {"HOME": str(home), "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": "sk-test"}
+        env.update(DISABLE_TELEMETRY="1", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1")
+        args = ["--allowedTools", "Write Read", "--permission-mode", "acceptEdits"]
+        run = _run([CLAUDE, "-p", PROMPT, *args], work, env)
+    assert "[an image was left out: this model reads text only]" in _wrote_and_read(run, llm, work)
 
 
 @pytest.mark.skipif(QWEN is None, reason="no qwen binary (LUMO_QWEN or PATH)")
 def test_qwen_code_writes_a_file_and_reads_an_image(tmp_path):
-    work, home = _dirs(tmp_path)
-    write = _call("write_file", file_path=f"{work}/hello.txt", content="hello from lumo")
-    llm = _agent(tmp_path, write, _call("read_file", file_path=f"{work}/pic.png"))
+    llm, work, home = _write_then_read(tmp_path, "write_file", "read_file", "file_path")
     with serve_in_thread(llm) as url:
         env = {"HOME": str(home), "OPENAI_API_KEY": "sk-test", "OPENAI_BASE_URL": url + "/v1"}
         env["OPENAI_MODEL"] = "scripted"
-        prompt = "Write hello.txt, then look at pic.png"
-        run = _run([QWEN, "-p", prompt, "--auth-type", "openai", "--yolo"], work, env)
-    assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
-    assert llm.tokenizer.decode(llm.prompts[-1]).count("<tool_response>") == 2
+        run = _run([QWEN, "-p", PROMPT, "--auth-type", "openai", "--yolo"], work, env)
+    _wrote_and_read(run, llm, work)
 
 
 @pytest.mark.skipif(OPENCODE is None, reason="no opencode binary (LUMO_OPENCODE or PATH)")
 def test_opencode_writes_a_file_and_reads_an_image(tmp_path):
-    work, home = _dirs(tmp_path)
-    write = _call("write", filePath=f"{work}/hello.txt", content="hello from lumo")
-    llm = _agent(tmp_path, write, _call("read", filePath=f"{work}/pic.png"))
+    llm, work, home = _write_then_read(tmp_path, "write", "read", "filePath")
     with serve_in_thread(llm) as url:
         provider = {
             "npm": "@ai-sdk/openai-compatible",
@@ -162,6 +173,5 @@ def test_opencode_writes_a_file_and_reads_an_image(tmp_path):
         (work / "opencode.json").write_text(
             json.dumps({"provider": {"lumo": provider}, "model": "lumo/scripted"})
         )
-        run = _run([OPENCODE, "run", "Write hello.txt, then look at pic.png"], work, {"HOME": str(home)})
-    assert DONE in run.stdout and (work / "hello.txt").read_text() == "hello from lumo"
-    assert llm.tokenizer.decode(llm.prompts[-1]).count("<tool_response>") == 2
+        run = _run([OPENCODE, "run", PROMPT], work, {"HOME": str(home)})
+    _wrote_and_read(run, llm, work)

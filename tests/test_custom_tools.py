@@ -7,7 +7,6 @@ the embedded model for the forced grammar."""
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import re
@@ -22,11 +21,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from lumo import LLM
-from lumo.engine.grammar import GrammarCompiler
 from lumo.engine.llm import embedded_model_path
 from lumo.server.chat import forced_tool_calls
 from lumo.server.protocol import ChatCompletionRequest
-from lumo.server.testing import scripted_server, serve_in_thread
+from lumo.server.testing import TemplateForm, embedded_grammars, scripted_server, serve_in_thread
 from lumo.server.toolparse import ChatOutputParser, ParsedDelta
 from lumo.tokenizer import Tokenizer
 
@@ -168,31 +166,10 @@ def test_requests_and_the_template_view():
     assert req.custom_tools() == ["apply_patch"] and req.tool_choice.function == {"name": "apply_patch"}
 
 
-class _Form:
-    """The embedded tokenizer with its template said to be in the JSON or the XML call form."""
-
-    def __init__(self, form: str):
-        self.tok, self.form = Tokenizer.from_dir(embedded_model_path()), form
-
-    def chat_template_source(self, tools: bool = False) -> str:
-        return "... <function=NAME> ..." if self.form == "xml" else "... <tool_call> ..."
-
-    def token_to_id(self, s: str) -> int | None:
-        return self.tok.token_to_id(s)
-
-
-@functools.cache
-def _compiler() -> GrammarCompiler:
-    t = Tokenizer.from_dir(embedded_model_path())
-    return GrammarCompiler(
-        t.to_json(), 3072, t.eos_token_ids, think=(t.token_to_id("<think>"), t.token_to_id("</think>"))
-    )
-
-
 def _takes(form: str, tool: dict, text: str) -> bool:
     """The grammar tool_choice "required" forces over [tool] takes `text` whole."""
     req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [tool], "tool_choice": "required"})
-    con = _compiler().constraint(forced_tool_calls(_Form(form), req), ())
+    con = embedded_grammars().constraint(forced_tool_calls(TemplateForm(form), req), ())
     try:
         con.advance(Tokenizer.from_dir(embedded_model_path()).encode(text))
     except RuntimeError:

@@ -4,7 +4,6 @@ model: the reply is a call of the allowed function, its arguments the tool's sch
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -14,11 +13,10 @@ pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
 import openai
 
 from lumo import LLM
-from lumo.engine.grammar import GrammarCompiler
 from lumo.engine.llm import embedded_model_path
 from lumo.server.chat import forced_tool_calls
 from lumo.server.protocol import ChatCompletionRequest
-from lumo.server.testing import serve_in_thread
+from lumo.server.testing import TemplateForm, embedded_grammars, serve_in_thread
 from lumo.tokenizer import Tokenizer
 
 WEATHER = {
@@ -40,26 +38,6 @@ TIME = {
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-class _Tok:
-    """The embedded tokenizer with its template said to be in the JSON or the XML form."""
-
-    def __init__(self, form: str):
-        self.tok, self.form = Tokenizer.from_dir(embedded_model_path()), form
-
-    def chat_template_source(self, tools: bool = False) -> str:
-        return "... <function=NAME> ..." if self.form == "xml" else "... <tool_call> ..."
-
-    def token_to_id(self, s: str) -> int | None:
-        return self.tok.token_to_id(s)
-
-
-@functools.cache
-def compiler() -> GrammarCompiler:
-    t = Tokenizer.from_dir(embedded_model_path())
-    think = t.token_to_id("<think>"), t.token_to_id("</think>")
-    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids, think=think)
-
-
 THINK = tuple(Tokenizer.from_dir(embedded_model_path()).token_to_id(t) for t in ("<think>", "</think>"))
 
 
@@ -67,8 +45,8 @@ def _takes(form: str, req: dict, text: str | list[str], prompt: tuple[int, ...] 
     """The forced grammar takes `text` whole (then only an end token may follow); the prompt's think tags
     say where the output starts (default: a closed block, the grammar from the first token). A list of
     texts is tokenized piece by piece (a tag spelt in ordinary tokens, not as its own token)."""
-    spec = forced_tool_calls(_Tok(form), ChatCompletionRequest.model_validate(req))
-    con = compiler().constraint(spec, prompt)
+    spec = forced_tool_calls(TemplateForm(form), ChatCompletionRequest.model_validate(req))
+    con = embedded_grammars().constraint(spec, prompt)
     try:
         tok = Tokenizer.from_dir(embedded_model_path())
         con.advance([i for piece in ([text] if isinstance(text, str) else text) for i in tok.encode(piece)])
@@ -105,7 +83,7 @@ def test_forced_grammar_in_both_forms(form, call):
     assert not _takes(form, required, call("get_weather", {"city": "Paris", "days": "three"}))
     assert not _takes(form, required, call("get_weather", {"days": 3, "city": "Oslo"}))
     auto = ChatCompletionRequest.model_validate({**required, "tool_choice": "auto"})
-    assert forced_tool_calls(_Tok(form), auto) is None
+    assert forced_tool_calls(TemplateForm(form), auto) is None
     # after the reasoning: "\n\n" (Qwen's) may come first, not more; thinking only where the prompt allows it
     assert _takes(form, required, "\n\n" + paris) and not _takes(form, required, "\n\n\n" + paris)
     thought = "<think>\nthe user wants weather\n</think>\n\n" + paris
@@ -203,7 +181,7 @@ def test_forced_xml_values_follow_the_schema():
 
 
 def test_tool_tags_without_their_own_tokens_are_text():
-    class NoTags(_Tok):
+    class NoTags(TemplateForm):
         def token_to_id(self, s: str) -> int | None:
             return None
 
@@ -310,7 +288,7 @@ def test_forced_xml_names_and_odd_types():
             {"messages": USER, "tools": [tool(name, props)], "tool_choice": "required"}
         )
         with pytest.raises(APIError) as e:
-            forced_tool_calls(_Tok("xml"), req)
+            forced_tool_calls(TemplateForm("xml"), req)
         assert e.value.status == 400 and e.value.param == "tools"
     odd = {"messages": USER, "tools": [tool("f", {"x": {"type": {"a": 1}}})], "tool_choice": "required"}
     assert _takes("xml", odd, _xml("f", {"x": "any text"}))

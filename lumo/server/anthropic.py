@@ -29,8 +29,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
-from .errors import APIError, loc_to_param
 from .chat import fold_system_messages
+from .errors import APIError, loc_to_param
 from .protocol import ChatCompletionRequest
 from .toolparse import ParsedDelta
 

@@ -38,8 +38,8 @@ from pydantic import (
     ValidationError,
 )
 
-from .errors import APIError, loc_to_param
 from .chat import fold_system_messages
+from .errors import APIError, loc_to_param
 from .protocol import GUIDED, ChatCompletionRequest
 from .toolparse import ParsedDelta
 

@@ -3,6 +3,7 @@ thread over a scripted engine (tests of what random-weight models never emit: to
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -165,3 +166,32 @@ def serve_in_thread(llm: Any, timeout_s: float = 20.0, **app_kw: Any) -> Iterato
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+class TemplateForm:
+    """The embedded model's tokenizer with its chat template said to teach the JSON or the XML tool-call
+    form (`form`): what chat.forced_tool_calls reads of a tokenizer, for tests of its grammars."""
+
+    def __init__(self, form: str):
+        from ..engine.llm import embedded_model_path
+        from ..tokenizer import Tokenizer
+
+        self.tok, self.form = Tokenizer.from_dir(embedded_model_path()), form
+
+    def chat_template_source(self, tools: bool = False) -> str:
+        return "... <function=NAME> ..." if self.form == "xml" else "... <tool_call> ..."
+
+    def token_to_id(self, s: str) -> int | None:
+        return self.tok.token_to_id(s)
+
+
+@functools.cache
+def embedded_grammars():
+    """A GrammarCompiler for the embedded model's tokenizer (its think tags known), built once."""
+    from ..engine.grammar import GrammarCompiler
+    from ..engine.llm import embedded_model_path
+    from ..tokenizer import Tokenizer
+
+    t = Tokenizer.from_dir(embedded_model_path())
+    think = t.token_to_id("<think>"), t.token_to_id("</think>")
+    return GrammarCompiler(t.to_json(), 3072, t.eos_token_ids, think=think)
