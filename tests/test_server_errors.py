@@ -303,14 +303,6 @@ BAD = [
         "max_output_tokens",
         "max_output_tokens 1000000 + prompt",
     ),  # fmt: skip
-    (
-        "template-raises",
-        CHAT,
-        {"messages": [*USER, {"role": "system", "content": "late"}]},
-        400,
-        "messages",
-        "system message",
-    ),
 ]
 
 

@@ -288,7 +288,11 @@ def _refs_resolve_in_definitions(prop: dict[str, Any], schema: dict[str, Any]) -
 
 def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
     """The prompt text for a chat request (an assistant turn opened, or the last message continued: vLLM's
-    add_generation_prompt / continue_final_message); template errors are the client's mistake (400)."""
+    add_generation_prompt / continue_final_message); template errors are the client's mistake (400). A
+    template that refuses the request's system messages where they are (the family's official ones raise
+    "System message must be at the beginning" for a second one; opencode, Claude Code's hooks and memory
+    plugins send them) gets them folded as the other APIs fold them (fold_system_messages); a template
+    that takes them is given them as they are."""
     if not tokenizer.has_chat_template:
         raise APIError(
             400, "this model has no chat template; use /v1/completions with a plain prompt", "messages"
@@ -304,7 +308,7 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
         choice = req.tool_choice
         named = isinstance(choice, NamedToolChoice)  # a function's form, as the template knows tools
         kwargs["tool_choice"] = {"type": "function", "function": choice.function} if named else choice
-    try:
+    def render(messages: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(
             messages,
             tools=tools,
@@ -312,7 +316,17 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
             continue_final_message=req.continue_final_message,
             **kwargs,
         )
+
+    try:
+        return render(messages)
     except (TokenizerError, TypeError) as e:
+        folded = [dict(m) for m in messages]
+        fold_system_messages(folded)
+        if [m["role"] for m in folded] != [m["role"] for m in messages]:
+            try:
+                return render(folded)
+            except (TokenizerError, TypeError):
+                pass
         raise APIError(400, str(e), "messages") from None
 
 
