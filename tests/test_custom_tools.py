@@ -621,3 +621,20 @@ def test_namespace_tools(tmp_path):
         _sse(url, "/v1/responses", {"input": history, "tools": [agents, spawn]})
         prompt = llm.tokenizer.decode(llm.prompts[-1])
         assert prompt.index('"name": "agents__spawn"') < prompt.index("spawned")
+        # malformed namespaces and names: 400s naming the tool or item, not 500s
+        bad_item = {**history[1], "namespace": ["agents"]}
+        cases = [
+            (
+                {"tools": [{"type": "namespace", "name": "ns", "tools": ["x"]}]},
+                "tools[0]",
+                "must be an object",
+            ),
+            ({"tools": [{"type": "function", "name": ["a"]}]}, "tools[0]", "needs a name"),
+            ({"tools": [agents, spawn, {**spawn, "name": "agents__spawn"}]}, "tools[2]", "used twice"),
+            ({"tools": [agents, agents]}, "tools[1]", "used twice"),
+            ({"input": [history[0], bad_item], "tools": [agents]}, "input[1]", "namespace must be a string"),
+        ]
+        for body, param, words in cases:
+            r = httpx.post(url + "/v1/responses", json={"input": "hi", **body}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert words in r.json()["error"]["message"]

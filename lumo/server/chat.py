@@ -308,6 +308,7 @@ def render_prompt(tokenizer: Any, req: ChatCompletionRequest) -> str:
         choice = req.tool_choice
         named = isinstance(choice, NamedToolChoice)  # a function's form, as the template knows tools
         kwargs["tool_choice"] = {"type": "function", "function": choice.function} if named else choice
+
     def render(messages: list[dict[str, Any]]) -> str:
         return tokenizer.apply_chat_template(
             messages,

@@ -259,9 +259,11 @@ def _messages(
             origin.append([i])
         elif kind in ("function_call", "custom_tool_call"):
             call: dict[str, Any] = {"id": item.get("call_id")}
-            name = item.get("name")
+            name, namespace = item.get("name"), item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise APIError(400, f"{where}.namespace must be a string", where)
             if isinstance(name, str):
-                name = (shown or {}).get((item.get("namespace"), name), name)
+                name = (shown or {}).get((namespace, name), name)
             if kind == "function_call":
                 call["type"] = "function"
                 call["function"] = {"name": name, "arguments": item.get("arguments", "{}")}
@@ -308,12 +310,15 @@ def _chat_tools(
         if isinstance(t, dict) and t.get("type") == "namespace":
             if not isinstance(t.get("name"), str) or not isinstance(t.get("tools"), list):
                 raise APIError(400, "a namespace tool needs a name and a list of tools", f"tools[{i}]")
-            flat += [(i, t["name"], member) for member in t["tools"]]
+            for j, member in enumerate(t["tools"]):
+                if not isinstance(member, dict):
+                    raise APIError(400, f"tools[{i}].tools[{j}] must be an object", f"tools[{i}]")
+                flat.append((i, t["name"], member))
         else:
             flat.append((i, None, t))
     count: dict[Any, int] = {}
     for _, _, t in flat:
-        name = t.get("name") if isinstance(t, dict) else None
+        name = t.get("name") if isinstance(t, dict) and isinstance(t.get("name"), str) else None
         count[name] = count.get(name, 0) + 1
     out, index, names = [], [], {}
     for i, namespace, t in flat:
@@ -324,6 +329,10 @@ def _chat_tools(
         name = spec["name"]
         if namespace is not None and count[name] > 1:
             spec["name"] = f"{namespace}__{name}"
+        taken = names.get(spec["name"])
+        if taken is not None and (namespace is not None or taken[0] is not None):
+            # a namespace's tool meets another of its shown name (a namespace twice, NS__NAME given too)
+            raise APIError(400, f"tool name {spec['name']!r} is used twice", f"tools[{i}]")
         out.append(chat)
         index.append(i)
         names[spec["name"]] = (namespace, name)
@@ -337,9 +346,11 @@ def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any] | None:
     kind = tool.get("type")
     if kind in HOSTED_TOOLS:
         return None
-    if kind not in ("function", "custom") or not isinstance(tool.get("name"), str):
+    if kind not in ("function", "custom"):
         msg = f"tool type {kind!r} is not supported (function and custom tools; hosted ones are left out)"
         raise APIError(400, msg, f"tools[{i}]")
+    if not isinstance(tool.get("name"), str):
+        raise APIError(400, f"a {kind} tool needs a name, a string", f"tools[{i}]")
     if kind == "function":
         fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
         return {"type": "function", "function": fn}
