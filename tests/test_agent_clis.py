@@ -10,11 +10,13 @@ run its tools for real (files appear) and send their results back, which the nex
   of a PNG (opencode, told the model takes no images, says so itself).
 Each runs where its binary is found (LUMO_CODEX / LUMO_CLAUDE / LUMO_QWEN / LUMO_OPENCODE, else PATH; `npm
 install @openai/codex @anthropic-ai/claude-code @qwen-code/qwen-code opencode-ai`); CI has none, so there
-they are skipped. Session 44 ran them with Codex CLI 0.171.0, Claude Code 2.1.197, Qwen Code 0.15.10 and
-opencode 1.18.33."""
+they are skipped. The OpenAI Agents SDK runs in process where `openai-agents` is installed (not in CI).
+Session 44 ran them all: Codex CLI 0.171.0, Claude Code 2.1.197, Qwen Code 0.15.10, opencode 1.18.33 and
+openai-agents 0.24.0."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -175,3 +177,39 @@ def test_opencode_writes_a_file_and_reads_an_image(tmp_path):
         )
         run = _run([OPENCODE, "run", PROMPT], work, {"HOME": str(home)})
     _wrote_and_read(run, llm, work)
+
+
+def test_openai_agents_sdk_runs_a_tool(tmp_path):
+    """The OpenAI Agents SDK (`pip install openai-agents`; skipped where it is not installed), on its
+    Responses model and its chat-completions model, streamed and not: the agent calls the function tool,
+    gets its result back to lumo and ends with the text."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny, 21 C in {city}"
+
+    llm = _agent(tmp_path, _call("get_weather", city="Oslo"))
+
+    async def run(url: str) -> list[str]:
+        client = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        models = agents.OpenAIResponsesModel, agents.OpenAIChatCompletionsModel
+        outputs = []
+        for kind in models:
+            agent = agents.Agent(
+                name="w", tools=[get_weather], model=kind(model="scripted", openai_client=client)
+            )
+            done = await agents.Runner.run(agent, "Weather in Oslo?")
+            streamed = agents.Runner.run_streamed(agent, "Weather in Oslo?")
+            async for _ in streamed.stream_events():
+                pass
+            outputs += [done.final_output, streamed.final_output]
+        return outputs
+
+    with serve_in_thread(llm) as url:
+        assert asyncio.run(run(url)) == [DONE] * 4
+    assert "sunny, 21 C in Oslo" in llm.tokenizer.decode(llm.prompts[-1])
