@@ -127,7 +127,7 @@ def _text(content: Any, where: str, notes: bool = False) -> str:
     parts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
-        if notes and kind in _LEFT_OUT:
+        if notes and isinstance(kind, str) and kind in _LEFT_OUT:
             parts.append(_LEFT_OUT[kind])
             continue
         if kind != "text" or not isinstance(block.get("text"), str):
@@ -156,7 +156,7 @@ def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "text" and isinstance(b.get("text"), str):
             text.append(b["text"])
-        elif kind in _LEFT_OUT and m["role"] == "user":
+        elif isinstance(kind, str) and kind in _LEFT_OUT and m["role"] == "user":
             text.append(_LEFT_OUT[kind])
         elif kind == "thinking" and m["role"] == "assistant" and isinstance(b.get("thinking"), str):
             reasoning.append(b["thinking"])

@@ -232,7 +232,8 @@ def _xml_call_rules(functions: list, grammars: dict[str, tuple[str, str]] | None
         if not isinstance(props, dict):
             rules += [f"f{i}: {head} p{i}*", f'p{i}: "<parameter=" /[^>\\n]+/ ">\\n" value']
             continue
-        required = set(schema.get("required") or ())
+        required = schema.get("required")
+        required = {r for r in required if isinstance(r, str)} if isinstance(required, list) else set()
         seq = [head]
         for j, (name, prop) in enumerate(props.items()):
             p = f"p{i}_{j}"

@@ -217,7 +217,7 @@ def _text_of(content: Any, where: str) -> str:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _LEFT_OUT:
+        if isinstance(kind, str) and kind in _LEFT_OUT:
             parts.append(_LEFT_OUT[kind])
         elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append(part["text"])
@@ -293,7 +293,7 @@ def _messages(
             if not ok or not all(isinstance(t, str) for t in texts):
                 raise APIError(400, f"{where}: a reasoning item's content is a list of text parts", where)
             reasoning = "".join(texts)
-        elif kind not in _HOSTED_CALLS:  # a hosted tool's call: left out, as the tool is
+        elif not (isinstance(kind, str) and kind in _HOSTED_CALLS):  # a hosted tool's call: left out
             raise APIError(400, f"input item type {kind!r} is not supported", where)
     return out, origin
 
@@ -343,8 +343,8 @@ def _chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any] | None:
     """A Responses function tool (flat: name, description, parameters) or custom tool (flat: name,
     description, format; a grammar format flat too: syntax, definition) as a chat tool; None for a hosted
     tool (left out)."""
-    kind = tool.get("type")
-    if kind in HOSTED_TOOLS:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if isinstance(kind, str) and kind in HOSTED_TOOLS:
         return None
     if kind not in ("function", "custom"):
         msg = f"tool type {kind!r} is not supported (function and custom tools; hosted ones are left out)"
@@ -495,7 +495,15 @@ def _copy(x: Any) -> Any:
 
 
 def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
-    """The response object's fields that do not depend on the output."""
+    """The response object's fields that do not depend on the output; the request's values it echoes
+    (instructions, tools, tool_choice, text, metadata) must be JSON a response can carry: a lone surrogate
+    or a NaN / Infinity in them is a 400 naming the field (echoed, they would break the response)."""
+    for name in ("instructions", "tools", "tool_choice", "text", "metadata"):
+        try:
+            json.dumps(getattr(body, name), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (ValueError, UnicodeEncodeError):
+            msg = f"{name} holds a value JSON text cannot carry (a lone surrogate, NaN or Infinity)"
+            raise APIError(400, msg, name) from None
     return {
         "id": new_id("resp"),
         "object": "response",
