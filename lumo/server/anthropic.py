@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError
 
-from .chat import fold_system_messages
+from .chat import fold_system_messages, left_out
 from .errors import APIError, loc_to_param
 from .protocol import ChatCompletionRequest
 from .toolparse import ParsedDelta
@@ -111,10 +111,7 @@ class CountTokensRequest(MessagesRequest):
 
 
 # a block lumo's models cannot read -> the note that stands in for it
-_LEFT_OUT = {
-    "image": "[an image was left out: this model reads text only]",
-    "document": "[a document was left out: this model reads text only]",
-}
+_LEFT_OUT = {"image": left_out("an image"), "document": left_out("a document")}
 
 
 def _text(content: Any, where: str, notes: bool = False) -> str:

@@ -48,6 +48,12 @@ def _arguments(args: str | dict[str, Any]) -> str | dict[str, Any]:
     return args
 
 
+def left_out(what: str) -> str:
+    """The note that stands in a prompt for an input part lumo's text models cannot read (an image, a
+    document...), where the Responses and Messages APIs take one rather than refuse it."""
+    return f"[{what} was left out: this model reads text only]"
+
+
 def fold_system_messages(messages: list[dict[str, Any]]) -> int:
     """In place, for APIs whose clients put system text anywhere (the Responses API's instructions and
     developer messages, the Messages API's `system` and system messages): the system / developer messages

@@ -38,7 +38,7 @@ from pydantic import (
     ValidationError,
 )
 
-from .chat import fold_system_messages
+from .chat import fold_system_messages, left_out
 from .errors import APIError, loc_to_param
 from .protocol import GUIDED, ChatCompletionRequest
 from .toolparse import ParsedDelta
@@ -173,9 +173,9 @@ def text_format(text: Any) -> dict[str, Any]:
 
 # an input part lumo's models cannot read -> the note that stands in for it
 _LEFT_OUT = {
-    "input_image": "[an image was left out: this model reads text only]",
-    "input_file": "[a file was left out: this model reads text only]",
-    "input_audio": "[audio was left out: this model reads text only]",
+    "input_image": left_out("an image"),
+    "input_file": left_out("a file"),
+    "input_audio": left_out("audio"),
 }
 # tools the API's own servers run, which lumo cannot: left out of the tools, their calls out of the input
 HOSTED_TOOLS = frozenset(
