@@ -202,6 +202,32 @@ def test_split_k_variants_equal_cross_cta(splits):
             assert torch.equal(y, cross), (m, kw)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 5, 16])
+def test_cp_async_ring_keeps_the_bits(splits):
+    """nvfp4_linear(ring=D): the register-direct kernel with its weights and scales through a per-warp
+    cp.async ring of D slots (linear.cu CPR) gives the bits of the cross-CTA kernel for tile widths 1 / 2 /
+    4, rings of 4 / 6 / 8 slots (a slice shorter than the ring, odd chunk counts, a short and empty last
+    slices with 16), clusters of 2 CTAs, and M 1..32."""
+    gen = torch.Generator(DEV).manual_seed(41 + splits)
+    n, k = 64 * 5 + 27, 16 * 4 * (7 * splits + 3) + 16 * 3
+    w, s, s2 = rand_nvfp4(n, k, gen)
+    packed = pack_nvfp4(w, s, s2, splits=splits)
+    clusters = torch.cuda.get_device_capability()[0] >= 9
+    for m in (1, 3, 8, 9, 17, 32):
+        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
+        want = nvfp4_linear(x, packed, rd=False, cluster=False)
+        assert rel_err(want, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
+        for mtw in (1, 2, 4):
+            if splits * mtw * -(-m // 8) * 512 + splits * mtw * 8 * 576 > smem_limit(x.device):
+                continue
+            for ring in (4, 6, 8):
+                for rdcl in [None] + ([2] if clusters and splits % 2 == 0 else []):
+                    y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=(mtw, 1), ring=ring, rdcl=rdcl)
+                    assert torch.equal(y, want), (m, mtw, ring, rdcl)
+    with pytest.raises(ValueError, match="ring"):
+        nvfp4_linear(x, packed, rd=(1, 2), ring=4)
+
+
 @pytest.mark.parametrize("splits", [2, 8, 16])
 def test_staged_weights_keep_the_bits(monkeypatch, splits):
     """nvfp4_linear(stage=True): the register-direct kernel with every warp's slice copied into shared
@@ -304,6 +330,7 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(monkeypatch, i, k, splits):
     assert fused.out_features == i and fused.splits == splits
     knobs = [{}, dict(rd=False, cluster=False), dict(rd=(1, 2)), dict(rd=(4, 2)), dict(sx=(8, 2, 3))]
     knobs += [dict(stage=True), dict(rd=(2, 2), stage=True)]  # the weights staged in shared memory
+    knobs += [dict(rd=(1, 1), ring=4), dict(rd=(2, 1), ring=6)]  # through a cp.async ring
     if torch.cuda.get_device_capability()[0] >= 9:
         knobs += [dict(rd=False, cluster=True)] + ([dict(rd=(1, 2), rdcl=2)] if splits % 2 == 0 else [])
     staged = stage_spy(monkeypatch)
@@ -361,6 +388,7 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
     state0 = torch.randn(c, taps - 1, generator=gen, device=DEV).to(torch.bfloat16)
     knobs = [{}, dict(rd=(1, 2)), dict(rd=(2, 3)), dict(rd=False, cluster=False), dict(sx=(8, 2, 3))]
     knobs += [dict(stage=True), dict(rd=(2, 3), stage=True)]  # the weights staged in shared memory
+    knobs += [dict(rd=(1, 1), ring=6), dict(rd=(2, 1), ring=4)]  # through a cp.async ring
     if torch.cuda.get_device_capability()[0] >= 9 and splits % 2 == 0:
         knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True), dict(rd=(1, 2), rdcl=2, stage=True)]
     xs = [torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]

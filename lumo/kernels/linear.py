@@ -423,8 +423,10 @@ def _rd_fit_waves(
 # Minimum resident CTAs per SM (`__launch_bounds__`) of nvfp4_gemv_rd configs whose natural register
 # count lands a few registers above an occupancy step: (NT, MTW, PF, slices) -> CTAs. The bound keeps the
 # step without a spill in the loop (sm_90 and sm_121a: (1, 1, 3, 8) 69 -> 64 registers, 4 CTAs of 8
-# warps instead of 3; one 8-byte spill outside the loop). A launch choice only (same bits).
-RD_MIN_BLOCKS = {(1, 1, 3, 8): 4, (2, 2, 2, 4): 5, (2, 2, 2, 2): 10, (2, 2, 2, 1): 20}
+# warps instead of 3; one 8-byte spill outside the loop). (1, 1, 1, 4): the 4-slice cp.async-ring build
+# (CPR; PF 1 is the ring's) at the register ring's 9 CTAs per SM: 58 -> 56 registers, no stack (sm_90,
+# GLU, 8 slots). A launch choice only (same bits).
+RD_MIN_BLOCKS = {(1, 1, 3, 8): 4, (2, 2, 2, 4): 5, (2, 2, 2, 2): 10, (2, 2, 2, 1): 20, (1, 1, 1, 4): 9}
 
 
 # Weight bytes a register-direct or shared-activation GEMV asks L2 for before its pdl_wait (linear.cu,
@@ -451,7 +453,12 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 # warps in pairs (RD_CHOICE above): at NT = 4 a CTA of all eight slices needs ~40K registers (one per SM),
 # a pair's CTA 20K (three). At NT = 3 (128 registers, two CTAs of eight warps per SM) one CTA was faster.
 # A launch choice only (same bits).
-RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (4, 2, 2, 8): (2, 1)}
+RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (1, 1, 1, 16): (2, 5), (4, 2, 2, 8): (2, 1)}
+
+# Slots of the cp.async ring (linear.cu CPR) the default launch takes at M <= 8 for weights of two or more
+# slices, with PF 1 (0: the register ring of RD_CHOICE's PF). A launch choice only (same bits). Off until
+# measured: built in session 45, when no GPU was lent (docs/kernels.md).
+RD_RING = 0
 
 
 def _rd_cluster_fits(
@@ -493,12 +500,13 @@ def _rd_default_cluster(
 
 
 def _rd_shape(
-    rg: int, nt: int, mtw: int, splits: int, rdcl: int, stage_cps: int = 0
+    rg: int, nt: int, mtw: int, splits: int, rdcl: int, stage_cps: int = 0, ring: int = 0
 ) -> tuple[tuple[int, int, int], int, int]:
     """nvfp4_gemv_rd's grid, block and dynamic shared memory (a CTA of splits / rdcl warps, a slice each;
-    `stage_cps`: the chunks per slice a staged build (STG) holds, 576 bytes per chunk and tile)."""
+    `stage_cps`: the chunks per slice a staged build (STG) holds, `ring`: the slots of a CPR build's
+    shared-memory ring, 576 bytes per chunk and tile either way)."""
     ksw = splits // rdcl
-    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * (nt * 512 + stage_cps * 576)
+    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * (nt * 512 + (stage_cps + ring) * 576)
 
 
 @functools.cache
@@ -512,16 +520,19 @@ def _rd_kernel(
     rdcl: int = 1,
     conv: int = 0,
     stage: bool = False,
+    ring: int = 0,
+    minb: int | None = None,
 ) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
     defines |= {"CONV": conv} if conv else {}  # the decode conv's taps, fused into the epilogue
     defines |= {"STG": 1} if stage else {}  # the slice's weights staged in shared memory before pdl_wait
+    defines |= {"CPR": ring} if ring else {}  # weights through a cp.async ring of `ring` slots per warp
     if rdcl > 1:
-        cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
-        minb = minb if cl == rdcl else 1
+        cl, dflt = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
+        minb = (dflt if cl == rdcl else 1) if minb is None else minb
         defines["RDCL"] = rdcl
     else:
-        minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
+        minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1) if minb is None else minb
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
 
@@ -560,6 +571,8 @@ def nvfp4_linear(
     rdcl: int | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stage: bool = False,
+    ring: int = 0,
+    minb: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -587,6 +600,10 @@ def nvfp4_linear(
     wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none). `rdcl`: the register-direct kernel's
     slices spread over clusters of that many CTAs (a divisor of the slice count; > 1 needs sm_90+; default
     RD_CLUSTERS, falling back to one CTA where the device cannot schedule that cluster).
+    `ring`: the register-direct kernel's weights go through a shared-memory ring of that many slots per
+    warp (even, >= 4), filled by cp.async that many chunks ahead less two (linear.cu CPR; with rd's PF 1,
+    not with `stage` or a `probe`). `minb`: the register-direct build's minimum resident CTAs per SM
+    (`__launch_bounds__`; default RD_MIN_BLOCKS / RD_CLUSTERS).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -619,6 +636,8 @@ def nvfp4_linear(
         rd = choose_rd(splits, m)
         if rd:
             rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device, bool(packed.glu_n), conv_k)
+            if RD_RING and nt == 1 and splits > 1 and not stage and not probe and not ring:
+                rd, ring = (rd[0], 1), RD_RING
         elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
             sx = SX_DEFAULT
     if rd:
@@ -633,14 +652,16 @@ def nvfp4_linear(
         elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device, conv_k):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         stage = stage and not probe  # a probe build measures the usual kernel
+        if ring and (stage or probe or pf != 1 or ring < 4 or ring % 2):
+            raise ValueError(f"ring must be even and >= 4, with PF 1, no stage or probe; got {ring}, PF {pf}")
         if stage:
             grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, stage_cps=cps)
             build = functools.partial(_rd_kernel, nt, mtw, pf, splits, 0, glu, rdcl, conv_k, stage=True)
             stage = _stage_fits(grid, block, shmem, rdcl, x.device, build)
             kern = build() if stage else None
         if not stage:
-            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
-            grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
+            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k, ring=ring, minb=minb)
+            grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, ring=ring)
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         args += [*conv, conv_c] if conv is not None else []
         if shmem > smem_limit(x.device):

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 45's GPU checks of the cp.async weight ring of nvfp4_gemv_rd (linear.cu CPR), written when no GPU
+# was lent: nothing here has run yet. Two device calls:
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh")     # its bits, then M = 1 times
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh ab")  # the 27B decode step, A/B
+# The first runs the linear GPU tests that launch a ring build (bitwise against the cross-CTA kernel), then
+# bench_linear's M = 1 sweep of ring depths and register bounds per slice count of the 27B shapes against
+# the library default. The second times the 27B decode step at 1k with linear.RD_RING = 0 / 6 / 8 (every
+# M <= 8 launch of a weight of two or more slices on the ring), whole processes over two rounds.
+set -u
+export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=/tmp/lk PYTHONPATH=.:.gpu-deps
+out=${OUT:-/tmp}
+source bench/gpu_group.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if [ "${1:-}" = ab ]; then
+  group 560 ab python bench/ab.py --rounds 2 --variant linear.RD_RING=0 --variant linear.RD_RING=6 \
+    --variant linear.RD_RING=8 -- bench/bench_decode.py --contexts 1024 --prefill --peer-layers 0 --no-profile
+  tail -8 "$out/ab.log"
+  exit
+fi
+group 200 t_ring $P tests/test_linear_gpu.py -k "ring or glu or conv_fused"
+group 150 lin4 python bench/bench_linear.py --m 1 --only gate "gdn qkvz" \
+  --configs r1x1q4 r1x1q6 r1x1q8 r1x1q12 r1x1q6b8 r1x1q8b8 r1x1q6b1 r1x1q8b1
+group 150 lin8 python bench/bench_linear.py --m 1 --only "attn qkv" "out 6144" "in 5120" \
+  --configs r1x1q4 r1x1q6 r1x1q8 r1x1q12 r1x1q6b5 r1x1q8b5
+group 100 lin16 python bench/bench_linear.py --m 1 --only down --configs r1x1q4 r1x1q6 r1x1q8 r1x1c1q6 r1x1c1q8
+group 100 linhead python bench/bench_linear.py --m 1 --only lm_head --configs r2x1q4 r2x1q6 r2x1q8 r1x1q6 r1x1q8
+for f in lin4 lin8 lin16 linhead; do sed -n '/sweep: us per launch/,$p' "$out/$f.log" | grep -v "^$" | head -12; done
