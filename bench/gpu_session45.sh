@@ -6,15 +6,18 @@
 # The first runs the linear GPU tests that launch a ring build (bitwise against the cross-CTA kernel), then
 # bench_linear's M = 1 sweep of ring depths and register bounds per slice count of the 27B shapes against
 # the library default. The second times the 27B decode step at 1k with linear.RD_RING = 0 / 6 / 8 (every
-# M <= 8 launch of a weight of two or more slices on the ring), whole processes over two rounds.
+# M <= 8 launch of a weight of two or more slices on the ring), whole processes over two rounds, and the
+# same step without its 128 block norms (GPURunner.timing_without_block_norms: wrong output, timing only:
+# the most a norm folded into the GEMVs could save, docs/runner.md).
 set -u
 export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=/tmp/lk PYTHONPATH=.:.gpu-deps
 out=${OUT:-/tmp}
 source bench/gpu_group.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ "${1:-}" = ab ]; then
-  group 560 ab python bench/ab.py --rounds 2 --variant linear.RD_RING=0 --variant linear.RD_RING=6 \
-    --variant linear.RD_RING=8 -- bench/bench_decode.py --contexts 1024 --prefill --peer-layers 0 --no-profile
+  group 580 ab python bench/ab.py --rounds 2 --variant linear.RD_RING=0 --variant linear.RD_RING=6 \
+    --variant linear.RD_RING=8 --variant timing_without_block_norms=1 \
+    -- bench/bench_decode.py --contexts 1024 --prefill --peer-layers 0 --no-profile
   tail -8 "$out/ab.log"
   exit
 fi

@@ -639,16 +639,17 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 // multiplied, where the register ring holds PF - 1 chunks at 13 registers each: more bytes in flight per
 // warp for few registers (at M = 1 the register-direct loop waits on DRAM: with the weights in L2 it ran
 // 31-36% faster, session 18). Each lane copies its own 16 bytes of weights and reads back only those, so
-// cp.async.wait_group orders everything without a barrier; the scale pair of lanes 2m and 2m + 1 is one
-// 4-byte copy that both lanes make (the same bytes to the same place, and a lane reads only after its own
-// copy has landed). The loop takes two chunks per trip and is not unrolled further: its slots are run-time
-// offsets, because an unrolled ring let ptxas hoist every wait and shared load of a trip to the trip's
-// start, which shortened the window to the chunks issued in that same trip and took ~25 more registers.
-// The activations are loaded at their use (mostly from L1: every CTA on the SM reads the same slice of x).
-// The same arithmetic in the same order: the same bits. CPR builds take PF 1 (no register ring).
+// cp.async.wait_group orders everything without a barrier; a lane's 2-byte scale pair comes with its
+// neighbour's in the smallest copy cp.async makes (4 bytes), into a cell of its own. The loop takes two
+// chunks per trip and is not unrolled further: its slots are run-time offsets, because an unrolled ring
+// let ptxas hoist every wait and shared load of a trip to the trip's start, which shortened the window to
+// the chunks issued in that same trip and took ~25 more registers. The activations are loaded at their
+// use (mostly from L1: every CTA on the SM reads the same slice of x). The same arithmetic in the same
+// order: the same bits. CPR builds take PF 1 (no register ring).
 #ifndef CPR
 #define CPR 0
 #endif
+#define CPR_TILE_BYTES 640  // a CPR ring slot per m16 tile: 512 bytes of weights, 32 x 4 of scales (linear.py)
 #if CPR && (STG || LUMO_PROBE || PF != 1 || CPR < 4 || CPR % 2)
 #error "CPR (even, >= 4) takes PF 1, and neither STG nor a probe"
 #endif
@@ -803,11 +804,13 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #if CPR
   {
     // Dynamic smem after the epilogue's KSW * MTW * NT * 512 bytes: every warp's ring of CPR slots, a slot
-    // = its MTW tiles' weights [tile][32 lanes] x 16 bytes, then their scales [tile][32 lanes] x 2 bytes.
-    constexpr u32 kSlot = MTW * 576;
+    // = its MTW tiles' weights [tile][32 lanes] x 16 bytes, then [tile][32 lanes] x 4 bytes of scales: each
+    // lane's cell holds the scale pairs of its lane pair (2m, 2m + 1), the smallest cp.async, and the lane
+    // reads its own half. A cell per lane: no lane writes what another reads.
+    constexpr u32 kSlot = MTW * CPR_TILE_BYTES;
     const u32 ring = (u32)__cvta_generic_to_shared(dynamic_smem() + KSW * MTW * NT * 32) + warp * CPR * kSlot;
-    const u32 rw = ring + lane * 16, rs = ring + MTW * 512 + lane * 2;
-    const u32 rs_pair = rs - 2 * (lane & 1);  // the lane pair's 4 bytes of scales
+    const u32 rw = ring + lane * 16, rs_cell = ring + MTW * 512 + lane * 4;
+    const u32 rs = rs_cell + 2 * (lane & 1);  // this lane's scale pair in its cell
     const uint4* fw = wp;                      // the next chunk to copy (the slice's chunk 0 first)
     const unsigned short* fs = sp - (lane & 1);
     auto fill = [&](u32 slot, int r, bool copy) {  // chunk r (from fw / fs) into the ring slot at byte `slot`
@@ -815,7 +818,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #pragma unroll
         for (int p = 0; p < MTW; ++p) {
           cp_async16_shared(rw + slot + p * 512, fw + ((size_t)r * MT + p) * 32);
-          cp_async4_shared(rs_pair + slot + p * 64, fs + ((size_t)r * MT + p) * 32);
+          cp_async4_shared(rs_cell + slot + p * 128, fs + ((size_t)r * MT + p) * 32);
         }
       }
     };
@@ -849,7 +852,7 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #pragma unroll
       for (int p = 0; p < MTW; ++p) {
         wr[0][p] = ld_shared16(rw + slot + r * kSlot + p * 512);
-        sr[0][p] = ld_shared2(rs + slot + r * kSlot + p * 64);
+        sr[0][p] = ld_shared2(rs + slot + r * kSlot + p * 128);
       }
 #pragma unroll
       for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[0][p], sr[0][p], xr[0]);
