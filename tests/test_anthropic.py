@@ -392,3 +392,47 @@ def test_stop_reasons_with_the_embedded_model():
         )
         again = client.messages.create(**ask, max_tokens=1)
         assert Message.model_validate(again.model_dump()).stop_reason in ("max_tokens", "end_turn")
+
+
+class _Structured(ScriptedLLM):
+    """Records the structured output each request asked for (a scripted output follows no grammar)."""
+
+    def constraint(self, structured, prompt_ids):
+        self.asked = structured
+
+
+def test_structured_output_and_threads(tmp_path):
+    """output_config.format (the SDK's messages.parse, LangChain's json_schema method) and the beta's
+    output_format (LiteLLM) are the JSON schema the reply follows, the chat's json_schema grammar; another
+    format type is a 400. A request that names a message thread (the SDK's tool runner sends
+    `thread` by default) is a 400 with the error code the SDK recovers from by resending the whole history,
+    not an answer to a prompt that holds only the last tool result."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    llm = _Structured.with_test_tokenizer(tmp_path, '{"name": "Ada"}')
+    ask = dict(model="claude-sonnet-4-5", max_tokens=50, messages=[{"role": "user", "content": "Who?"}])
+    with serve_in_thread(llm) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=30)
+        for extra in (
+            {"output_config": {"format": {"type": "json_schema", "schema": schema}, "effort": "low"}},
+            {"output_format": {"type": "json_schema", "schema": schema}},
+        ):
+            llm.asked = None
+            m = client.messages.create(**ask, extra_body=extra)
+            assert m.content[-1].text == '{"name": "Ada"}' and llm.asked.json == schema, extra
+        for extra, where in (
+            ({"output_config": {"format": {"type": "yaml"}}}, "output_config.format"),
+            ({"output_format": {"type": "json_schema"}}, "output_format.schema"),
+            ({"output_config": "json"}, "output_config"),
+        ):
+            with pytest.raises(anthropic.BadRequestError, match=where.replace(".", r"\.")):
+                client.messages.create(**ask, extra_body=extra)
+        r = httpx.post(
+            url + "/v1/messages",
+            json={**ask, "thread": {"type": "create"}},
+            headers={"x-api-key": "x"},
+            timeout=10,
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "invalid_request_error" and "thread" in err["message"]
+        assert err["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
+        assert client.messages.create(**ask, extra_body={"thread": False}).content  # off: served

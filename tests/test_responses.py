@@ -244,7 +244,7 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ),
         ({"input": "a", "text": {"format": {"type": "json_schema"}}}, "text", "json_schema"),
         ({"input": []}, "input", "empty"),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "item_reference"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "item 'x' is not known"),
         ({"input": [{"role": "robot", "content": "a"}]}, "input[0]", "robot"),
         ({"input": "a", "max_output_tokens": 0}, "max_output_tokens", ""),
         ({}, "input", ""),
@@ -303,3 +303,56 @@ def test_bad_requests(server, body, param, words):
     assert r.status_code in (400, 422), r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+def test_item_references_name_recent_items(scripted):
+    """An input's item_reference names an item of an earlier response (the AI SDK's default OpenAI model
+    sends earlier reasoning and messages so while `store` is not false): the item itself, rendered in its
+    place, streamed responses' items too; an unknown id, or one of a response made with store false, is a
+    400 that says why. A function call the client sends whole is kept with its id as well."""
+    llm, client = scripted
+    tools = [TOOL]
+    first = client.responses.create(model="any", input="Weather?", tools=tools)
+    reasoning, message, call = first.output[0], first.output[1], first.output[2]
+    assert (reasoning.type, message.type, call.type) == ("reasoning", "message", "function_call")
+    refs = [{"type": "item_reference", "id": reasoning.id}, {"type": "item_reference", "id": message.id}]
+    turn = [{"role": "user", "content": "Weather?"}, *refs, call.model_dump(exclude_none=True)]
+    turn += [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    client.responses.create(model="any", input=turn, tools=tools)
+    with_refs = llm.tokenizer.decode(llm.prompts[-1])
+    whole = [{"role": "user", "content": "Weather?"}, reasoning.model_dump(exclude_none=True)]
+    whole += [message.model_dump(exclude_none=True), *turn[3:]]
+    client.responses.create(model="any", input=whole, tools=tools)
+    assert with_refs == llm.tokenizer.decode(llm.prompts[-1]) and "Checking." in with_refs
+    # a streamed response's items, and the call item the client sent with its id
+    with client.responses.stream(model="any", input="Weather?", tools=tools) as s:
+        streamed = s.get_final_response()
+    client.responses.create(
+        model="any", input=[{"type": "item_reference", "id": i.id} for i in streamed.output], tools=tools
+    )
+    client.responses.create(model="any", input=[{"type": "item_reference", "id": call.id}], tools=tools)
+    unstored = client.responses.create(model="any", input="Weather?", tools=tools, store=False)
+    for ref in ("rs_nope", unstored.output[0].id):
+        with pytest.raises(openai.BadRequestError, match="is not known") as e:
+            client.responses.create(model="any", input=[{"type": "item_reference", "id": ref}])
+        assert e.value.body["param"] == "input[0]"
+
+
+def test_the_item_store_is_bounded():
+    """ItemStore keeps the newest items within its count and byte bounds; an item bigger than the bound,
+    a reference, or an item without a string id is not kept."""
+    from lumo.server.errors import APIError
+    from lumo.server.responses import ItemStore
+
+    store = ItemStore(max_items=3, max_bytes=300)
+    items = [{"type": "message", "id": f"msg_{i}", "content": "x" * 10} for i in range(5)]
+    store.keep(items + [{"type": "item_reference", "id": "ref"}, {"id": 5}, "text"])
+    assert store.resolve([{"type": "item_reference", "id": "msg_4"}]) == [items[4]]
+    with pytest.raises(APIError, match="'msg_1' is not known"):
+        store.resolve([{"type": "item_reference", "id": "msg_1"}])  # the oldest went first
+    store.keep([{"type": "message", "id": "big", "content": "x" * 400}])  # over the whole bound: not kept
+    store.keep([{"type": "message", "id": "mid", "content": "x" * 150}])  # evicts down to the byte bound
+    assert store.resolve([{"type": "item_reference", "id": "mid"}])[0]["id"] == "mid"
+    with pytest.raises(APIError, match="'big' is not known"):
+        store.resolve([{"type": "item_reference", "id": "big"}])
+    assert store._bytes <= 300 and len(store._items) <= 3

@@ -183,12 +183,12 @@ BAD = [
     ("empty-prompt", COMP, {"prompt": ""}, 400, "prompt", "empty"),
     ("token-out-of-range", COMP, {"prompt": [1, 10**7]}, 400, "prompt", ""),
     (
-        "image-part",
+        "unknown-part",
         CHAT,
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "hologram", "hologram": {"url": "x"}}]}]},
         400,
         "messages[0].content[0]",
-        "image_url",
+        "hologram",
     ),
     ("user-without-content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0].content", ""),
     (
@@ -346,8 +346,29 @@ def test_malformed_json(server):
 
 
 def test_unknown_route_and_method(server):
-    _check_error(httpx.get(server.url + "/v1/nothing"), 404)
-    _check_error(httpx.get(server.url + COMP), 405)
+    err = _check_error(httpx.post(server.url + "/v1/embeddings", json={"input": "x"}), 404)
+    assert "POST /v1/embeddings is not served here" in err["message"]
+    assert "/v1/chat/completions" in err["message"]
+    err = _check_error(httpx.get(server.url + COMP), 405)
+    assert "GET is not allowed on /v1/completions" in err["message"]
+
+
+def test_retrieve_the_model(server):
+    """GET /v1/models/{id} (the SDKs' models.retrieve): the served model in OpenAI's and Anthropic's fields;
+    another name is a 404 naming the served one, except under Anthropic's API (an anthropic-version header),
+    whose /v1/messages answers any name."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    listed = client.models.list()
+    name = listed.data[0].id
+    card = client.models.retrieve(name)
+    assert card.id == name and card.object == "model" and card.owned_by == "lumo"
+    assert listed.model_extra["first_id"] == name and listed.model_extra["has_more"] is False
+    with pytest.raises(openai.NotFoundError, match=f"this server serves '{name}'"):
+        client.models.retrieve("gpt-4o")
+    anthropic = pytest.importorskip("anthropic")
+    ac = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    other = ac.models.retrieve("claude-x")
+    assert other.id == "claude-x" and other.type == "model" and other.created_at.year >= 2026
 
 
 def test_harmless_openai_fields_are_accepted(server):

@@ -68,3 +68,29 @@ def test_the_messages_api_takes_system_messages_among_the_messages(tmp_path):
             model="any", max_tokens=20, messages=[{"role": "system", "content": "S"}, *messages]
         )
         assert llm.tokenizer.decode(llm.prompts[-1]).startswith("<|im_start|>system\nS<|im_end|>\n")
+
+
+def test_chat_media_parts_are_notes():
+    """Chat completions: an image, audio, file or video part is a note that it was left out, in its place
+    among the text parts (Cline sends the image its read tool returned, then every later turn holds it: a
+    400 ended its session), as the Responses and Messages APIs do; an unknown part is still a 400."""
+    tok = Tokenizer.from_dir(embedded_model_path())
+    parts = [
+        {"type": "text", "text": "Look:"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "UklGR", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "f1"}},
+        {"type": "video_url", "video_url": {"url": "https://x/v.mp4"}},
+        {"type": "text", "text": "What is it?"},
+    ]
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": parts}]})
+    notes = [
+        f"[{w} was left out: this model reads text only]" for w in ("an image", "audio", "a file", "a video")
+    ]
+    assert "\n".join(["Look:", *notes, "What is it?"]) in render_prompt(tok, req)
+    bad = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}
+    )
+    with pytest.raises(APIError, match="hologram") as e:
+        render_prompt(tok, bad)
+    assert e.value.status == 400 and e.value.param == "messages[0].content[0]"

@@ -521,3 +521,53 @@ def test_parameter_types_follow_refs_once():
     chain["A40"] = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
     assert schema_types({"$ref": "#/$defs/A0"}, {"$defs": chain}) == {"integer", "null"}
     assert time.perf_counter() - t0 < 1.0  # 4^40 walks without the memo
+
+
+def test_a_call_cut_by_the_token_limit_keeps_its_cut_arguments(tmp_path):
+    """finish_reason length inside an XML call: the call is there with its arguments cut where the output
+    stopped (not JSON), as OpenAI's API sends them, so that clients which run whatever is in tool_calls
+    (LangChain puts it in invalid_tool_calls) do not run a call whose values were cut; streamed and not;
+    the Responses API's function_call item is incomplete with the same arguments. A call that the engine
+    ended itself (stop) is still parsed as it stands."""
+    from lumo.server.testing import ScriptedLLM, serve_in_thread
+
+    out = THINK + "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    out += "<parameter=note>\nline one\nline tw"
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, out)
+    generate = llm.generate_stream
+
+    def cut(prompt, max_tokens=256, **kw):
+        chunks = list(generate(prompt, max_tokens, **kw))
+        chunks[-1].finish_reason = "length"
+        yield from chunks
+
+    llm.generate_stream = cut
+    messages = [{"role": "user", "content": "Weather?"}]
+    with serve_in_thread(llm) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+        assert r.choices[0].finish_reason == "length"
+        (call,) = r.choices[0].message.tool_calls
+        args = call.function.arguments
+        assert call.function.name == "get_weather" and args.startswith(
+            '{"city": "New York", "note": "line one'
+        )
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(args)
+        stream = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, stream=True)
+        streamed, finish = "", None
+        for ev in stream:
+            for tc in ev.choices[0].delta.tool_calls or [] if ev.choices else []:
+                streamed += tc.function.arguments or ""
+            finish = (ev.choices[0].finish_reason if ev.choices else None) or finish
+        assert (streamed, finish) == (args, "length")
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        resp = client.responses.create(model="scripted", input="Weather?", tools=tools)
+        item = next(i for i in resp.output if i.type == "function_call")
+        assert resp.status == "incomplete" and item.status == "incomplete" and item.arguments == args
+    llm.generate_stream = generate  # the engine's own stop: the call is closed as it stands
+    with serve_in_thread(llm) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+        (call,) = r.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "New York", "note": "line one\nline tw"}

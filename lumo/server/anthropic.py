@@ -52,6 +52,12 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    # structured output: output_config.format, or the beta's top-level output_format (LiteLLM sends it)
+    output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None
+    # message threads (a beta: the server keeps the conversation): lumo keeps none, so a request that
+    # names a thread is refused with the code the SDK's tool runner recovers from (it resends the history)
+    thread: Any = None
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """`system` and `messages` as chat messages (a 400 naming the block for what lumo cannot take)."""
@@ -76,6 +82,13 @@ class MessagesRequest(BaseModel):
             raise APIError(
                 400, f"thinking.type {thinking!r} is not enabled, disabled or adaptive", "thinking"
             )
+        if self.thread not in (None, False):
+            raise APIError(
+                400,
+                "thread is not supported: lumo keeps no conversations; send the whole history",
+                "thread",
+                details={"error_code": "thread_unsupported_request", "unsupported": ["thread"]},
+            )
         messages = self.chat_messages()
         prefilled = messages[-1]["role"] == "assistant"  # the API's prefill: the reply continues it
         body = {
@@ -95,6 +108,7 @@ class MessagesRequest(BaseModel):
             "chat_template_kwargs": None
             if thinking in ("enabled", "adaptive")
             else {"enable_thinking": False},
+            "response_format": self._response_format(),
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -102,6 +116,23 @@ class MessagesRequest(BaseModel):
             err = e.errors()[0]
             param = loc_to_param(tuple(err["loc"])) or "messages"
             raise APIError(400, f"{param}: {err['msg']}", param) from None
+
+    def _response_format(self) -> dict[str, Any] | None:
+        """output_config.format (or the beta's output_format) as the chat's response_format: a JSON schema
+        the reply's text follows (the grammar of chat's json_schema)."""
+        config = self.output_config or {}
+        if not isinstance(config, dict):
+            raise APIError(400, "output_config must be an object", "output_config")
+        where = "output_config.format" if config.get("format") is not None else "output_format"
+        fmt = config.get("format") if config.get("format") is not None else self.output_format
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+            kind = fmt.get("type") if isinstance(fmt, dict) else None
+            raise APIError(400, f"{where}.type {kind!r} is not supported (json_schema)", where)
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, f"{where}.schema must be a JSON schema object", where)
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 class CountTokensRequest(MessagesRequest):

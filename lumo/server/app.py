@@ -8,6 +8,7 @@ GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize (vLL
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hmac
 import json
 import socket
@@ -42,7 +43,7 @@ from .errors import APIError, anthropic_error, error_response, install_error_han
 from .logprobs import chat_entries, completion_logprobs, extend, prompt_entries
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .responses import ResponseBuilder, ResponsesRequest, response_head, response_usage
+from .responses import ItemStore, ResponseBuilder, ResponsesRequest, response_head, response_usage
 from .toolparse import ChatOutputParser
 from .worker import EngineWorker, Job, Ticket
 
@@ -354,20 +355,40 @@ class _Server:
         self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids when a request does not say
         self.created = int(time.time())
+        self.items = ItemStore()  # the Responses API's recent items, for item_reference
 
     # ---- small endpoints ----
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    async def models(self) -> dict[str, Any]:
-        card = {
-            "id": self.served_name,
+    def _card(self, name: str) -> dict[str, Any]:
+        """The model as OpenAI's and Anthropic's model objects describe one (the fields of both)."""
+        created = datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc)
+        return {
+            "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "lumo",
             "max_model_len": self.llm.max_model_len,
+            "type": "model",
+            "display_name": name,
+            "created_at": created.isoformat().replace("+00:00", "Z"),
         }
-        return {"object": "list", "data": [card]}
+
+    async def models(self) -> dict[str, Any]:
+        card = self._card(self.served_name)
+        page = {"has_more": False, "first_id": card["id"], "last_id": card["id"]}  # Anthropic's list
+        return {"object": "list", "data": [card], **page}
+
+    async def model(self, model_id: str, request: Request) -> dict[str, Any]:
+        """GET /v1/models/{id}: the served model (OpenAI's SDK `models.retrieve`); under Anthropic's API
+        (an `anthropic-version` header) any name, as /v1/messages answers any."""
+        if model_id != self.served_name and "anthropic-version" not in request.headers:
+            raise APIError(
+                404, f"model {model_id!r} not found; this server serves {self.served_name!r}", "model",
+                "model_not_found",
+            )  # fmt: skip
+        return self._card(model_id)
 
     async def metrics_text(self) -> PlainTextResponse:
         return PlainTextResponse(self.metrics.registry.render(), media_type="text/plain; version=0.0.4")
@@ -696,7 +717,7 @@ class _Server:
             job, parser = start(j)
             out = await self._collect(job, request)
             parsed = parser.feed(out.text)
-            parsed.extend(parser.finish())
+            parsed.extend(parser.finish(cut=out.reason == "length"))
             if j == 0 and body.prompt_logprobs is not None:
                 scored = prompt_entries(tok, out.prompt_logprobs, body.prompt_logprobs)
             logprobs = None
@@ -724,7 +745,8 @@ class _Server:
         /v1/messages: an agent's configured model, Codex CLI's review model). Streamed, a conversation past
         the context is a `response.failed` with code context_length_exceeded (what Codex CLI looks for before
         it compacts the conversation), not an HTTP 400."""
-        chat = body.to_chat()  # checked (check_supported), its errors naming the request's own items
+        chat = body.to_chat(self.items)  # checked (check_supported), errors name the request's own items
+        keep = body.store is not False  # this response's items (and the input's with ids) for item_reference
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
@@ -763,10 +785,14 @@ class _Server:
             job = submit()
             out = await self._collect(job, request)
             parsed = parser.feed(out.text)
-            parsed.extend(parser.finish())
+            parsed.extend(parser.finish(cut=out.reason == "length"))
             build.feed(parsed)
             build.finish("incomplete" if out.reason == "length" else "completed")
-            return result(job, out.n_gen, out.reason, parsed.reasoning)[1]
+            final = result(job, out.n_gen, out.reason, parsed.reasoning)[1]
+            if keep:
+                self.items.keep(body.input)
+                self.items.keep(final["output"])
+            return final
 
         jobs: list[Job] = []
 
@@ -780,7 +806,7 @@ class _Server:
                 reason = chunk.finish_reason or reason
                 d = parser.feed(chunk.text)
                 if chunk.finish_reason is not None:
-                    d.extend(parser.finish())
+                    d.extend(parser.finish(cut=chunk.finish_reason == "length"))
                 reasoning += d.reasoning
                 for e in build.feed(d):
                     yield _event(e)
@@ -792,6 +818,9 @@ class _Server:
             for e in build.finish("incomplete" if reason == "length" else "completed"):
                 yield _event(e)
             status, final = result(jobs[0], n_gen, reason, reasoning)
+            if keep:
+                self.items.keep(body.input)
+                self.items.keep(final["output"])
             yield _event(build.event(f"response.{status}", response=final))
 
         def failed(err: APIError) -> list[str]:
@@ -969,7 +998,7 @@ class _Server:
                 held.extend(chunk_logprobs(chunk))
             d = parser.feed(chunk.text)
             if chunk.finish_reason is not None:
-                d.extend(parser.finish())
+                d.extend(parser.finish(cut=chunk.finish_reason == "length"))
             if d:
                 yield chunk_of(delta_json(d))
         if reason is None:  # the engine stopped without saying why: flush what the parser holds
@@ -1027,6 +1056,7 @@ def create_app(
         )
     app.add_api_route("/health", server.health, methods=["GET", "HEAD"])  # load balancers probe with HEAD
     app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])

@@ -24,11 +24,17 @@ from .toolparse import (
 
 
 def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
+    """A message's text: its text parts one per line; an image, audio, file or video part is a note that
+    it was left out (an agent that once read an image keeps it in its history, and a 400 would fail every
+    later turn: Cline ended its session so); any other part is a 400."""
     if content is None or isinstance(content, str):
         return content
     parts = []
     for j, part in enumerate(content):
         kind, where = part.get("type"), f"messages[{i}].content[{j}]"
+        if isinstance(kind, str) and kind in _LEFT_OUT:
+            parts.append(_LEFT_OUT[kind])
+            continue
         if kind != "text":
             raise APIError(400, f"content part type {kind!r} is not supported (text only)", where)
         if not isinstance(part.get("text"), str):
@@ -50,8 +56,17 @@ def _arguments(args: str | dict[str, Any]) -> str | dict[str, Any]:
 
 def left_out(what: str) -> str:
     """The note that stands in a prompt for an input part lumo's text models cannot read (an image, a
-    document...), where the Responses and Messages APIs take one rather than refuse it."""
+    document...), where the APIs take one rather than refuse it."""
     return f"[{what} was left out: this model reads text only]"
+
+
+# a chat content part lumo's models cannot read -> the note that stands in for it (vLLM's video_url too)
+_LEFT_OUT = {
+    "image_url": left_out("an image"),
+    "input_audio": left_out("audio"),
+    "file": left_out("a file"),
+    "video_url": left_out("a video"),
+}
 
 
 def fold_system_messages(messages: list[dict[str, Any]]) -> int:

@@ -26,9 +26,17 @@ _TYPES = {
 class APIError(Exception):
     """A request the server refuses; becomes an OpenAI-style JSON error with this status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.details = details  # Anthropic's error.details (an error code its SDKs act on)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
@@ -40,6 +48,12 @@ def error_body(
     err_type = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
+
+# what a 404 for a path lumo does not route names instead (embeddings, moderations, stored responses...)
+SERVED = (
+    "POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, "
+    "/tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /health, /metrics"
+)
 
 # Anthropic's Messages API (lumo/server/anthropic.py) has its own error shape and types
 _ANTHROPIC_TYPES = {
@@ -59,20 +73,29 @@ def is_messages_path(path: str) -> bool:
     return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
-def anthropic_error(status: int, message: str) -> tuple[dict[str, Any], int]:
-    """Anthropic's error body `{"type": "error", "error": {"type", "message"}}` and the status: its
-    validation errors are 400s, not 422s, and "overloaded" is its own 529."""
+def anthropic_error(
+    status: int, message: str, details: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], int]:
+    """Anthropic's error body `{"type": "error", "error": {"type", "message"[, "details"]}}` and the status:
+    its validation errors are 400s, not 422s, and "overloaded" is its own 529."""
     kind = _ANTHROPIC_TYPES.get(status, "api_error")
     status = {422: 400, 503: 529}.get(status, status)
-    return {"type": "error", "error": {"type": kind, "message": message}}, status
+    error = {"type": kind, "message": message} | ({"details": details} if details else {})
+    return {"type": "error", "error": error}, status
 
 
 def error_response(
-    path: str, status: int, message: str, param: str | None = None, code: str | None = None, **kw: Any
+    path: str,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    details: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> JSONResponse:
     """An error in the shape of the API `path` belongs to (OpenAI's, or Anthropic's under /v1/messages)."""
     if is_messages_path(path):
-        body, status = anthropic_error(status, message)
+        body, status = anthropic_error(status, message, details)
         return JSONResponse(body, status_code=status, **kw)
     return JSONResponse(error_body(status, message, param, code), status_code=status, **kw)
 
@@ -122,13 +145,18 @@ def _validation_error(
 
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.details)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_error(exc, request.headers.get("content-type", ""), request.url.path)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(request.url.path, exc.status_code, str(exc.detail))
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":  # no route: say what is served instead
+            message = f"{request.method} {request.url.path} is not served here; lumo serves {SERVED}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return error_response(request.url.path, exc.status_code, message)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error")

@@ -10,7 +10,10 @@ is opened, filled by deltas and closed in turn (`response.output_item.added`, `.
 `...reasoning_text.delta` / `...function_call_arguments.delta` / `...custom_tool_call_input.delta`,
 `...done`), between `response.created` and `response.completed` (or `response.incomplete` when
 `max_output_tokens` cut it), whose response holds exactly the streamed items.
-lumo keeps no responses: `previous_response_id` is refused (send the conversation as `input`).
+lumo keeps no responses: `previous_response_id` is refused (send the conversation as `input`). It does
+keep the items of its recent responses in memory (ItemStore, unless `store` is false), so that an input's
+`item_reference` to one of them is that item: the AI SDK's default OpenAI model sends earlier reasoning and
+messages so while `store` is not false.
 
 What a text model cannot use but an agent's history holds is not refused (Codex CLI, served by a server
 that refused it, would fail every later turn of the session): tools the API's servers run (web search,
@@ -25,6 +28,7 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 from pydantic import (
@@ -69,6 +73,7 @@ class ResponsesRequest(BaseModel):
     background: StrictBool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None  # false: this response's items are not kept for item_reference
     # set by to_chat: the name each tool is shown to the model under -> (its namespace or None, its name)
     _names: dict[str, tuple[str | None, str]] = PrivateAttr(default_factory=dict)
 
@@ -76,9 +81,9 @@ class ResponsesRequest(BaseModel):
     def tool_names(self) -> dict[str, tuple[str | None, str]]:
         return self._names
 
-    def to_chat(self) -> ChatCompletionRequest:
+    def to_chat(self, store: ItemStore | None = None) -> ChatCompletionRequest:
         """The equivalent chat request (a 400 naming the field for what lumo cannot serve; the module's
-        docstring says what is left out instead)."""
+        docstring says what is left out instead); `store` resolves the input's item references."""
         for name in ("previous_response_id", "conversation", "prompt", "background"):
             if getattr(self, name):
                 msg = f"{name} is not supported: lumo keeps no responses or prompts (send the whole input)"
@@ -97,7 +102,8 @@ class ResponsesRequest(BaseModel):
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         tools, kept, self._names = _chat_tools(self.tools or [])
         shown = {origin: name for name, origin in self._names.items()}
-        items, origin = _messages(self.input, shown)
+        items = self.input if store is None or isinstance(self.input, str) else store.resolve(self.input)
+        items, origin = _messages(items, shown)
         origin = [[-1]] * len(messages) + origin  # -1: instructions
         messages += items
         # Codex CLI sends developer messages first (with or without instructions), and more when its
@@ -136,6 +142,54 @@ class ResponsesRequest(BaseModel):
                 e.param = f"tools[{kept[int(m[1])]}]"
             raise
         return chat
+
+
+class ItemStore:
+    """The items of this server's recent responses by id (their output, and the input items that carry an
+    id), for an input's `item_reference`: in memory, the newest `max_items` within `max_bytes` of JSON,
+    lost on restart (a reference to an item it no longer has is a 400 that says so). Used from the event
+    loop only."""
+
+    def __init__(self, max_items: int = 16384, max_bytes: int = 64 << 20) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._items: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+        self._bytes = 0
+
+    def keep(self, items: Any) -> None:
+        """Remember the items (objects with a string `id`; an item_reference is not an item)."""
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, dict) or not isinstance(item.get("id"), str):
+                continue
+            if item.get("type") == "item_reference":
+                continue
+            size = len(json.dumps(item))
+            if size > self.max_bytes:
+                continue
+            old = self._items.pop(item["id"], None)
+            self._bytes += size - (old[1] if old else 0)
+            self._items[item["id"]] = (_copy(item), size)
+            while len(self._items) > self.max_items or self._bytes > self.max_bytes:
+                self._bytes -= self._items.popitem(last=False)[1][1]
+
+    def resolve(self, items: list[Any]) -> list[Any]:
+        """The input with each `item_reference` replaced by the item it names."""
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, dict) and item.get("type") == "item_reference":
+                ref = item.get("id")
+                kept = self._items.get(ref) if isinstance(ref, str) else None
+                if kept is None:
+                    raise APIError(
+                        400,
+                        f"input[{i}]: item {ref!r} is not known: lumo keeps the items of its recent "
+                        "responses in memory only; send the item itself (the AI SDK: "
+                        "providerOptions.openai.store = false)",
+                        f"input[{i}]",
+                    )
+                self._items.move_to_end(ref)
+                item = _copy(kept[0])
+            out.append(item)
+        return out
 
 
 # the chat request's fields under their Responses names (a validation error names the request's own)

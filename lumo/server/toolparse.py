@@ -175,12 +175,19 @@ class ChatOutputParser:
             pass
         return self._shown(out)
 
-    def finish(self) -> ParsedDelta:
-        """End of output: flush what was held back; an unclosed tool call is parsed as it stands."""
+    def finish(self, cut: bool = False) -> ParsedDelta:
+        """End of output: flush what was held back; an unclosed tool call is parsed as it stands.
+        cut: the token limit ended the output (finish_reason length); an XML call it cut short keeps its
+        arguments cut where the output stopped, as OpenAI's API sends them: not JSON, so that a client
+        (LangChain's invalid_tool_calls) does not run a call whose values were cut (a truncated file)."""
         out = ParsedDelta()
         buf, self._buf = self._buf, ""
         if self._mode == _REASONING:
             out.add_reasoning(buf)
+        elif self._mode == _TOOL and self._xml is not None and cut:
+            self._add_arguments(self._xml.feed(buf), out)
+            self._xml = self._input = None
+            self._mode, self._at_start, self._held_ws = _CONTENT, True, ""
         elif self._mode == _TOOL and self._xml is not None:
             self._end_xml_call(self._xml.feed(buf, final=True), out)
         elif self._mode == _TOOL:
