@@ -309,6 +309,7 @@ def test_prefilled_assistant_turn_is_continued(scripted):
             "user message",
         ),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tool type"),
+        ({"tools": [{"type": "computer_20250124", "name": "computer"}]}, "tool type"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice"),
         ({"thinking": {"type": "sometimes"}}, "thinking.type"),
         ({"tool_choice": {"type": "any"}}, "non-empty tools"),
@@ -436,3 +437,26 @@ def test_structured_output_and_threads(tmp_path):
         assert r.status_code == 400 and err["type"] == "invalid_request_error" and "thread" in err["message"]
         assert err["details"] == {"error_code": "thread_unsupported_request", "unsupported": ["thread"]}
         assert client.messages.create(**ask, extra_body={"thread": False}).content  # off: served
+
+
+def test_the_api_defined_client_tools(scripted):
+    """The bash and text editor tools the API defines (the client runs them) are function tools with the
+    input the API defines: the template shows them, and a call comes back as their tool_use; the text
+    editor before 2025-04-29 also has undo_edit."""
+    from lumo.server.anthropic import MessagesRequest
+
+    llm, _, client = scripted
+    tools = [
+        {"type": "bash_20250124", "name": "bash"},
+        {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool", "max_characters": 10000},
+    ]
+    ask = dict(model="x", max_tokens=200, messages=[{"role": "user", "content": "Fix it."}])
+    client.messages.create(**ask, tools=tools)
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert "str_replace_based_edit_tool" in prompt and "insert_line" in prompt and "restart" in prompt
+    chat = MessagesRequest.model_validate({**ask, "tools": tools}).to_chat()
+    editor = chat.tools[1].function.parameters
+    assert editor["properties"]["command"]["enum"] == ["view", "create", "str_replace", "insert"]
+    assert editor["required"] == ["command", "path"]
+    old = MessagesRequest.model_validate({**ask, "tools": [{"type": "text_editor_20250124", "name": "e"}]})
+    assert "undo_edit" in old.to_chat().tools[0].function.parameters["properties"]["command"]["enum"]

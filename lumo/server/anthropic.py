@@ -217,10 +217,63 @@ def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
     return [msg]
 
 
+# Anthropic-defined client tools (the client runs them; the API defines their input): the bash tool and
+# the text editor, as function tools with that input. Versions before 2025-04-29 have undo_edit.
+_BASH = {
+    "description": "Run a command in a persistent bash shell; restart: true starts a fresh shell.",
+    "parameters": {
+        "type": "object",
+        "properties": {"command": {"type": "string"}, "restart": {"type": "boolean"}},
+    },
+}
+
+
+def _text_editor(undo: bool) -> dict[str, Any]:
+    commands = ["view", "create", "str_replace", "insert"] + (["undo_edit"] if undo else [])
+    return {
+        "description": (
+            "View and edit text files. view: a file's lines (view_range [first, last], -1 for the end) or "
+            "a directory's entries; create: a new file with file_text; str_replace: replace old_str, which "
+            "must occur exactly once, by new_str; insert: new_str after line insert_line (0: at the top)"
+            + ("; undo_edit: revert the last edit of path." if undo else ".")
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "enum": commands},
+                "path": {"type": "string"},
+                "file_text": {"type": "string"},
+                "old_str": {"type": "string"},
+                "new_str": {"type": "string"},
+                "insert_line": {"type": "integer"},
+                "view_range": {"type": "array", "items": {"type": "integer"}},
+            },
+            "required": ["command", "path"],
+        },
+    }
+
+
+def _defined_tool(kind: str) -> dict[str, Any] | None:
+    """The function form of an Anthropic-defined client tool type (bash_YYYYMMDD, text_editor_YYYYMMDD)."""
+    version = kind.rpartition("_")[2]
+    if not (version.isdigit() and len(version) == 8):
+        return None
+    if kind.startswith("bash_"):
+        return _BASH
+    if kind.startswith("text_editor_"):
+        return _text_editor(undo=version < "20250429")
+    return None
+
+
 def _chat_tool(i: int, tool: Any) -> dict[str, Any]:
-    """A client tool (name, description, input_schema) as a chat function tool; server tools (web search,
-    code execution, ...) run on Anthropic's side: a 400."""
+    """A client tool (name, description, input_schema) as a chat function tool, and the bash and text editor
+    tools the API defines (their input as the API defines it); server tools (web search, code execution,
+    ...) run on Anthropic's side, and the computer tool needs screenshots: a 400."""
     where = f"tools[{i}]"
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    defined = _defined_tool(kind) if isinstance(kind, str) else None
+    if defined is not None and isinstance(tool.get("name"), str):
+        return {"type": "function", "function": {"name": tool["name"], **defined}}
     if (
         not isinstance(tool, dict)
         or tool.get("type", "custom") != "custom"
