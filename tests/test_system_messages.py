@@ -88,6 +88,9 @@ def test_chat_media_parts_are_notes():
         f"[{w} was left out: this model reads text only]" for w in ("an image", "audio", "a file", "a video")
     ]
     assert "\n".join(["Look:", *notes, "What is it?"]) in render_prompt(tok, req)
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]}
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}, refusal]})
+    assert "I cannot." in render_prompt(tok, req)  # an assistant's refusal part (OpenAI's) is its text
     bad = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}
     )

@@ -35,6 +35,9 @@ def _text(i: int, content: str | list[dict[str, Any]] | None) -> str | None:
         if isinstance(kind, str) and kind in _LEFT_OUT:
             parts.append(_LEFT_OUT[kind])
             continue
+        if kind == "refusal" and isinstance(part.get("refusal"), str):  # an assistant's refusal: its text
+            parts.append(part["refusal"])
+            continue
         if kind != "text":
             raise APIError(400, f"content part type {kind!r} is not supported (text only)", where)
         if not isinstance(part.get("text"), str):
