@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine worker.
 
 POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (each also as SSE with `stream: true`),
-GET /v1/models,
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's), GET /v1/models and /v1/models/{id},
 GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize (vLLM's). See docs/server.md.
 """
 
