@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Session 45's GPU checks of the cp.async weight ring of nvfp4_gemv_rd (linear.cu CPR), written when no GPU
-# was lent: nothing here has run yet. Two device calls:
-#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh")     # its bits, then M = 1 times
-#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh ab")  # the 27B decode step, A/B
+# Session 45's GPU checks of the cp.async weight ring of nvfp4_gemv_rd (linear.cu CPR). The first two modes
+# ran on an H100 (bench/results/*session45*); `h200` asks the same on the H200 in one call (not yet lent):
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh")       # its bits, then M = 1 times
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh ab")    # the bits again, the 27B step A/B
+#   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh h200")  # M = 1 sweep and step A/B
 # The first runs the linear GPU tests that launch a ring build (bitwise against the cross-CTA kernel), then
 # bench_linear's M = 1 sweep of ring depths and register bounds per slice count of the 27B shapes against
-# the library default. The second times the 27B decode step at 1k with linear.RD_RING = 0 / 6 / 8 (every
+# the library default. The second reruns the ring's bit tests (their first run failed in the fixture, before
+# any kernel ran: no CUDA context yet) and times the 27B decode step at 1k with linear.RD_RING = 0 / 4 (every
 # M <= 8 launch of a weight of two or more slices on the ring), whole processes over two rounds, and the
 # same step without its 128 block norms (GPURunner.timing_without_block_norms: wrong output, timing only:
 # the most a norm folded into the GEMVs could save, docs/runner.md).
@@ -14,9 +16,20 @@ export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=/tmp/lk PYTHONPATH=.:.gpu-deps
 out=${OUT:-/tmp}
 source bench/gpu_group.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+if [ "${1:-}" = h200 ]; then  # the same questions on the H200 in one call, after the H100 answers
+  group 150 lin python bench/bench_linear.py --m 1 --only gate "gdn qkvz" down "attn qkv" \
+    --configs r1x1q4 r1x1q6 r1x1q4b1
+  sed -n '/sweep: us per launch/,$p' "$out/lin.log" | grep -v "^$" | head -8
+  group 380 ab python bench/ab.py --rounds 2 --variant linear.RD_RING=0 --variant linear.RD_RING=4 \
+    --variant timing_without_block_norms=1 \
+    -- bench/bench_decode.py --contexts 1024 --prefill --peer-layers 0 --no-profile
+  tail -6 "$out/ab.log"
+  exit
+fi
 if [ "${1:-}" = ab ]; then
-  group 580 ab python bench/ab.py --rounds 2 --variant linear.RD_RING=0 --variant linear.RD_RING=6 \
-    --variant linear.RD_RING=8 --variant timing_without_block_norms=1 \
+  group 200 t_ring $P tests/test_linear_gpu.py -k "ring"
+  group 380 ab python bench/ab.py --rounds 2 --variant linear.RD_RING=0 --variant linear.RD_RING=4 \
+    --variant timing_without_block_norms=1 \
     -- bench/bench_decode.py --contexts 1024 --prefill --peer-layers 0 --no-profile
   tail -8 "$out/ab.log"
   exit

@@ -217,6 +217,7 @@ def ring_hazards(tmp_path):
     refilled before it was read) gives wrong or NaN outputs, not the right bits by the luck of an L2 hit."""
     from lumo.kernels.compile import compile_kernel, sm_count
 
+    torch.empty(1, device=DEV)  # the CUDA context (this fixture may be the first to touch the device)
     src = tmp_path / "poison_smem.cu"
     src.write_text(POISON_SMEM)
     kern = compile_kernel(src, "poison_smem")

@@ -634,7 +634,8 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #if STG && LUMO_PROBE
 #error "STG builds take no measurement probe"
 #endif
-// CPR D (session 45; measured nowhere yet, no GPU was lent): the weights and scales go through a per-warp
+// CPR D (session 45; on an H100 slower than the register ring at every 27B shape, the H200 not yet
+// measured: docs/kernels.md; a measurement option, RD_RING = 0): the weights and scales go through a per-warp
 // ring of D shared-memory slots that cp.async fills D - 2 and D - 1 chunks ahead of the two chunks being
 // multiplied, where the register ring holds PF - 1 chunks at 13 registers each: more bytes in flight per
 // warp for few registers (at M = 1 the register-direct loop waits on DRAM: with the weights in L2 it ran

@@ -457,8 +457,9 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (4, 2, 2, 8): (2, 1)}
 
 # Slots of the cp.async ring (linear.cu CPR) the default launch takes at M <= 8 for weights of two or more
-# slices, with PF 1 (0: the register ring of RD_CHOICE's PF). A launch choice only (same bits). Off until
-# measured: built in session 45, when no GPU was lent (docs/kernels.md).
+# slices, with PF 1 (0: the register ring of RD_CHOICE's PF). A launch choice only (same bits). Off: on an
+# H100 every ring measured slower (the 27B decode step at 1k 6.495 -> 6.646 ms with 4 slots); the H200 is
+# not measured yet (session 45, docs/kernels.md).
 RD_RING = 0
 # The ring builds' own launch tables, (NT, MTW, slices) -> minimum resident CTAs per SM, and -> (CTAs per
 # cluster, minimum CTAs per SM): the register ring's occupancy where the ring's shared memory allows it
