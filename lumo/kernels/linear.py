@@ -475,11 +475,7 @@ def _ring_minb(nt: int, mtw: int, splits: int, rdcl: int, shmem: int, device: to
     """A ring build's `__launch_bounds__` minimum of resident CTAs: RD_RING_CLUSTERS' / RD_RING_MIN_BLOCKS'
     entry, lowered to the CTAs of `shmem` bytes one SM's shared memory holds (a bound no SM can reach would
     only cap the registers)."""
-    if rdcl > 1:
-        cl, table = RD_RING_CLUSTERS.get((nt, mtw, splits), (rdcl, 1))
-        table = table if cl == rdcl else 1
-    else:
-        table = RD_RING_MIN_BLOCKS.get((nt, mtw, splits), 1)
+    table = _table_minb(nt, mtw, 1, splits, rdcl, ring=True)
     per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0)
     return max(1, min(table, per_sm // (shmem + 1024))) if per_sm else table
 
@@ -548,6 +544,17 @@ def _rd_cluster_entry(nt: int, mtw: int, pf: int, splits: int, ring: int) -> tup
     return RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))
 
 
+def _table_minb(nt: int, mtw: int, pf: int, splits: int, rdcl: int, ring: bool) -> int:
+    """The launch tables' minimum resident CTAs per SM for a build in clusters of `rdcl` CTAs (the cluster
+    table's bound only for the cluster size it names), register ring or cp.async ring."""
+    if rdcl > 1:
+        cl, minb = _rd_cluster_entry(nt, mtw, pf, splits, ring)
+        return minb if cl == rdcl else 1
+    if ring:
+        return RD_RING_MIN_BLOCKS.get((nt, mtw, splits), 1)
+    return RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
+
+
 def _rd_shape(
     rg: int, nt: int, mtw: int, splits: int, rdcl: int, stage_cps: int = 0, ring: int = 0
 ) -> tuple[tuple[int, int, int], int, int]:
@@ -579,13 +586,8 @@ def _rd_kernel(
     defines |= {"CPR": ring} if ring else {}  # weights through a cp.async ring of `ring` slots per warp
     if rdcl > 1:
         defines["RDCL"] = rdcl
-    if minb is None and ring:  # the ring's bound depends on the device's shared memory: _ring_minb
-        minb = 1
-    elif minb is None and rdcl > 1:
-        cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
-        minb = minb if cl == rdcl else 1
-    elif minb is None:
-        minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
+    if minb is None:  # a ring's bound depends on the device's shared memory: its callers pass _ring_minb's
+        minb = 1 if ring else _table_minb(nt, mtw, pf, splits, rdcl, ring=False)
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
 

@@ -123,8 +123,9 @@ class MessagesRequest(BaseModel):
         config = self.output_config or {}
         if not isinstance(config, dict):
             raise APIError(400, "output_config must be an object", "output_config")
-        where = "output_config.format" if config.get("format") is not None else "output_format"
-        fmt = config.get("format") if config.get("format") is not None else self.output_format
+        fmt, where = config.get("format"), "output_config.format"
+        if fmt is None:
+            fmt, where = self.output_format, "output_format"
         if fmt is None:
             return None
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":

@@ -746,7 +746,6 @@ class _Server:
         the context is a `response.failed` with code context_length_exceeded (what Codex CLI looks for before
         it compacts the conversation), not an HTTP 400."""
         chat = body.to_chat(self.items)  # checked (check_supported), errors name the request's own items
-        keep = body.store is not False  # this response's items (and the input's with ids) for item_reference
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
@@ -781,6 +780,12 @@ class _Server:
             usage = response_usage(len(prompt_ids), n_gen, job.cached_tokens, n_reasoning)
             return status, build.response(status, usage, why)
 
+        def remember(final: dict) -> None:
+            """Keep the input's items with ids and the output's, for later item_references."""
+            if body.store is not False:
+                self.items.keep(body.input)
+                self.items.keep(final["output"])
+
         if not body.stream:
             job = submit()
             out = await self._collect(job, request)
@@ -789,9 +794,7 @@ class _Server:
             build.feed(parsed)
             build.finish("incomplete" if out.reason == "length" else "completed")
             final = result(job, out.n_gen, out.reason, parsed.reasoning)[1]
-            if keep:
-                self.items.keep(body.input)
-                self.items.keep(final["output"])
+            remember(final)
             return final
 
         jobs: list[Job] = []
@@ -818,9 +821,7 @@ class _Server:
             for e in build.finish("incomplete" if reason == "length" else "completed"):
                 yield _event(e)
             status, final = result(jobs[0], n_gen, reason, reasoning)
-            if keep:
-                self.items.keep(body.input)
-                self.items.keep(final["output"])
+            remember(final)
             yield _event(build.event(f"response.{status}", response=final))
 
         def failed(err: APIError) -> list[str]:

@@ -162,12 +162,14 @@ class ItemStore:
                 continue
             if item.get("type") == "item_reference":
                 continue
-            size = len(json.dumps(item))
-            if size > self.max_bytes:
+            if item["id"] in self._items:  # an agent sends its history again every turn: kept once
+                self._items.move_to_end(item["id"])
                 continue
-            old = self._items.pop(item["id"], None)
-            self._bytes += size - (old[1] if old else 0)
-            self._items[item["id"]] = (_copy(item), size)
+            text = json.dumps(item)
+            if len(text) > self.max_bytes:
+                continue
+            self._bytes += len(text)
+            self._items[item["id"]] = (json.loads(text), len(text))
             while len(self._items) > self.max_items or self._bytes > self.max_bytes:
                 self._bytes -= self._items.popitem(last=False)[1][1]
 

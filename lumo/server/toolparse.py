@@ -184,12 +184,8 @@ class ChatOutputParser:
         buf, self._buf = self._buf, ""
         if self._mode == _REASONING:
             out.add_reasoning(buf)
-        elif self._mode == _TOOL and self._xml is not None and cut:
-            self._add_arguments(self._xml.feed(buf), out)
-            self._xml = self._input = None
-            self._mode, self._at_start, self._held_ws = _CONTENT, True, ""
         elif self._mode == _TOOL and self._xml is not None:
-            self._end_xml_call(self._xml.feed(buf, final=True), out)
+            self._end_xml_call(self._xml.feed(buf, final=not cut), out, closed=not cut)
         elif self._mode == _TOOL:
             self._close_tool_call(buf, out, closed=False)
         else:  # the end: trailing whitespace is the output's own, unless a tag came just before it
@@ -268,8 +264,9 @@ class ChatOutputParser:
         if text:
             out.add_piece(ToolCallPiece(self.n_tool_calls - 1, text, custom=self._input is not None))
 
-    def _end_xml_call(self, text: str, out: ParsedDelta) -> None:
-        self._add_arguments(text, out, final=True)
+    def _end_xml_call(self, text: str, out: ParsedDelta, closed: bool = True) -> None:
+        # closed False: the token limit cut the call, whose arguments stay cut (finish)
+        self._add_arguments(text, out, final=closed)
         self._xml = self._input = None
         self._mode, self._at_start, self._held_ws = _CONTENT, True, ""
 
