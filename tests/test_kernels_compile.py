@@ -282,9 +282,9 @@ def test_wave_fill():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a", "sm_121a"])
 @pytest.mark.parametrize("probe", ["probe_mma.cu", "probe_wgmma.cu", "probe_boundary.cu", "probe_stream.cu"])
 def test_bench_probe_kernel_compiles(arch, probe):
-    """bench/probe_mma.cu and probe_wgmma.cu (the tensor-core throughput probes) and probe_boundary.cu (the
-    launch chain) and probe_stream.cu (the M = 1 GEMV's loads alone) build like the library's kernels; probe_wgmma's wgmma (sm_90a) without ptxas serialising
-    it (NVRTC log remark C7514 and kin)."""
+    """The bench probes build like the library's kernels: probe_mma.cu and probe_wgmma.cu (tensor-core
+    throughput), probe_boundary.cu (the launch chain), probe_stream.cu (the M = 1 GEMV's loads alone);
+    probe_wgmma's wgmma (sm_90a) without ptxas serialising it (NVRTC log remark C7514 and kin)."""
     from pathlib import Path
 
     from lumo.kernels.compile import compile_test_defines, compile_to_cubin, define_options
