@@ -91,8 +91,7 @@ def config_kwargs(cfg: str) -> dict:
     kernel + splitk_reduce, "cl" the cross-CTA kernel reduced in clusters, "SxR" cross-CTA with STAGES x
     RGW, "clTxR" / "cTxR" the cluster-reduced / cross-CTA kernel with T m16 tiles per warp and R row groups
     per CTA, "rMxP" the register-direct in-CTA split-K kernel with MTW x PF (its slices in RD_CLUSTERS'
-    clusters where that table names the config; "rMxPcC": over clusters of C CTAs, "rMxPc1" one CTA; a suffix
-    "qD" adds a per-warp cp.async ring of D slots, linear.cu CPR, and "bB" a bound of B CTAs per SM),
+    clusters where that table names the config; "rMxPcC": over clusters of C CTAs, "rMxPc1" one CTA),
     "sWxMxP" the slice-activations kernel (nvfp4_gemv_sx) with W warps of M m16 tiles and PF P. A suffix
     "@B" sets the L2 prefetch budget to B MiB (l2pf), e.g. "dflt@16", "r1x2@0". On the fused gate+up only
     the register-direct kernel applies the SwiGLU in its epilogue: the other configs' times include the
@@ -109,12 +108,9 @@ def config_kwargs(cfg: str) -> dict:
     if cfg[0] == "c":  # "clTxR" / "cTxR": cluster-reduced / cross-CTA with T m16 tiles per warp, R row groups
         tpw, rgw = (int(v) for v in cfg[2 if cfg.startswith("cl") else 1 :].split("x"))
         return dict(rd=False, cluster=cfg.startswith("cl"), tpw=tpw, rgw=rgw)
-    if cfg.startswith("r"):  # "rMxP", "rMxPcC": C CTAs per cluster (rdcl); "...qD": a cp.async ring of D
-        cfg, _, minb = cfg.partition("b")  # "...bB": at least B CTAs per SM (register bound)
-        cfg, _, ring = cfg.partition("q")
+    if cfg.startswith("r"):  # "rMxP", "rMxPcC": C CTAs per cluster (rdcl)
         rd, _, cl = cfg[1:].partition("c")
-        kw = dict(rd=tuple(int(v) for v in rd.split("x"))) | (dict(rdcl=int(cl)) if cl else {})
-        return kw | (dict(ring=int(ring)) if ring else {}) | (dict(minb=int(minb)) if minb else {})
+        return dict(rd=tuple(int(v) for v in rd.split("x"))) | (dict(rdcl=int(cl)) if cl else {})
     if cfg.startswith("s"):  # "sWxMxP": activations in shared memory, W warps of M m16 tiles, PF P
         return dict(sx=tuple(int(v) for v in cfg[1:].split("x")))
     st, rgw = (int(v) for v in cfg.split("x"))

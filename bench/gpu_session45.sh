@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 45's GPU checks of the cp.async weight ring of nvfp4_gemv_rd (linear.cu CPR). The first two modes
-# ran on an H100 (bench/results/*session45*); `h200` asks the same on the H200 in one call (not yet lent):
+# ran on an H100 (bench/results/*session45*); `h200` was to ask the same on the H200 (never lent). Session
+# 46 removed the ring (docs/kernels.md, session 45): this script runs on commit 6911f41 only, as a record:
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh")       # its bits, then M = 1 times
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh ab")    # the bits again, the 27B step A/B
 #   run(carry=[".gpu-deps"], command="bash bench/gpu_session45.sh h200")  # M = 1 sweep and step A/B

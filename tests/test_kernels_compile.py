@@ -202,40 +202,6 @@ def test_wave_fit_sizes_the_clustered_build(monkeypatch):
         assert (4, 4, 2 if clusters else 1, block, block // 32 * 4 * 4 * 512) in asked, asked
 
 
-def test_ring_launch_choice(monkeypatch):
-    """linear.RD_RING (an A/B switch, 0 by default): the default launch at M <= 8 of a weight of two or more
-    slices takes the cp.async ring (linear.cu CPR) at PF 1 where its shared memory fits a CTA, else keeps
-    the register ring; a ring build's register bound is lowered to the CTAs one SM's shared memory holds
-    (an H200's 228 KB, a GB10's ~100 KB; 1 KB reserved per CTA)."""
-    from lumo.kernels import linear
-
-    cpu = torch.device("cpu")  # smem_limit: 227 KB per CTA; the 4-slice configs have no cluster entry
-    assert linear.RD_RING == 0 and linear._default_ring((1, 2), 1, 4, 544, True, cpu, 0) == ((1, 2), 0)
-    monkeypatch.setattr(linear, "RD_RING", 8)
-    assert linear._default_ring((1, 2), 1, 4, 544, True, cpu, 0) == ((1, 1), 8)
-    assert linear._default_ring((2, 3), 1, 1, 3880, False, cpu, 0) == ((2, 3), 0)  # one slice: never
-    assert linear._default_ring((2, 2), 4, 8, 80, False, cpu, 0) == ((2, 2), 0)  # M > 8: never
-    monkeypatch.setattr(linear, "RD_RING", 512)  # 4 warps x 512 slots x 640 bytes: more than a CTA may have
-    assert linear._default_ring((1, 2), 1, 4, 544, True, cpu, 0) == ((1, 2), 0)
-
-    class Props:
-        shared_memory_per_multiprocessor = 228 * 1024
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
-    shmem = linear._rd_shape(544, 1, 1, 4, 1, ring=8)[2]
-    assert shmem == 4 * (512 + 8 * 640)  # the epilogue's, then 4 warps x 8 slots x (512 + 128) bytes
-    assert linear._ring_minb(1, 1, 4, 1, shmem, cpu) == 9  # RD_RING_MIN_BLOCKS: nine fit
-    deeper = linear._rd_shape(544, 1, 1, 4, 1, ring=12)[2]
-    assert linear._ring_minb(1, 1, 4, 1, deeper, cpu) == 6  # 228 KB // (32 KB + 1 KB)
-    assert linear._ring_minb(1, 1, 8, 1, shmem, cpu) == 1  # no entry: no bound
-    down = linear._rd_shape(80, 1, 1, 16, 2, ring=8)[2]  # 16 slices over clusters of two: 8 warps a CTA
-    assert linear._ring_minb(1, 1, 16, 2, down, cpu) == 5  # RD_RING_CLUSTERS: five of 44 KB fit
-    assert linear._ring_minb(1, 1, 16, 2, linear._rd_shape(80, 1, 1, 16, 2, ring=10)[2], cpu) == 4
-    assert linear._ring_minb(1, 1, 16, 4, down, cpu) == 1  # another cluster size than the table's
-    Props.shared_memory_per_multiprocessor = 100 * 1024  # the sm_120 family (GB10)
-    assert linear._ring_minb(1, 1, 4, 1, shmem, cpu) == 4
-
-
 def test_l2_prefetch_budget():
     """prefetch_chunks: the leading chunks per warp that the whole grid's L2 prefetch budget covers (a
     chunk of an m16 tile is 576 bytes with its scales), at most the slice, none for a zero budget."""

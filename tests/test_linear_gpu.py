@@ -202,117 +202,6 @@ def test_split_k_variants_equal_cross_cta(splits):
             assert torch.equal(y, cross), (m, kw)
 
 
-POISON_SMEM = r"""
-extern "C" __global__ void poison_smem(int words) {  // every word of the CTA's shared memory: NaN scales
-  extern __shared__ unsigned int smem[];
-  for (int i = threadIdx.x; i < words; i += blockDim.x) smem[i] = 0xffffffffu;
-}
-"""
-
-
-@pytest.fixture
-def ring_hazards(tmp_path):
-    """Before a launch: every SM's shared memory filled with 0xff (E2M1 -6 codes, NaN scales), and L2
-    flushed by writing twice its size, so that a ring chunk read before its copy has landed (or a slot
-    refilled before it was read) gives wrong or NaN outputs, not the right bits by the luck of an L2 hit."""
-    from lumo.kernels.compile import compile_kernel, sm_count
-
-    torch.empty(1, device=DEV)  # the CUDA context (this fixture may be the first to touch the device)
-    src = tmp_path / "poison_smem.cu"
-    src.write_text(POISON_SMEM)
-    kern = compile_kernel(src, "poison_smem")
-    dev = torch.device(DEV)
-    shmem = smem_limit(dev)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(dev).L2_cache_size // 4 + 1, device=DEV)
-
-    def before() -> None:
-        kern.launch(2 * sm_count(dev), 256, [shmem // 4], shmem)
-        flush.fill_(1.0)
-
-    return before
-
-
-@pytest.mark.parametrize("splits", [1, 2, 5, 16])
-def test_cp_async_ring_keeps_the_bits(splits, ring_hazards):
-    """nvfp4_linear(ring=D): the register-direct kernel with its weights and scales through a per-warp
-    cp.async ring of D slots (linear.cu CPR) gives the bits of the cross-CTA kernel for tile widths 1 / 2 /
-    4, rings of 4..12 slots (a slice shorter than the ring, odd chunk counts, a short and an empty last
-    slice with 16), clusters of 2 CTAs, and M 1..32; each launch after poisoned shared memory and a
-    flushed L2 (ring_hazards), three times."""
-    from lumo.kernels import linear
-
-    gen = torch.Generator(DEV).manual_seed(41 + splits)
-    n, k = 64 * 5 + 27, 16 * 4 * (7 * splits + 3) + 16 * 3
-    w, s, s2 = rand_nvfp4(n, k, gen)
-    packed = pack_nvfp4(w, s, s2, splits=splits)
-    clusters = torch.cuda.get_device_capability()[0] >= 9
-    for m in (1, 3, 8, 9, 17, 32):
-        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        want = nvfp4_linear(x, packed, rd=False, cluster=False)
-        assert rel_err(want, nvfp4_linear_ref(x, w, s, s2)) < 5e-3
-        for mtw in (1, 2, 4):
-            for ring in (4, 6, 8, 10, 12):
-                for rdcl in [1] + ([2] if clusters and splits % 2 == 0 else []):
-                    shape = linear._rd_shape(packed.row_groups, -(-m // 8), mtw, splits, rdcl, ring=ring)
-                    if shape[2] > smem_limit(x.device):
-                        continue
-                    for _ in range(3):
-                        ring_hazards()
-                        y = nvfp4_linear(x, packed, out=poisoned(m, n), rd=(mtw, 1), ring=ring, rdcl=rdcl)
-                        assert torch.equal(y, want), (m, mtw, ring, rdcl)
-    with pytest.raises(ValueError, match="ring"):
-        nvfp4_linear(x, packed, rd=(1, 2), ring=4)
-    with pytest.raises(ValueError, match="ring"):
-        nvfp4_linear(x, packed, rd=False, ring=4)
-
-
-@pytest.mark.parametrize("splits", [2, 4, 8, 16])
-def test_default_ring_launch_keeps_the_bits(monkeypatch, splits, ring_hazards):
-    """linear.RD_RING (the A/B switch that puts the default launch at M <= 8 on the cp.async ring): the
-    default launch's bits are unchanged, for a plain weight, a fused SwiGLU one and the fused decode conv,
-    and a ring that does not fit a CTA's shared memory falls back to the register ring."""
-    from lumo.kernels import linear
-    from lumo.kernels.compile import Kernel
-    from lumo.kernels.conv import conv_decode
-
-    gen = torch.Generator(DEV).manual_seed(53 + splits)
-    n, k = 64 * 4 + 40, 16 * 4 * 9 * splits
-    w, s, s2 = rand_nvfp4(n, k, gen)
-    plain = pack_nvfp4(w, s, s2, splits=splits)
-    gate, up = rand_nvfp4(n, k, gen), rand_nvfp4(n, k, gen)
-    glu = pack_fused([gate, up], splits=splits, glu=True)
-    cw = (torch.randn(n // 2, 4, generator=gen, device=DEV) * 0.5).to(torch.bfloat16)
-    state = torch.randn(n // 2, 3, generator=gen, device=DEV).to(torch.bfloat16)
-    launches = []  # the CPR define of every nvfp4_gemv_rd launch
-    launch = Kernel.launch
-
-    def spy(self, *a, **kw):
-        if self.name == "nvfp4_gemv_rd":
-            launches.append(self.defines.get("CPR", 0))
-        return launch(self, *a, **kw)
-
-    monkeypatch.setattr(Kernel, "launch", spy)
-    for m in (1, 5, 8):
-        x = torch.randn(m, k, generator=gen, device=DEV).to(torch.bfloat16)
-        monkeypatch.setattr(linear, "RD_RING", 0)
-        want = nvfp4_linear(x, plain), nvfp4_linear(x, glu)
-        if m == 1:
-            st = state.clone()
-            yc = conv_decode(nvfp4_linear(x, plain)[:, : n // 2], cw, st)
-        for slots in (6, 8, 512):  # the last cannot fit a CTA's shared memory: the register ring
-            monkeypatch.setattr(linear, "RD_RING", slots)
-            launches.clear()
-            ring_hazards()
-            assert torch.equal(nvfp4_linear(x, plain, out=poisoned(m, n)), want[0]), (m, slots)
-            ring_hazards()
-            assert torch.equal(nvfp4_linear(x, glu, out=poisoned(m, n)), want[1]), (m, slots)
-            assert launches and set(launches) == {0 if slots == 512 else slots}, (m, slots, launches)
-            if m == 1:
-                st2, yc2 = state.clone(), poisoned(1, n // 2)
-                nvfp4_linear(x, plain, out=poisoned(1, n), conv=(cw, st2, yc2))
-                assert torch.equal(yc2, yc) and torch.equal(st2, st), slots
-
-
 @pytest.mark.parametrize("splits", [2, 8, 16])
 def test_staged_weights_keep_the_bits(monkeypatch, splits):
     """nvfp4_linear(stage=True): the register-direct kernel with every warp's slice copied into shared
@@ -415,7 +304,6 @@ def test_glu_fused_swiglu_equals_gemv_then_silu_mul(monkeypatch, i, k, splits):
     assert fused.out_features == i and fused.splits == splits
     knobs = [{}, dict(rd=False, cluster=False), dict(rd=(1, 2)), dict(rd=(4, 2)), dict(sx=(8, 2, 3))]
     knobs += [dict(stage=True), dict(rd=(2, 2), stage=True)]  # the weights staged in shared memory
-    knobs += [dict(rd=(1, 1), ring=4), dict(rd=(2, 1), ring=6)]  # through a cp.async ring
     if torch.cuda.get_device_capability()[0] >= 9:
         knobs += [dict(rd=False, cluster=True)] + ([dict(rd=(1, 2), rdcl=2)] if splits % 2 == 0 else [])
     staged = stage_spy(monkeypatch)
@@ -473,7 +361,6 @@ def test_conv_fused_into_the_gemv_equals_gemv_then_conv_decode(monkeypatch, n, k
     state0 = torch.randn(c, taps - 1, generator=gen, device=DEV).to(torch.bfloat16)
     knobs = [{}, dict(rd=(1, 2)), dict(rd=(2, 3)), dict(rd=False, cluster=False), dict(sx=(8, 2, 3))]
     knobs += [dict(stage=True), dict(rd=(2, 3), stage=True)]  # the weights staged in shared memory
-    knobs += [dict(rd=(1, 1), ring=6), dict(rd=(2, 1), ring=4)]  # through a cp.async ring
     if torch.cuda.get_device_capability()[0] >= 9 and splits % 2 == 0:
         knobs += [dict(rd=(1, 2), rdcl=2), dict(rd=False, cluster=True), dict(rd=(1, 2), rdcl=2, stage=True)]
     xs = [torch.randn(1, k, generator=gen, device=DEV).to(torch.bfloat16) for _ in range(3)]

@@ -58,8 +58,6 @@
 // lumo:test-defines NT=1 MTW=1 KSW=4 PF=2 LUMO_TRACE=4096 LUMO_TRACE_CAP=16
 // lumo:test-defines NT=1 MTW=1 KSW=8 PF=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 // lumo:test-defines NT=4 MTW=2 KSW=4 PF=2 RDCL=2 STG=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
-// lumo:test-defines NT=1 MTW=1 KSW=4 PF=1 CPR=6 CONV=4 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
-// lumo:test-defines NT=4 MTW=2 KSW=4 PF=1 CPR=4 RDCL=2 GLU=1 LUMO_ONLY=1 LUMO_ONLY_nvfp4_gemv_rd=1
 
 #include <cuda_bf16.h>
 
@@ -129,27 +127,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-template <int N>  // the same, and no shared-memory read of this thread moves above it (nvfp4_gemv_rd's CPR)
-__device__ __forceinline__ void cp_async_wait_reads() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// nvfp4_gemv_rd's CPR ring, addressed by 32-bit shared-window addresses: the copies and the reads back.
-__device__ __forceinline__ void cp_async16_shared(u32 dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4_shared(u32 dst, const void* src) {  // .ca: .cg takes 16 only
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared16(u32 a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ u32 ld_shared2(u32 a) {
-  unsigned short v;
-  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(a));
-  return v;
 }
 
 // One m16 tile's chunk: its 16 packed bytes (4 k-steps of this lane's A fragments) and scale pair are
@@ -634,26 +611,6 @@ __device__ __forceinline__ void slices_reduce_store(float (*acc)[NT][4], const f
 #if STG && LUMO_PROBE
 #error "STG builds take no measurement probe"
 #endif
-// CPR D (session 45; on an H100 slower than the register ring at every 27B shape, the H200 not yet
-// measured: docs/kernels.md; a measurement option, RD_RING = 0): the weights and scales go through a per-warp
-// ring of D shared-memory slots that cp.async fills D - 2 and D - 1 chunks ahead of the two chunks being
-// multiplied, where the register ring holds PF - 1 chunks at 13 registers each: more bytes in flight per
-// warp for few registers (at M = 1 the register-direct loop waits on DRAM: with the weights in L2 it ran
-// 31-36% faster, session 18). Each lane copies its own 16 bytes of weights and reads back only those, so
-// cp.async.wait_group orders everything without a barrier; a lane's 2-byte scale pair comes with its
-// neighbour's in the smallest copy cp.async makes (4 bytes), into a cell of its own. The loop takes two
-// chunks per trip and is not unrolled further: its slots are run-time offsets, because an unrolled ring
-// let ptxas hoist every wait and shared load of a trip to the trip's start, which shortened the window to
-// the chunks issued in that same trip and took ~25 more registers. The activations are loaded at their
-// use (mostly from L1: every CTA on the SM reads the same slice of x). The same arithmetic in the same
-// order: the same bits. CPR builds take PF 1 (no register ring).
-#ifndef CPR
-#define CPR 0
-#endif
-#define CPR_TILE_BYTES 640  // a CPR ring slot per m16 tile: 512 bytes of weights, 32 x 4 of scales (linear.py)
-#if CPR && (STG || LUMO_PROBE || PF != 1 || CPR < 4 || CPR % 2)
-#error "CPR (even, >= 4) takes PF 1, and neither STG nor a probe"
-#endif
 
 __device__ __forceinline__ uint4 ld_stream16(const uint4* p) {  // read once: keep it out of L1
   uint4 v;
@@ -794,98 +751,8 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
   };
 
   float acc[MTW][NT][4] = {};
-  auto conv_prefetch_tile = [&] {  // CONV: the conv operands of this warp's first tile, asked of L2
-#if CONV
-    const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;  // stores tile slice / NT (M == 1)
-    if (slice < MTW * NT)
-      conv_prefetch(ConvEpi{conv_w, conv_state, conv_y, conv_c}, (tile0 + slice / NT) * 16, lane);
-#endif
-  };
 
-#if CPR
-  {
-    // Dynamic smem after the epilogue's KSW * MTW * NT * 512 bytes: every warp's ring of CPR slots, a slot
-    // = its MTW tiles' weights [tile][32 lanes] x 16 bytes, then [tile][32 lanes] x 4 bytes of scales: each
-    // lane's cell holds the scale pairs of its lane pair (2m, 2m + 1), the smallest cp.async, and the lane
-    // reads its own half. A cell per lane: no lane writes what another reads.
-    constexpr u32 kSlot = MTW * CPR_TILE_BYTES;
-    const u32 ring = (u32)__cvta_generic_to_shared(dynamic_smem() + KSW * MTW * NT * 32) + warp * CPR * kSlot;
-    const u32 rw = ring + lane * 16, rs_cell = ring + MTW * 512 + lane * 4;
-    const u32 rs = rs_cell + 2 * (lane & 1);  // this lane's scale pair in its cell
-    const uint4* fw = wp;                      // the next chunk to copy (the slice's chunk 0 first)
-    const unsigned short* fs = sp - (lane & 1);
-    auto fill = [&](u32 slot, int r, bool copy) {  // chunk r (from fw / fs) into the ring slot at byte `slot`
-      if (copy) {
-#pragma unroll
-        for (int p = 0; p < MTW; ++p) {
-          cp_async16_shared(rw + slot + p * 512, fw + ((size_t)r * MT + p) * 32);
-          cp_async4_shared(rs_cell + slot + p * 128, fs + ((size_t)r * MT + p) * 32);
-        }
-      }
-    };
-    // Chunks go two per trip and per cp.async group: chunk 2k in slot 2k % CPR, 2k + 1 in the next one
-    // (CPR is even), and each trip first refills the slots of the previous trip's two chunks with the
-    // chunks CPR - 2 and CPR - 1 ahead, one group (empty past the slice: the counts stay exact). A trip's
-    // group is then (CPR - 2) / 2 groups behind the newest when it is waited for.
-#pragma unroll
-    for (int c = 0; c < CPR - 2; c += 2) {  // before the wait (PDL)
-      fill(c * kSlot, c, c < nc);
-      fill((c + 1) * kSlot, c + 1, c + 1 < nc);
-      cp_async_commit();
-    }
-    fw += (size_t)(CPR - 2) * MT * 32;
-    fs += (size_t)(CPR - 2) * MT * 32;
-    if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, CPR - 2, min(nc, npf));
-    conv_prefetch_tile();
-    pdl_wait();
-    TRACE_AT(1);
-    // A trip: the previous trip's two slots (`refill`) take the chunks CPR - 2 and CPR - 1 ahead, then each
-    // chunk c (r = 0 or 1, in ring slot `slot` + r * kSlot) loads its activations, waits for its group
-    // (the trip's, once), reads its weights and scales back and multiplies.
-    auto refill_pair = [&](int c, u32 refill, bool fast) {  // chunks c + CPR - 2 and c + CPR - 1
-      fill(refill, 0, fast || c + CPR - 2 < nc);
-      fill(refill + kSlot, 1, fast || c + CPR - 1 < nc);
-      cp_async_commit();
-    };
-    auto chunk = [&](int c, int r, u32 slot, bool fast) {
-      load_x(0, r, fast || c < nfull || (c0 + c) * 64 + 16 * t < K);
-      if (r == 0) cp_async_wait_reads<(CPR - 2) / 2>();
-#pragma unroll
-      for (int p = 0; p < MTW; ++p) {
-        wr[0][p] = ld_shared16(rw + slot + r * kSlot + p * 512);
-        sr[0][p] = ld_shared2(rs + slot + r * kSlot + p * 128);
-      }
-#pragma unroll
-      for (int p = 0; p < MTW; ++p) fp4_tile_mma(acc[p], wr[0][p], sr[0][p], xr[0]);
-    };
-    u32 slot = 0, refill = (CPR - 2) * kSlot;  // this trip's slot pair and the previous trip's
-    auto next_trip = [&] {
-      fw += 2 * MT * 32;
-      fs += 2 * MT * 32;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) xp[j] += 2 * 64;
-      refill = slot;
-      slot = slot + 2 * kSlot == CPR * kSlot ? 0 : slot + 2 * kSlot;
-    };
-    int c = 0;
-#pragma unroll 1
-    for (; c + CPR - 1 < nfull; c += 2, next_trip()) {  // steady state: both refills exist, x below K
-      refill_pair(c, refill, true);
-      chunk(c, 0, slot, true);
-      chunk(c + 1, 1, slot, true);
-    }
-#pragma unroll 1
-    for (; c + 1 < nc; c += 2, next_trip()) {
-      refill_pair(c, refill, false);
-      chunk(c, 0, slot, false);
-      chunk(c + 1, 1, slot, false);
-    }
-    if (c < nc) {
-      refill_pair(c, refill, false);
-      chunk(c, 0, slot, false);
-    }
-  }
-#elif STG
+#if STG
   stage_slice(wst, sst, qw, qs, unit, nc, lane);  // the whole slice, before the wait (PDL)
 #else
 #pragma unroll
@@ -893,8 +760,13 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
     if (i < nc) load_w(i, PROBE_CHUNK(i));
   if (tile0 % MT == 0 && lane == 0) prefetch_chunks(qw, qs, unit, PF - 1, min(nc, npf));
 #endif
-#if !CPR
-  conv_prefetch_tile();
+#if CONV
+  {
+    const int slice = (RDCL > 1 ? (int)cluster_rank() * KSW : 0) + warp;  // stores tile slice / NT (M == 1)
+    if (slice < MTW * NT)
+      conv_prefetch(ConvEpi{conv_w, conv_state, conv_y, conv_c}, (tile0 + slice / NT) * 16, lane);
+  }
+#endif
   pdl_wait();
   TRACE_AT(1);
 #pragma unroll
@@ -927,7 +799,6 @@ extern "C" __global__ void __launch_bounds__(KSW * 32, RD_MINB)
 #pragma unroll
   for (int u = 0; u < PF - 1; ++u)
     if (i0 + u < nc) step(u, i0, false);
-#endif  // !CPR
   TRACE_AT(2);
   pdl_trigger();
   slices_reduce_store(acc, gs, out, M, N, tile0, warp, lane CONV_EPI);

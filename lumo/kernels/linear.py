@@ -220,10 +220,7 @@ def _compile(name: str, defines: dict[str, int], probe: int) -> Kernel:
     defines = defines | {"LUMO_ONLY": 1, f"LUMO_ONLY_{name}": 1}
     if name == "nvfp4_gemv_rd":
         defines |= trace_defines()  # bench/trace_step.py only; empty otherwise
-    defines |= {"LUMO_PROBE": probe} if probe else {}
-    kern = compile_kernel("linear", name, defines)
-    kern.defines = defines  # which build a launch ran (tests)
-    return kern
+    return compile_kernel("linear", name, defines | ({"LUMO_PROBE": probe} if probe else {}))
 
 
 @functools.cache
@@ -456,29 +453,6 @@ def prefetch_chunks(row_groups: int, splits: int, cps: int, budget: int) -> int:
 # A launch choice only (same bits).
 RD_CLUSTERS = {(1, 1, 2, 16): (2, 5), (4, 2, 2, 8): (2, 1)}
 
-# Slots of the cp.async ring (linear.cu CPR) the default launch takes at M <= 8 for weights of two or more
-# slices, with PF 1 (0: the register ring of RD_CHOICE's PF). A launch choice only (same bits). Off: on an
-# H100 every ring measured slower (the 27B decode step at 1k 6.495 -> 6.646 ms with 4 slots); the H200 is
-# not measured yet (session 45, docs/kernels.md).
-RD_RING = 0
-# The ring builds' own launch tables, (NT, MTW, slices) -> minimum resident CTAs per SM, and -> (CTAs per
-# cluster, minimum CTAs per SM): the register ring's occupancy where the ring's shared memory allows it
-# (4 slices, GLU, 8 slots: 58 -> 56 registers, nine CTAs per SM; 16 slices over clusters of two bounded to
-# five: 48 registers; sm_90 and sm_121a, no stack). `_ring_minb` lowers a bound that shared memory cannot
-# hold (a deeper ring, the GB10's ~100 KB per SM).
-RD_RING_MIN_BLOCKS = {(1, 1, 4): 9}
-RD_RING_CLUSTERS = {(1, 1, 16): (2, 5)}
-RING_TILE_BYTES = 640  # a ring slot per m16 tile and warp: 512 bytes of weights, 32 x 4 of scales (linear.cu)
-
-
-def _ring_minb(nt: int, mtw: int, splits: int, rdcl: int, shmem: int, device: torch.device) -> int:
-    """A ring build's `__launch_bounds__` minimum of resident CTAs: RD_RING_CLUSTERS' / RD_RING_MIN_BLOCKS'
-    entry, lowered to the CTAs of `shmem` bytes one SM's shared memory holds (a bound no SM can reach would
-    only cap the registers)."""
-    table = _table_minb(nt, mtw, 1, splits, rdcl, ring=True)
-    per_sm = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 0)
-    return max(1, min(table, per_sm // (shmem + 1024))) if per_sm else table
-
 
 def _rd_cluster_fits(
     nt: int,
@@ -491,19 +465,14 @@ def _rd_cluster_fits(
     glu: bool,
     device: torch.device,
     conv: int = 0,
-    ring: int = 0,
 ) -> bool:
     """Whether the device schedules nvfp4_gemv_rd's slices in clusters of `rdcl` CTAs (1: always)."""
     if rdcl == 1:
         return True
     if not _clusters(device):
         return False
-    shape = _rd_shape(rg, nt, mtw, splits, rdcl, ring=ring)
-    if shape[2] > smem_limit(device):
-        return False
-    minb = _ring_minb(nt, mtw, splits, rdcl, shape[2], device) if ring else None
-    kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv, ring=ring, minb=minb)
-    return kern.max_cluster_size(*shape) >= rdcl
+    kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv)
+    return kern.max_cluster_size(*_rd_shape(rg, nt, mtw, splits, rdcl)) >= rdcl
 
 
 def _rd_default_cluster(
@@ -516,54 +485,20 @@ def _rd_default_cluster(
     glu: bool,
     device: torch.device,
     conv: int = 0,
-    ring: int = 0,
 ) -> int:
-    """CTAs per cluster of nvfp4_gemv_rd's default launch: RD_CLUSTERS' entry (RD_RING_CLUSTERS' for a ring
-    build), or 1 where the device cannot schedule that cluster (one CTA holds every slice)."""
-    rdcl = _rd_cluster_entry(nt, mtw, pf, splits, ring)[0]
-    return rdcl if _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, device, conv, ring) else 1
-
-
-def _default_ring(
-    rd: tuple[int, int], nt: int, splits: int, rg: int, glu: bool, device: torch.device, conv: int
-) -> tuple[tuple[int, int], int]:
-    """(rd, ring) of the default launch: RD_RING's ring at PF 1 where it applies (M <= 8, two or more
-    slices) and its shared memory fits a CTA, else the register ring's `rd` and no ring."""
-    if not RD_RING or nt != 1 or splits == 1:
-        return rd, 0
-    rdcl = _rd_default_cluster(nt, rd[0], 1, splits, rg, 0, glu, device, conv, RD_RING)
-    if _rd_shape(rg, nt, rd[0], splits, rdcl, ring=RD_RING)[2] > smem_limit(device):
-        return rd, 0
-    return (rd[0], 1), RD_RING
-
-
-def _rd_cluster_entry(nt: int, mtw: int, pf: int, splits: int, ring: int) -> tuple[int, int]:
-    """(CTAs per cluster, minimum CTAs per SM) of a config's default clustered launch; (1, 1) for none."""
-    if ring:
-        return RD_RING_CLUSTERS.get((nt, mtw, splits), (1, 1))
-    return RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))
-
-
-def _table_minb(nt: int, mtw: int, pf: int, splits: int, rdcl: int, ring: bool) -> int:
-    """The launch tables' minimum resident CTAs per SM for a build in clusters of `rdcl` CTAs (the cluster
-    table's bound only for the cluster size it names), register ring or cp.async ring."""
-    if rdcl > 1:
-        cl, minb = _rd_cluster_entry(nt, mtw, pf, splits, ring)
-        return minb if cl == rdcl else 1
-    if ring:
-        return RD_RING_MIN_BLOCKS.get((nt, mtw, splits), 1)
-    return RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
+    """CTAs per cluster of nvfp4_gemv_rd's default launch: RD_CLUSTERS' entry, or 1 where the device cannot
+    schedule that cluster (one CTA holds every slice)."""
+    rdcl = RD_CLUSTERS.get((nt, mtw, pf, splits), (1, 1))[0]
+    return rdcl if _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, device, conv) else 1
 
 
 def _rd_shape(
-    rg: int, nt: int, mtw: int, splits: int, rdcl: int, stage_cps: int = 0, ring: int = 0
+    rg: int, nt: int, mtw: int, splits: int, rdcl: int, stage_cps: int = 0
 ) -> tuple[tuple[int, int, int], int, int]:
     """nvfp4_gemv_rd's grid, block and dynamic shared memory (a CTA of splits / rdcl warps, a slice each;
-    `stage_cps`: the chunks per slice a staged build (STG) holds, 576 bytes per chunk and tile; `ring`: the
-    slots of a CPR build's shared-memory ring, RING_TILE_BYTES per slot and tile)."""
+    `stage_cps`: the chunks per slice a staged build (STG) holds, 576 bytes per chunk and tile)."""
     ksw = splits // rdcl
-    per_tile = nt * 512 + stage_cps * 576 + ring * RING_TILE_BYTES
-    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * per_tile
+    return (rg * MT // mtw, rdcl, 1), 32 * ksw, ksw * mtw * (nt * 512 + stage_cps * 576)
 
 
 @functools.cache
@@ -577,17 +512,16 @@ def _rd_kernel(
     rdcl: int = 1,
     conv: int = 0,
     stage: bool = False,
-    ring: int = 0,
-    minb: int | None = None,
 ) -> Kernel:
     defines = {"NT": nt, "MT": MT, "MTW": mtw, "PF": pf, "KSW": splits // rdcl} | ({"GLU": 1} if glu else {})
     defines |= {"CONV": conv} if conv else {}  # the decode conv's taps, fused into the epilogue
     defines |= {"STG": 1} if stage else {}  # the slice's weights staged in shared memory before pdl_wait
-    defines |= {"CPR": ring} if ring else {}  # weights through a cp.async ring of `ring` slots per warp
     if rdcl > 1:
+        cl, minb = RD_CLUSTERS.get((nt, mtw, pf, splits), (rdcl, 1))
+        minb = minb if cl == rdcl else 1
         defines["RDCL"] = rdcl
-    if minb is None:  # a ring's bound depends on the device's shared memory: its callers pass _ring_minb's
-        minb = 1 if ring else _table_minb(nt, mtw, pf, splits, rdcl, ring=False)
+    else:
+        minb = RD_MIN_BLOCKS.get((nt, mtw, pf, splits), 1)
     return _compile("nvfp4_gemv_rd", defines | ({"RD_MINB": minb} if minb > 1 else {}), probe)
 
 
@@ -626,8 +560,6 @@ def nvfp4_linear(
     rdcl: int | None = None,
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stage: bool = False,
-    ring: int = 0,
-    minb: int | None = None,
 ) -> torch.Tensor:
     """y = x @ W^T for bf16 x [M, K] and a packed NVFP4 W [N, K]; bf16 [M, N]. For a fused-SwiGLU weight
     (pack_fused(glu=True)) silu(gate) * up [M, I]; `rows`, a contiguous bf16 [>= M, packed.n] buffer, then
@@ -655,12 +587,6 @@ def nvfp4_linear(
     wait for the previous kernel (default L2_PREFETCH_BYTES; 0: none). `rdcl`: the register-direct kernel's
     slices spread over clusters of that many CTAs (a divisor of the slice count; > 1 needs sm_90+; default
     RD_CLUSTERS, falling back to one CTA where the device cannot schedule that cluster).
-    `ring`: the register-direct kernel's weights go through a shared-memory ring of that many slots per
-    warp (even, >= 4), filled by cp.async that many chunks ahead less two (linear.cu CPR; with rd's PF 1 or
-    the default tile width; not with another kernel, `stage` or a `probe`). RD_RING makes it the default at
-    M <= 8 (measurement: off until measured). `minb`: the register-direct build's minimum resident CTAs per
-    SM (`__launch_bounds__`; default RD_MIN_BLOCKS / RD_CLUSTERS, for a ring RD_RING_* within shared
-    memory).
     `probe` (bench/probe_linear.py) runs a measurement variant of the kernel instead (linear.cu
     LUMO_PROBE: 1 without the arithmetic, 2 with L2-resident weights: meaningless output; 3 with the
     dequant's shifts as integer products: the same bits).
@@ -689,44 +615,32 @@ def nvfp4_linear(
     npf = 0 if probe else prefetch_chunks(rg, splits, cps, L2_PREFETCH_BYTES if l2pf is None else l2pf)
     if rd and sx:
         raise ValueError("rd and sx name two different kernels: give one")
-    if ring and (rd is False or sx or stage or probe or ring < 4 or ring % 2):
-        raise ValueError(f"ring (even, >= 4) is for the register-direct kernel, not stage / probe: {ring}")
     if not sx and rd is None and stages is None and rgw is None and cluster is None and tpw is None:
         rd = choose_rd(splits, m)
         if rd:
             rd = _rd_fit_waves(rd, rg * MT, nt, splits, x.device, bool(packed.glu_n), conv_k)
-            if ring:  # the ring at the default tile width
-                rd = (rd[0], 1)
-            elif not stage and not probe:
-                rd, ring = _default_ring(rd, nt, splits, rg, bool(packed.glu_n), x.device, conv_k)
         elif sx is None and _sx_fits(rg, splits, cps, nt, x.device):
             sx = SX_DEFAULT
-    elif ring and not rd:
-        raise ValueError("ring needs the register-direct kernel (rd=(MTW, 1))")
     if rd:
         if not isinstance(rd, tuple) or len(rd) != 2 or rd[0] not in (1, 2, 4) or rd[1] < 1:
             raise ValueError(f"rd must be (MTW in 1, 2, 4; PF >= 1), got {rd!r}")
         mtw, pf = rd
         glu = bool(packed.glu_n)
         if rdcl is None:
-            rdcl = _rd_default_cluster(nt, mtw, pf, splits, rg, probe, glu, x.device, conv_k, ring)
+            rdcl = _rd_default_cluster(nt, mtw, pf, splits, rg, probe, glu, x.device, conv_k)
         elif rdcl < 1 or splits % rdcl:
             raise ValueError(f"rdcl must divide the {splits} slices, got {rdcl}")
-        elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device, conv_k, ring):
+        elif not _rd_cluster_fits(nt, mtw, pf, splits, rdcl, rg, probe, glu, x.device, conv_k):
             raise ValueError(f"the device cannot schedule nvfp4_gemv_rd in clusters of {rdcl} CTAs")
         stage = stage and not probe  # a probe build measures the usual kernel
-        if ring and pf != 1:
-            raise ValueError(f"a ring build takes PF 1 (its ring replaces the register ring), got rd={rd!r}")
         if stage:
             grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, stage_cps=cps)
             build = functools.partial(_rd_kernel, nt, mtw, pf, splits, 0, glu, rdcl, conv_k, stage=True)
             stage = _stage_fits(grid, block, shmem, rdcl, x.device, build)
             kern = build() if stage else None
         if not stage:
-            grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl, ring=ring)
-            if ring and minb is None:
-                minb = _ring_minb(nt, mtw, splits, rdcl, shmem, x.device)
-            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k, ring=ring, minb=minb)
+            kern = _rd_kernel(nt, mtw, pf, splits, probe, glu, rdcl, conv_k)
+            grid, block, shmem = _rd_shape(rg, nt, mtw, splits, rdcl)
         args = [packed.qw, packed.qs, packed.gs, x, out, m, packed.out_features, packed.k, chunks, cps, npf]
         args += [*conv, conv_c] if conv is not None else []
         if shmem > smem_limit(x.device):
