@@ -9,10 +9,8 @@
 # ab: the 27B decode step at 1k as it is and without its block norms (GPURunner.timing_without_block_norms,
 # timing only: the ceiling of docs/runner.md's norm with no kernel), bench/ab.py, two rounds.
 set -u
-export PYTHONUNBUFFERED=1 LUMO_CACHE_DIR=/tmp/lk PYTHONPATH=.:.gpu-deps
-out=${OUT:-/tmp}
 source bench/gpu_group.sh
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+session_start
 case "${1:-}" in
   probe)
     group 300 probe_stream python -m bench.probe_stream --work 0 16 --pf 2 3 4 --occ 0 9 7
