@@ -23,7 +23,7 @@ import torch
 
 from bench.bench_linear import copy_bandwidth, random_packed, time_graph
 from lumo.kernels.compile import compile_kernel
-from lumo.kernels.linear import CHUNK, ROWS, choose_splits, nvfp4_linear
+from lumo.kernels.linear import CHUNK, MT, ROWS, choose_splits, nvfp4_linear
 
 # name -> (N, K), the 27B's M = 1 weights of the decode step
 SHAPES = {
@@ -52,13 +52,13 @@ def main() -> None:
         n, k = SHAPES[name]
         lib, sizes = {}, {}
         probe: dict[tuple, dict[int, float]] = {}
+        s = choose_splits(n, k)  # kept at every K multiple: a longer K changes only the chunks per warp
         for kmul in args.kmul:
-            s = choose_splits(n, k)
             cps, sizes[kmul], lib[kmul] = library_time(n, k * kmul, s)
             print(
-                f"\n{name} x{kmul}: N {n} K {k * kmul}, {s} slices of {cps} chunks, {-(-n // ROWS) * 4} CTAs "
-                f"of {32 * s} threads, {sizes[kmul] / 1e6:.1f} MB; library GEMV {lib[kmul]:.1f} us "
-                f"({pct(sizes[kmul], lib[kmul], bw)}%)"
+                f"\n{name} x{kmul}: N {n} K {k * kmul}, {s} slices of {cps} chunks, "
+                f"{-(-n // ROWS) * MT} CTAs of {32 * s} threads, {sizes[kmul] / 1e6:.1f} MB; "
+                f"library GEMV {lib[kmul]:.1f} us ({pct(sizes[kmul], lib[kmul], bw)}%)"
             )
             stream = Stream(n, k * kmul, s, cps)
             for occ in args.occ:
@@ -86,8 +86,7 @@ class Stream:
 
     def __init__(self, n: int, k: int, slices: int, cps: int) -> None:
         self.groups, self.chunks, self.slices, self.cps = -(-n // ROWS), -(-k // CHUNK), slices, cps
-        units = self.groups * 4 * self.chunks * 32  # lanes x tile-chunks: 16 bytes of weights, 2 of scales
-        copies = max(2, -(-MIN_ROTATION // (units * 18)))
+        units, copies = packed_size(n, k)
         self.bufs = [
             (
                 torch.randint(-(2**31), 2**31 - 1, (units * 4,), dtype=torch.int32, device="cuda"),
@@ -95,11 +94,11 @@ class Stream:
             )
             for _ in range(copies)
         ]
-        self.out = torch.zeros(self.groups * 4, dtype=torch.int32, device="cuda")
+        self.out = torch.zeros(self.groups * MT, dtype=torch.int32, device="cuda")
 
     def time(self, defines: dict[str, int], shmem: int) -> float:
         kern = compile_kernel(Path(__file__).with_name("probe_stream.cu"), "stream_probe", defines)
-        grid, block = self.groups * 4, 32 * self.slices
+        grid, block = self.groups * MT, 32 * self.slices
         args = [self.groups, self.chunks, self.cps]
         fns = [
             functools.partial(kern.launch, grid, block, [w, sc, self.out, *args], shmem=shmem)
@@ -119,16 +118,22 @@ def pct(nbytes: int, us: float, bw: float) -> int:
     return round(100 * nbytes / (us * 1e-6) / 1e9 / bw) if us > 0 else 0
 
 
+def packed_size(n: int, k: int) -> tuple[int, int]:
+    """(lane units, copies to cycle) of an N x K packed weight: a unit is one lane's 16 bytes of weights and
+    2 of scales in one tile-chunk; enough copies that L2 never serves them."""
+    units = -(-n // ROWS) * MT * -(-k // CHUNK) * 32
+    return units, max(2, -(-MIN_ROTATION // (units * 18)))
+
+
 def library_time(n: int, k: int, splits: int) -> tuple[int, int, float]:
     """(chunks per slice, bytes, us per launch) of the library's M = 1 GEMV of an N x K weight in `splits`
-    slices (the shape's own count at the base K, so a longer K changes only the chunks per warp)."""
-    chunks = -(-k // CHUNK)
-    nbytes = -(-n // ROWS) * 4 * chunks * 32 * 18
-    copies = max(2, -(-MIN_ROTATION // nbytes))
+    slices."""
+    units, copies = packed_size(n, k)
     packs = [dataclasses.replace(p, splits=splits) for p in random_packed(n, k, copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     us = time_graph([lambda p=p: nvfp4_linear(x, p) for p in packs], reps=4 * copies)
-    return -(-chunks // splits), nbytes, us
+    chunks = -(-k // CHUNK)
+    return -(-chunks // splits), units * 18, us
 
 
 if __name__ == "__main__":
