@@ -571,3 +571,125 @@ def test_a_call_cut_by_the_token_limit_keeps_its_cut_arguments(tmp_path):
         r = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
         (call,) = r.choices[0].message.tool_calls
         assert json.loads(call.function.arguments) == {"city": "New York", "note": "line one\nline tw"}
+
+
+JSON_CALL_ARGS = (
+    '{"city": "New \\"York\\" \\u00e9", "days": [1, 2], "opts": {"a": true, "b": null}, "n": -1.5}'
+)
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": ' + JSON_CALL_ARGS + "}\n</tool_call>"
+
+
+def _cut_prefix_of(cut, full) -> bool:
+    """Whether `cut` is what a JSON value `full` cut short may close into: whole members, the last one
+    (a string, list or object) itself cut."""
+    if isinstance(full, str):
+        return isinstance(cut, str) and full.startswith(cut)
+    if isinstance(full, list):
+        return (
+            isinstance(cut, list)
+            and len(cut) <= len(full)
+            and all(c == f for c, f in zip(cut[:-1], full, strict=False))
+            and (not cut or _cut_prefix_of(cut[-1], full[len(cut) - 1]))
+        )
+    if isinstance(full, dict):
+        keys = list(full)
+        return (
+            isinstance(cut, dict)
+            and list(cut) == keys[: len(cut)]
+            and all(cut[k] == full[k] for k in list(cut)[:-1])
+            and (not cut or _cut_prefix_of(cut[keys[len(cut) - 1]], full[keys[len(cut) - 1]]))
+        )
+    return cut == full
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_a_json_call_cut_by_the_token_limit_is_a_call_at_every_cut(close):
+    """A JSON-form call cut by the token limit (finish_reason length) at any character: once its name is
+    whole it is a call, its arguments the text that came (not JSON), or with close_cut (Anthropic's API)
+    the object of the members that were whole (a string cut inside kept, cut); before that it is left out.
+    Its markup never reaches the content once `<tool_call>` is whole (before, the text may be the model's),
+    and every split of the stream gives the same parts."""
+    full = json.loads(JSON_CALL_ARGS)
+    text = "Checking. " + JSON_CALL
+    start = text.index("<tool_call>") + len("<tool_call>") - 1
+    name_whole = text.index('"get_weather"') + len('"get_weather"')
+    args_at = text.index(JSON_CALL_ARGS)
+    for end in range(start + 1, len(text) - len("}\n</tool_call>")):
+        seen = []
+        for pieces in ([text[:end]], [text[: end // 2], text[end // 2 : end]], list(text[:end])):
+            p, total = ChatOutputParser(tools=TOOLS), ParsedDelta()
+            for x in pieces:
+                total.extend(p.feed(x))
+            total.extend(p.finish(cut=True, close_cut=close))
+            seen.append([(k, v if k != "tool" else (v.name, v.arguments)) for k, v in total.parts])
+        assert seen[0] == seen[1] == seen[2], end
+        assert "<tool_call>" not in total.content and total.content == "Checking.", end
+        calls = total.calls()
+        if end < name_whole:
+            assert calls == [], end
+            continue
+        (call,) = calls
+        assert call.name == "get_weather"
+        if not close:
+            assert call.arguments == text[args_at:end], end
+        else:
+            assert _cut_prefix_of(json.loads(call.arguments), full), (end, call.arguments)
+    # the whole arguments, cut just before the call's own closing brace
+    p = ChatOutputParser(tools=TOOLS)
+    p.feed(text[: text.index(JSON_CALL_ARGS) + len(JSON_CALL_ARGS)])
+    (call,) = p.finish(cut=True, close_cut=close).calls()
+    assert json.loads(call.arguments) == full
+
+
+def test_a_cut_json_call_through_the_three_apis(tmp_path):
+    """The JSON-form call max_tokens cut (a forced tool call's form): chat's tool_calls with the arguments
+    as they were cut and finish_reason length, streamed and not; the Responses API's incomplete
+    function_call item; the Messages API's tool_use block with the whole members' input (a number at the
+    cut may have had more digits: left out), stop_reason max_tokens. No `<tool_call>` text anywhere."""
+    import anthropic
+
+    from lumo.server.testing import ScriptedLLM, serve_in_thread
+
+    out = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "New York", "days": [1, 2'
+    llm = ScriptedLLM.with_test_tokenizer(tmp_path, out)
+    generate = llm.generate_stream
+
+    def cut(prompt, max_tokens=256, **kw):
+        chunks = list(generate(prompt, max_tokens, **kw))
+        chunks[-1].finish_reason = "length"
+        yield from chunks
+
+    llm.generate_stream = cut
+    messages = [{"role": "user", "content": "Weather?"}]
+    with serve_in_thread(llm) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS)
+        assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == "Checking."
+        (call,) = r.choices[0].message.tool_calls
+        cut_args = '{"city": "New York", "days": [1, 2'
+        assert (call.function.name, call.function.arguments) == ("get_weather", cut_args)
+        stream = client.chat.completions.create(model="scripted", messages=messages, tools=TOOLS, stream=True)
+        streamed, text = "", ""
+        for ev in stream:
+            for tc in ev.choices[0].delta.tool_calls or [] if ev.choices else []:
+                streamed += tc.function.arguments or ""
+            text += (ev.choices[0].delta.content or "") if ev.choices else ""
+        assert (text, streamed) == ("Checking.", call.function.arguments)
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        resp = client.responses.create(model="scripted", input="Weather?", tools=tools)
+        item = next(i for i in resp.output if i.type == "function_call")
+        assert resp.status == "incomplete" and item.status == "incomplete"
+        assert item.arguments == call.function.arguments and "<tool_call>" not in resp.output_text
+        ac = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=30)
+        tool = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+        for stream in (False, True):
+            ask = dict(model="x", max_tokens=50, messages=messages, tools=[tool])
+            if stream:
+                with ac.messages.stream(**ask) as s:
+                    m = s.get_final_message()
+            else:
+                m = ac.messages.create(**ask)
+            assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["text", "tool_use"]
+            # "2" may have had more digits: left out
+            assert m.content[0].text == "Checking."
+            assert m.content[1].input == {"city": "New York", "days": [1]}

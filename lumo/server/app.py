@@ -865,7 +865,7 @@ class _Server:
             job = submit()
             out = await self._collect(job, request)
             parsed = parser.feed(out.text)
-            parsed.extend(parser.finish())
+            parsed.extend(parser.finish(cut=out.reason == "length", close_cut=True))
             build.feed(parsed)
             build.finish()
             return build.message(*ending(job, out.n_gen, out.reason, out.why))
@@ -890,7 +890,7 @@ class _Server:
                 why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
                 d = parser.feed(chunk.text)
                 if chunk.finish_reason is not None:
-                    d.extend(parser.finish())
+                    d.extend(parser.finish(cut=chunk.finish_reason == "length", close_cut=True))
                 for e in build.feed(d):
                     yield _event(e)
             if reason is None:

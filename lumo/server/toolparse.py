@@ -27,6 +27,7 @@ it is generated too, and the same whatever the split.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
@@ -175,19 +176,23 @@ class ChatOutputParser:
             pass
         return self._shown(out)
 
-    def finish(self, cut: bool = False) -> ParsedDelta:
+    def finish(self, cut: bool = False, close_cut: bool = False) -> ParsedDelta:
         """End of output: flush what was held back; an unclosed tool call is parsed as it stands.
-        cut: the token limit ended the output (finish_reason length); an XML call it cut short keeps its
-        arguments cut where the output stopped, as OpenAI's API sends them: not JSON, so that a client
-        (LangChain's invalid_tool_calls) does not run a call whose values were cut (a truncated file)."""
+        cut: the token limit ended the output (finish_reason length). A call it cut short after its name is
+        a call, in either form, whose arguments stay cut where the output stopped, as OpenAI's API sends
+        them: not JSON, so that a client (LangChain's invalid_tool_calls) does not run a call whose values
+        were cut (a truncated file). close_cut: its arguments closed into the JSON object of the members
+        that were whole, or cut inside a string (Anthropic's API, whose tool_use input is an object). A call
+        cut before its name was whole is left out: markup, not text."""
         out = ParsedDelta()
         buf, self._buf = self._buf, ""
         if self._mode == _REASONING:
             out.add_reasoning(buf)
         elif self._mode == _TOOL and self._xml is not None:
-            self._end_xml_call(self._xml.feed(buf, final=not cut), out, closed=not cut)
+            keep_cut = cut and not close_cut
+            self._end_xml_call(self._xml.feed(buf, final=not keep_cut), out, closed=not keep_cut)
         elif self._mode == _TOOL:
-            self._close_tool_call(buf, out, closed=False)
+            self._close_tool_call(buf, out, closed=False, cut=cut, close_cut=close_cut)
         else:  # the end: trailing whitespace is the output's own, unless a tag came just before it
             self._content(buf, out, boundary=False)
             out.add_content(self._held_ws)
@@ -312,9 +317,16 @@ class ChatOutputParser:
             call.arguments, call.custom = _CustomInput().feed(call.arguments, final=True), True
         return call
 
-    def _close_tool_call(self, body: str, out: ParsedDelta, closed: bool) -> None:
+    def _close_tool_call(
+        self, body: str, out: ParsedDelta, closed: bool, cut: bool = False, close_cut: bool = False
+    ) -> None:
         call = self._whole_call(body)
         self._mode, self._at_start = _CONTENT, True
+        if call is None and cut:
+            call = self._cut_call(body, close_cut)
+            if call is None and _call_head_cut(body):
+                self._held_ws = ""
+                return
         if call is None:
             raw = TOOL_OPEN + body + (TOOL_CLOSE if closed else "")
             self._at_start = False
@@ -324,6 +336,98 @@ class ChatOutputParser:
         self._held_ws = ""
         out.add_piece(ToolCallPiece.whole(self.n_tool_calls, call))
         self.n_tool_calls += 1
+
+    def _cut_call(self, body: str, close: bool) -> ToolCall | None:
+        """A JSON-form call the token limit cut after its name (None before): its arguments as they were
+        cut, or (close) the object of their whole members (_cut_json_object)."""
+        head = _cut_json_call(body)
+        if head is None:
+            return None
+        name, args = head
+        if close:
+            obj = _cut_json_object(args) if args.strip() else {}
+            args = json.dumps(obj if obj is not None else {}, ensure_ascii=False)
+        if name in self._custom:
+            return ToolCall(name, _CustomInput().feed(args, final=close), custom=True)
+        return ToolCall(name, args)
+
+
+_CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*')
+_CUT_ARGS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _cut_json_call(body: str) -> tuple[str, str] | None:
+    """(name, the arguments' text as it was cut) of a JSON-form call body cut short after its name:
+    `{"name": "NAME"` then `, "arguments": ` and whatever of them came; None if the name is not whole."""
+    m = _CUT_HEAD.match(body)
+    if m is None:
+        return None
+    try:
+        name, at = json.JSONDecoder().raw_decode(body, m.end())
+    except ValueError:
+        return None
+    if not isinstance(name, str):
+        return None
+    m = _CUT_ARGS.match(body, at)
+    if m is not None:
+        return name, body[m.end() :]
+    rest = re.sub(r"\s+", "", body[at:])  # cut before the arguments began: none came
+    return (name, "") if any(k.startswith(rest) for k in (',"arguments":', ',"parameters":')) else None
+
+
+def _call_head_cut(body: str) -> bool:
+    """Whether a call body cut short ends before the call's name was whole, in either form (`{"na`,
+    `<function=get_w`): what a cut call leaves when it is not yet a call."""
+    s = body.strip()
+    if _xml_head(s) is _UNDECIDED or (s.startswith(_FUNCTION) and ">" not in s and "\n" not in s):
+        return True
+    t = re.sub(r"\s+", "", s)
+    head = '{"name":"'
+    return head.startswith(t) or (t.startswith(head) and '"' not in t[len(head) :])
+
+
+def _cut_json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object a text cut short opens, up to its last whole member (a string cut inside stays, cut;
+    a number or literal at the end is dropped, since more digits may have followed): the text closed as it
+    stands, else at its last `,` or opening bracket outside strings; None if it does not open an object."""
+    stack: list[str] = []
+    ends: list[tuple[int, str]] = []  # (where the text may end, the closers it then needs)
+    in_str = esc = False
+    escape_at = -1  # where the string's last escape began
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc, escape_at = True, i
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+            ends.append((i + 1, "".join(reversed(stack))))
+        elif ch in "}]" and stack:
+            stack.pop()
+        elif ch == ",":
+            ends.append((i, "".join(reversed(stack))))
+    candidates = [text[:i] + c for i, c in reversed(ends)]
+    if in_str:  # the string closed where it was cut, less an escape the cut left unfinished
+        whole = text
+        if esc or (text[escape_at + 1 : escape_at + 2] == "u" and len(text) - escape_at < 6):
+            whole = text[:escape_at]
+        candidates.insert(0, whole + '"' + "".join(reversed(stack)))
+    elif text.rstrip()[-1:] in ('"', "}", "]"):  # a number or literal at the end may have been cut: not whole
+        candidates.insert(0, text + "".join(reversed(stack)))
+    for candidate in candidates:
+        try:
+            obj = json.loads(candidate)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return None
 
 
 # How a custom tool's call begins: its input parameter (the only one the model is shown) as JSON text,
