@@ -253,9 +253,9 @@ def test_llm_reports_cached_tokens_and_keeps_outputs(tmp_path):
     assert ref.cached_tokens == 0 and r2.token_ids == ref.token_ids
     # an unrelated request in between parks the conversation (LLM's default prefix_park), and not with 0;
     # two conversations and a side request after each: both parked with the default two lines, with one
-    # only the first (their cached prefixes are as long: the line parked earlier stays)
+    # only the second (the line parked last stays)
     other = tokens(700, 7)
-    for kw, cached in (({}, (512, 512)), ({"prefix_park": 0}, (0, 0)), ({"prefix_lines": 1}, (512, 0))):
+    for kw, cached in (({}, (512, 512)), ({"prefix_park": 0}, (0, 0)), ({"prefix_lines": 1}, (0, 512))):
         llm = on if not kw else LLM(d, device="cpu", spec="tree", **kw)
         for p in (prompt, other):
             llm.generate(p, max_tokens=4, temperature=0.7, seed=3)
@@ -326,20 +326,20 @@ def test_a_side_request_parks_the_conversation_and_it_resumes_after():
     assert s.pc.swaps == 3
 
 
-def test_parking_keeps_the_longer_line_and_respects_its_cap():
+def test_parking_keeps_the_newer_line_and_respects_its_cap():
     long_, mid, short = list(range(100, 150)), list(range(300, 330)), list(range(600, 610))
     s = Slot1(80, park=64)
     s.request(long_)
     s.request(mid)  # long_ parked
-    s.request(short)  # mid's line is shorter than the parked one: dropped, long_ stays parked
-    assert [p.tokens for p in s.pc.lines] == [long_]
-    assert s.request(long_ + [7]) == 48
-    assert s.request(mid + [7]) == 0
-    # two lines: both kept, longest first
+    s.request(short)  # mid parked, the newer line: long_'s dropped although its prefix is longer
+    assert [p.tokens for p in s.pc.lines] == [mid]
+    assert s.request(mid + [7]) == 28
+    assert s.request(long_ + [7]) == 0
+    # two lines: both kept, most recently used first
     s = Slot1(80, park=64, lines=2)
     for ids in (long_, mid, short):
         s.request(ids)
-    assert [p.tokens for p in s.pc.lines] == [long_, mid]
+    assert [p.tokens for p in s.pc.lines] == [mid, long_]
     assert s.request(long_ + [7]) == 48 and s.request(mid + [7]) == 28 and s.request(short + [7]) == 8
     # a cap smaller than the positions to copy aside: nothing parked, the next turn starts from 0
     s = Slot1(80, park=2)
@@ -364,8 +364,8 @@ def test_a_conversation_and_a_sub_agent_both_survive_side_requests():
     """Claude Code with a sub-agent: the main conversation waits while a sub-agent's conversation (a system
     prompt of its own) runs turn after turn, each turn followed by a side request (a command check), then
     the main conversation goes on. With two lines parked both conversations resume from their longest
-    snapshots every time; with one the sub-agent's is dropped each time a side request parks it (the main
-    conversation's is longer) and every sub-agent turn starts from 0."""
+    snapshots every time; with one the sub-agent's line, parked after the main one's, takes its place:
+    every sub-agent turn resumes and the main conversation starts again from 0."""
     main, check = list(range(100, 160)), list(range(600, 606))
     for lines in (2, 1):
         s = Slot1(128, park=80, window=8, lines=lines)
@@ -377,8 +377,27 @@ def test_a_conversation_and_a_sub_agent_both_survive_side_requests():
             got.append(s.request(sub))
             s.request(check + [turn])
             sub = sub + [800 + turn] * 4  # the sub-agent's answer, prefilled again in its next turn
-        assert got == ([0, 32, 44] if lines == 2 else [0, 0, 0]), (lines, got)
-        assert s.request(main + [1, 2]) == 60
+        assert got == [0, 32, 44], (lines, got)
+        assert s.request(main + [1, 2]) == (60 if lines == 2 else 0)
+
+
+def test_long_prompts_that_never_return_age_out():
+    """Two long one-off prompts, then a conversation with a side request between its turns: the lines kept
+    are the most recently used, so the conversation's turns resume after each side request (until session
+    47 the two longest lines were kept for good and every side request erased the conversation's)."""
+    one_offs = [list(range(100, 160)), list(range(200, 260))]
+    conv, side = list(range(300, 330)), list(range(600, 606))
+    s = Slot1(128, park=96, window=8, lines=2)
+    for ids in one_offs:
+        s.request(ids)
+    got = []
+    for turn in range(3):
+        conv = conv + [700 + turn] * 3
+        got.append(s.request(conv))
+        s.request(side + [turn])
+    assert got == [0, 32, 36], got
+    assert s.request(one_offs[0] + [1]) == 0  # aged out
+    assert [p.tokens for p in s.pc.lines][1] == conv
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -22,16 +22,17 @@ Parked lines: one slot holds one prefix, and a prompt that shares little of it o
 agent's short side requests (Claude Code's title and command checks, with system prompts of their own) and
 its sub-agents' conversations would so erase the main conversation's cache between two of its turns, and
 every turn would prefill the whole conversation again. So a prefix about to be overwritten (a *line*: its
-tokens and the snapshots past the point the new request starts from) is parked: before anything writes the
-slot's positions [a, b) (a prefill and a window past the prompt for its decoding, or a parked line copied
-back), every parked line copies aside the ones of them it still takes from the slot (`saved`: its values
-at [lo, hi)). A later prompt that resumes further in a parked line than in the slot's swaps it in: its
-saved positions are copied back and the slot's line is parked in its turn. Up to `lines` lines are
-parked, those with the longest cached prefixes; `park` caps the positions each keeps aside (0: no
-parking). A parked line's positions past `hi` are still the slot's, checked against what the requests
-since wrote (`written`, the high-water mark the slot passes to `resume`): a line whose positions were
-overwritten keeps only its snapshots below them. Parked positions and states are bit copies, so a
-prefill resumed from a parked line computes a cold start's bits, like any other.
+tokens and the snapshots past the point the new request starts from) is parked: before anything writes
+the slot's positions [a, b) (a prefill and a window past the prompt for its decoding, or a parked line
+copied back), every parked line copies aside the ones of them it still takes from the slot (`saved`: its
+values at [lo, hi)). A later prompt that resumes further in a parked line than in the slot's swaps it in:
+its saved positions are copied back and the slot's line is parked in its turn. Up to `lines` lines are
+parked, the most recently used (session 47; the longest cached prefixes before); `park` caps the
+positions each keeps aside (0: no parking). A parked line's positions past `hi` are still the slot's,
+checked against what the requests since wrote (`written`, the high-water mark the slot passes to
+`resume`): a line whose positions were overwritten keeps only its snapshots below them. Parked positions
+and states are bit copies, so a prefill resumed from a parked line computes a cold start's bits, like any
+other.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class PrefixCache:
         self.max_lines = lines if park else 0
         self.tokens: list[int] = []  # token ids at positions [0, len) as the latest prefill wrote them
         self.snapshots: dict[int, Snapshot] = {}  # by length
-        self.lines: list[Parked] = []  # parked, longest cached prefix first
+        self.lines: list[Parked] = []  # parked, most recently used first
         self.swaps = 0  # requests that resumed from a parked line
         self._guarded = 0  # the latest request's writes past this were not guarded for the parked lines
         self._tick = 0
@@ -244,14 +245,16 @@ class PrefixCache:
 
     def _park(self, start: int) -> None:
         """The slot's positions start.. are about to be written: its snapshots past start become a parked
-        line (nothing saved yet: `_guard` copies what it needs aside), which joins the lines kept if its
-        cached prefix is among the `max_lines` longest (the other lines' cached prefixes are their longest
-        snapshots: the prompts they served resume there)."""
+        line (nothing saved yet: `_guard` copies what it needs aside), the newest of the lines, which are
+        kept most recently used first, `max_lines` of them (a line resumed is swapped in and parked again
+        as the newest). Until session 47 the lines with the longest cached prefixes were kept, so two long
+        prompts that never came back held both places for good and every side call after them erased the
+        conversation's prefix (a helper's black-box run)."""
         own = {n: s for n, s in self.snapshots.items() if n > start}  # (the slot drops them in `begin`)
         if not own:
             return
         line = Parked(list(self.tokens), own, start, start)
-        self.lines = sorted([*self.lines, line], key=lambda p: p.useful, reverse=True)[: self.max_lines]
+        self.lines = [line, *self.lines][: self.max_lines]
 
     def _guard(self, a: int, b: int, positions: Sequence[torch.Tensor]) -> None:
         """The slot's positions [a, b) are about to be written: each parked line copies aside those of them
