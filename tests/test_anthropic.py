@@ -315,6 +315,9 @@ def test_prefilled_assistant_turn_is_continued(scripted):
         ({"tool_choice": {"type": "any"}}, "non-empty tools"),
         ({"temperature": 1.5}, "temperature"),
         ({"system": [{"type": "image"}]}, "system"),
+        # a text block without its text says so (it read "type 'text' is not supported" before session 47)
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "a text block needs `text`"),
+        ({"system": [{"type": "text", "text": 5}]}, "a text block needs `text`"),
     ],
 )
 def test_bad_requests_are_anthropic_shaped_400s(scripted, change, words):

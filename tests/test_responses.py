@@ -233,9 +233,14 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
         ({"input": "a", "tools": [{"type": "local_shell"}]}, "tools[0]", "function and custom tools"),
         (
-            {"input": [{"role": "user", "content": [{"type": "refusal"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]},
             "input[0].content[0]",
             "text only",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "refusal"}]}]},
+            "input[0].content[0]",
+            "the refusal part needs `refusal`",
         ),
         (  # a hosted tool is left out, but a choice that forces one cannot be served
             {"input": "a", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}},
@@ -295,6 +300,18 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
             },
             "input",
             "input[1].call_id:",
+        ),
+        # the field and the reason named (session 47: "content part type 'input_text' is not supported",
+        # and "input[1].content" for a tool output's `output`)
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "input[0].content[0]",
+            "the input_text part needs `text`",
+        ),
+        (
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": {"ok": True}}]},
+            "input[0]",
+            "input[0].output must be a string or a list of parts",
         ),
     ],
 )
@@ -356,3 +373,18 @@ def test_the_item_store_is_bounded():
     with pytest.raises(APIError, match="'big' is not known"):
         store.resolve([{"type": "item_reference", "id": "big"}])
     assert store._bytes <= 300 and len(store._items) <= 3
+
+
+def test_an_assistant_refusal_in_the_history_is_its_text(scripted):
+    """A `refusal` part (one of the API's own output parts) in an assistant message of the input is that
+    message's text, as chat takes it (session 47: a 400 before, which would fail every later turn of a
+    session whose history holds one)."""
+    llm, client = scripted
+    history = [
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot"}]},
+        {"role": "user", "content": "ok"},
+    ]
+    client.responses.create(model="any", input=history, max_output_tokens=4)
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert "I cannot" in prompt and prompt.index("hi") < prompt.index("I cannot") < prompt.rindex("ok")

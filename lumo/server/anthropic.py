@@ -159,10 +159,12 @@ def _text(content: Any, where: str, notes: bool = False) -> str:
         if notes and isinstance(kind, str) and kind in _LEFT_OUT:
             parts.append(_LEFT_OUT[kind])
             continue
-        if kind != "text" or not isinstance(block.get("text"), str):
+        if kind != "text":
             raise APIError(
                 400, f"{where}[{j}]: content block type {kind!r} is not supported here (text)", where
             )
+        if not isinstance(block.get("text"), str):
+            raise APIError(400, f"{where}[{j}]: a text block needs `text`, a string", where)
         parts.append(block["text"])
     return "\n".join(parts)  # blocks stay apart (Claude Code's reminders, then the prompt)
 
@@ -183,7 +185,9 @@ def _chat_message(m: Any, where: str) -> list[dict[str, Any]]:
     for j, b in enumerate(blocks):
         at = f"{where}.content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "text" and isinstance(b.get("text"), str):
+        if kind == "text":
+            if not isinstance(b.get("text"), str):
+                raise APIError(400, f"{at}: a text block needs `text`, a string", at)
             text.append(b["text"])
         elif isinstance(kind, str) and kind in _LEFT_OUT and m["role"] == "user":
             text.append(_LEFT_OUT[kind])

@@ -263,24 +263,27 @@ _HOSTED_CALLS = frozenset(
 )
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's text: a string, or its parts' texts one per line (vLLM joins a chat message's parts so);
-    an image, file or audio part is a note that it was left out; any other part is a 400."""
+def _text_of(content: Any, where: str, field: str = "content") -> str:
+    """A message's text (or a tool output's: field "output"): a string, or its parts' texts one per line
+    (vLLM joins a chat message's parts so); an assistant's `refusal` part is its text (as in chat); an
+    image, file or audio part is a note that it was left out; any other part is a 400."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of parts", where)
+        raise APIError(400, f"{where}.{field} must be a string or a list of parts", where)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.{field}[{j}]"
         if isinstance(kind, str) and kind in _LEFT_OUT:
             parts.append(_LEFT_OUT[kind])
-        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            parts.append(part["text"])
+        elif kind in _TEXT_PARTS or kind == "refusal":
+            key = "refusal" if kind == "refusal" else "text"
+            if not isinstance(part.get(key), str):
+                raise APIError(400, f"{at}: the {kind} part needs `{key}`, a string", at)
+            parts.append(part[key])
         else:
-            raise APIError(
-                400, f"content part type {kind!r} is not supported (text only)", f"{where}.content[{j}]"
-            )
+            raise APIError(400, f"content part type {kind!r} is not supported (text only)", at)
     return "\n".join(parts)
 
 
@@ -338,7 +341,7 @@ def _messages(
         elif kind in ("function_call_output", "custom_tool_call_output"):
             reasoning = None  # reasoning belongs to the assistant turn right after it
             output = item.get("output")
-            text = output if isinstance(output, str) else _text_of(output, where)
+            text = output if isinstance(output, str) else _text_of(output, where, "output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
             origin.append([i])
         elif kind == "reasoning":
