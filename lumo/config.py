@@ -55,9 +55,12 @@ def _int(d: dict[str, Any], key: str, default: Any = _MISSING, minimum: int = 1)
     return v
 
 
-def _float(v: Any, key: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ConfigError(f"config.json: {key} must be a number, got {v!r}")
+def _float(v: Any, key: str, positive: bool = False) -> float:
+    """A finite number (Python's JSON reads NaN and Infinity too); positive: > 0 as well."""
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ConfigError(f"config.json: {key} must be a finite number, got {v!r}")
+    if positive and v <= 0:
+        raise ConfigError(f"config.json: {key} must be > 0, got {v!r}")
     return float(v)
 
 
@@ -199,10 +202,16 @@ class ModelConfig:
                 f"unsupported architecture: model_type={model_type!r} architectures={arch}; "
                 "lumo serves the Qwen3.5/Qwen3.8 hybrid (Gated DeltaNet + gated attention) family"
             )
+        experts = d.get("num_experts") or d.get("num_local_experts")
+        if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0:
+            raise ConfigError(
+                f"config.json has num_experts {experts}: lumo serves the dense Qwen3.5/Qwen3.8 models, not "
+                "their mixture-of-experts siblings"
+            )
         if missing := [k for k in _REQUIRED if k not in d]:
             raise ConfigError(f"config.json lacks {', '.join(missing)}")
         n = _int(d, "num_hidden_layers")
-        if d.get("layer_types"):
+        if d.get("layer_types") is not None:
             if not isinstance(d["layer_types"], list):
                 raise ConfigError(f"config.json: layer_types must be a list, got {d['layer_types']!r}")
             layer_types = tuple(d["layer_types"])
@@ -219,7 +228,7 @@ class ModelConfig:
                 if not isinstance(part, dict):
                     raise ConfigError(f"config.json: {key} must be an object, got {part!r}")
                 rope.update(part)
-        rope_theta = _float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta")
+        rope_theta = _float(rope.get("rope_theta", d.get("rope_theta", 10000.0)), "rope_theta", positive=True)
         # transformers' Qwen3.5 / Qwen3-Next configs default to a quarter of each head rotated
         prf = _float(
             rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)), "partial_rotary_factor"
@@ -240,7 +249,7 @@ class ModelConfig:
             hidden_size=hidden,
             intermediate_size=_int(d, "intermediate_size"),
             layer_types=layer_types,
-            rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            rms_norm_eps=_float(d.get("rms_norm_eps", 1e-6), "rms_norm_eps", positive=True),
             num_attention_heads=nh,
             num_key_value_heads=_int(d, "num_key_value_heads", nh),
             # transformers' default for this family (Qwen3_5TextConfig, Qwen3NextConfig), not hidden / heads

@@ -138,6 +138,9 @@ class Tokenizer:
         # bos_token / eos_token / pad_token / unk_token strings, handed to the template like transformers does
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self._compiled: dict[str, jinja2.Template] = {}  # template name -> compiled, built on first use
+        # the weights' vocabulary (config.json vocab_size), set by the LLM that loads them: `encode` refuses
+        # text holding an id the weights lack (a checkpoint whose tokenizer does not match its weights)
+        self.model_vocab: int | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -155,14 +158,26 @@ class Tokenizer:
 
         templates: dict[str, str] = {}
         ct = tcfg.get("chat_template")
+        named = isinstance(ct, list) and all(
+            isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+            for t in ct
+        )
         if isinstance(ct, str):
             templates["default"] = ct
-        elif isinstance(ct, list):
-            templates.update({t["name"]: t["template"] for t in ct if "name" in t and "template" in t})
+        elif named:
+            templates.update({t["name"]: t["template"] for t in ct})
+        elif ct is not None:
+            raise TokenizerError(
+                f"{path / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                '{"name": ..., "template": ...} objects with string values'
+            )
         # transformers saves the default template as its own file nowadays; it wins over tokenizer_config.json
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
-            templates["default"] = jinja_file.read_text(encoding="utf-8")
+            try:
+                templates["default"] = jinja_file.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise TokenizerError(f"{jinja_file} is not valid UTF-8 text ({e})") from None
 
         special = {
             k: s
@@ -204,7 +219,14 @@ class Tokenizer:
                     f"the text is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
                     f"character {e.start}"
                 ) from None
-        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        if self.model_vocab is not None and ids and (top := max(ids)) >= self.model_vocab:
+            raise TokenizerError(
+                f"the text holds the token {self._tok.id_to_token(top)!r} (id {top}), past the model's "
+                f"vocabulary of {self.model_vocab} ids (config.json vocab_size): this checkpoint's tokenizer "
+                "does not match its weights"
+            )
+        return ids
 
     @functools.cached_property
     def max_token_chars(self) -> int:

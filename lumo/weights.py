@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -366,16 +367,29 @@ def resolve_model_path(model: str | Path) -> Path:
         raise WeightError(f"{model} is not a local directory and the hub download failed: {first}") from None
 
 
+def read_json_object(path: Path, what: str = "") -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object: any other content is a WeightError naming the
+    file (not valid UTF-8, not JSON, or JSON of another kind). what: the expected content, for messages."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WeightError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise WeightError(f"{path} must hold a JSON object{what}, got {type(d).__name__}")
+    return d
+
+
 def checkpoint_files(root: Path) -> tuple[dict[str, str], list[str]]:
     """(tensor name -> shard file name, shard files) from model.safetensors.index.json or *.safetensors."""
     from safetensors import SafetensorError, safe_open
 
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = dict(json.loads(index.read_text())["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightError(f"{index} is not a valid safetensors index ({e})") from None
+        weight_map = read_json_object(index, " (a safetensors index)").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) and f and isinstance(n, str) for n, f in weight_map.items()
+        ):
+            raise WeightError(f"{index} is not a valid safetensors index (weight_map: tensor -> file name)")
         files = sorted(set(weight_map.values()))
         if missing := [f for f in files if not (root / f).is_file()]:
             raise WeightError(f"{index.name} names {missing[0]}, which is not in {root}")
@@ -505,10 +519,9 @@ class CompressedTensorsSpec:
 def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSpec | BlockFP8Spec:
     hf = root / "hf_quant_config.json"
     if hf.is_file():
-        try:
-            q = json.loads(hf.read_text()).get("quantization") or {}
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise WeightError(f"{hf} is not valid JSON ({e})") from None
+        q = read_json_object(hf).get("quantization") or {}
+        if not isinstance(q, dict):
+            raise WeightError(f"{hf.name}: quantization must be an object, got {q!r}")
         source, exclude = hf.name, q.get("exclude_modules")
     elif q := config.get("quantization_config"):
         if not isinstance(q, dict):
@@ -535,12 +548,20 @@ def read_quant_spec(root: Path, config: dict) -> QuantSpec | CompressedTensorsSp
             f"lumo loads {', '.join(QUANT_ALGOS)} and MIXED_PRECISION"
         )
     group = q.get("group_size")
-    if group not in (None, 16) and algo in ("NVFP4", "W4A16_NVFP4"):
-        raise WeightError(f"unknown quantisation: {algo} with group_size {group} in {source} (NVFP4 uses 16)")
-    layers = {
-        m: str((v or {}).get("quant_algo", "")).upper() for m, v in (q.get("quantized_layers") or {}).items()
-    }
-    return QuantSpec(algo, tuple(exclude or ()), layers, source)
+    if (group is not None and (isinstance(group, bool) or group != 16)) and algo in ("NVFP4", "W4A16_NVFP4"):
+        raise WeightError(
+            f"unknown quantisation: {algo} with group_size {group!r} in {source} (NVFP4 uses 16)"
+        )
+    exclude = [exclude] if isinstance(exclude, str) else exclude or []
+    if not isinstance(exclude, list) or not all(isinstance(m, str) for m in exclude):
+        raise WeightError(f"{source}: the excluded modules must be a list of names or patterns: {exclude!r}")
+    quantized = q.get("quantized_layers") or {}
+    if not isinstance(quantized, dict) or not all(isinstance(v, dict | None) for v in quantized.values()):
+        raise WeightError(
+            f'{source}: quantized_layers must map module names to objects like {{"quant_algo": "NVFP4"}}'
+        )
+    layers = {m: str((v or {}).get("quant_algo", "")).upper() for m, v in quantized.items()}
+    return QuantSpec(algo, tuple(exclude), layers, source)
 
 
 def _block_fp8_spec(q: dict, source: str) -> BlockFP8Spec:
@@ -812,10 +833,7 @@ def load_model(
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise WeightError(f"no config.json in {root}")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightError(f"{cfg_path} is not valid JSON ({e})") from None
+    raw = read_json_object(cfg_path)
     cfg = ModelConfig.from_hf(raw)
     spec = read_quant_spec(root, raw)
     device = torch.device(device)
@@ -839,6 +857,10 @@ def load_model(
         with bar:
             ckpt = _Checkpoint(root, shards, on_read=lambda: bar.update(1))
             names = ckpt.weight_map
+            if cfg.tie_word_embeddings and "lm_head.weight" in names and "tie_word_embeddings" not in raw:
+                # the wrapper's tie was read from its text_config (its own key absent): transformers ties on
+                # the wrapper's key only (default false) and so reads the lm_head stored, as lumo does now
+                cfg = replace(cfg, tie_word_embeddings=False)
             prefix = (
                 "model.language_model."
                 if any(n.startswith("model.language_model.") for n in names)

@@ -60,6 +60,9 @@ def test_frozen():
         cfg.hidden_size = 1  # type: ignore[misc]
 
 
+NAN, INF = float("nan"), float("inf")  # what Python's JSON reads for NaN and Infinity
+
+
 @pytest.mark.parametrize(
     "d, words",
     [
@@ -87,10 +90,17 @@ def test_frozen():
             "rope_type 'llama3'",
         ),
         ({**TEXT, "rope_parameters": {"rope_type": "longrope"}}, "not supported (default, linear, yarn)"),
-        ({**TEXT, "rope_parameters": {"rope_type": "linear"}}, "rope_parameters.factor must be a number"),
+        ({**TEXT, "rope_parameters": {"rope_type": "linear"}}, "factor must be a finite number"),
+        # numbers out of their range (session 47: accepted, and the output NaN)
+        ({**TEXT, "rope_parameters": {"rope_type": "linear", "factor": NAN}}, "finite number, got nan"),
+        ({**TEXT, "rope_parameters": {"rope_type": "yarn", "factor": INF}}, "finite number, got inf"),
+        ({**TEXT, "rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
+        ({**TEXT, "rope_parameters": {"rope_theta": 0}}, "rope_theta must be > 0"),
         ({**TEXT, "rope_parameters": {"rope_type": "yarn", "factor": -1.0}}, "factor must be > 0"),
         ({**TEXT, "rope_parameters": {"rope_type": "yarn", "factor": 2, "truncate": "no"}}, "truncate"),
         ({**TEXT, "attention_bias": True}, "attention_bias=true is not supported"),
+        ({**TEXT, "num_experts": 256}, "mixture-of-experts"),
+        ({**TEXT, "layer_types": []}, "layer_types has 0 entries for 64 layers"),
     ],
 )
 def test_errors_are_one_line(d, words):

@@ -345,3 +345,28 @@ def test_numpy_scalars_are_numbers(llm):
     )
     with pytest.raises(ValueError, match="temperature must be a number"):
         llm.generate("hello", max_tokens=2, temperature=np.bool_(True))
+
+
+def test_a_tokenizer_past_the_weights_vocabulary_is_named(tmp_path):
+    """A checkpoint whose config.json vocab_size (and embedding) is smaller than its tokenizer: text that
+    encodes to an id past it is a TokenizerError naming the mismatch (session 47: an IndexError traceback
+    from the embedding lookup), and text within it still generates."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from lumo.tokenizer import TokenizerError
+
+    d = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=2)
+    cfg = json.loads((d / "config.json").read_text())
+    vocab = 280
+    (d / "config.json").write_text(json.dumps({**cfg, "vocab_size": vocab}))
+    t = load_file(d / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "mtp.embed_tokens.weight"):
+        if name in t:
+            t[name] = t[name][:vocab].contiguous()
+    save_file(t, str(d / "model.safetensors"))
+    llm = LLM(d, device="cpu")
+    with pytest.raises(TokenizerError, match="past the model's vocabulary of 280 ids"):
+        llm.generate("<|im_start|>user", max_tokens=2)
+    assert len(llm.generate("ab", max_tokens=2, temperature=0).token_ids) == 2

@@ -493,3 +493,35 @@ def test_stop_strings_wait_for_min_tokens(tok):
             assert out == want and det.stopped
         else:  # the first END went out; the second stops
             assert det.stopped and out.startswith(tok.decode(ids[:at])) and out.count("END") == 1
+
+
+def test_malformed_chat_templates_are_named_at_load(tmp_path):
+    """A chat_template of the wrong shape in tokenizer_config.json, or a chat_template.jinja that is not
+    UTF-8, is a TokenizerError naming the file at load (session 47: a TypeError there, or at the first
+    chat request)."""
+    d = tmp_path / "t"
+    make_tokenizer_files(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    for bad in ([1, 2], ["name and template"], [{"name": "default", "template": 5}], 7):
+        (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": bad}))
+        with pytest.raises(TokenizerError, match="chat_template must be a string or a list"):
+            Tokenizer.from_dir(d)
+    named = [{"name": "default", "template": "{{ messages[0].content }}"}]
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": named}))
+    Tokenizer.from_dir(d)
+    (d / "chat_template.jinja").write_bytes(b"{{ messages \xff }}")
+    with pytest.raises(TokenizerError, match=r"chat_template\.jinja is not valid UTF-8"):
+        Tokenizer.from_dir(d)
+
+
+def test_text_past_the_weights_vocabulary_is_refused_by_name(tok_dir):
+    """With the weights' vocabulary set (LLM sets config.json's vocab_size), text that encodes to an id
+    the weights lack is a TokenizerError that says the tokenizer does not match the weights (session 47: a
+    torch IndexError from the embedding, on the GPU a read out of bounds); text within it encodes as ever."""
+    t = Tokenizer.from_dir(tok_dir)
+    top = t.token_to_id("<|im_end|>")
+    assert top is not None and top >= 256
+    t.model_vocab = top
+    assert t.encode("plain text") == Tokenizer.from_dir(tok_dir).encode("plain text")
+    with pytest.raises(TokenizerError, match=rf"'<\|im_end\|>' \(id {top}\), past the model's vocabulary"):
+        t.encode("hi<|im_end|>")

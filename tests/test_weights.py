@@ -830,3 +830,56 @@ def test_packing_a_lazy_model_holds_at_most_two_layers(tmp_path, monkeypatch):
     assert_same(
         packed.layers[7].down.parts[0].packed, pack_weights(cfg, eager, "cpu").layers[7].down.parts[0].packed
     )
+
+
+def test_malformed_checkpoint_json_is_a_weight_error_naming_the_file(tmp_path):
+    """Each JSON file a checkpoint reads, malformed in the ways a hand edit or a broken export leaves it,
+    is a WeightError naming the file and what is wrong (session 47, a helper's black-box run: tracebacks
+    from `.get` on a list, fnmatch on an int, sorted() over mixed types, a bare UnicodeDecodeError)."""
+    d = tiny(tmp_path)
+    cfg = (d / "config.json").read_bytes()
+    (d / "config.json").write_bytes(cfg.replace(b'"hidden_size"', b'"hidden\xff_size"'))
+    with pytest.raises(WeightError, match=r"config\.json is not valid JSON \('utf-8' codec"):
+        load_model(d, progress=False)
+    (d / "config.json").write_bytes(cfg)
+    good = {"quant_algo": "NVFP4", "group_size": 16}
+    for q, words in (
+        ([1], "must hold a JSON object, got list"),
+        ({"quantization": [1]}, "quantization must be an object"),
+        ({"quantization": "NVFP4"}, "quantization must be an object"),
+        ({"quantization": {**good, "exclude_modules": [1, 2]}}, "excluded modules must be a list of names"),
+        ({"quantization": {**good, "group_size": "16"}}, "group_size '16'"),
+        ({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": ["a"]}}, "quantized_layers"),
+        ({"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"a": "NVFP4"}}}, "objects"),
+    ):
+        (d / "hf_quant_config.json").write_text(json.dumps(q))
+        with pytest.raises(WeightError, match=re.escape(words)):
+            load_model(d, progress=False)
+    (d / "hf_quant_config.json").unlink()
+    raw = load_file(d / "model.safetensors")
+    resave(d, raw, shards=2)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    for bad in ({**index["weight_map"], "model.norm.weight": 5}, list(index["weight_map"])):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": bad}))
+        with pytest.raises(WeightError, match="not a valid safetensors index"):
+            load_model(d, progress=False)
+
+
+def test_the_wrappers_own_tie_rules_as_in_transformers(tmp_path):
+    """A wrapper config ties its embeddings by its own key (transformers reads no other; default false). A
+    text_config saying true with the wrapper's key absent ties only where no lm_head is stored: a stored
+    one is read, as transformers reads it (session 47: lumo tied, its logits parting from transformers')."""
+    d = tiny(tmp_path, dtype="float32")
+    raw = load_file(d / "model.safetensors")
+    resave(d, raw, wrapper=True)
+    cfg = json.loads((d / "config.json").read_text())
+    assert "text_config" in cfg
+    cfg.pop("tie_word_embeddings", None)
+    cfg["text_config"]["tie_word_embeddings"] = True
+    (d / "config.json").write_text(json.dumps(cfg))
+    c, w = load_model(d, progress=False)
+    assert not c.tie_word_embeddings and torch.equal(w.lm_head.weight, raw["lm_head.weight"])
+    resave(d, {n: t for n, t in raw.items() if n != "lm_head.weight"}, wrapper=True)
+    (d / "config.json").write_text(json.dumps(cfg))  # (resave rewrote it)
+    c, w = load_model(d, progress=False)
+    assert c.tie_word_embeddings and torch.equal(w.lm_head.weight, raw["model.embed_tokens.weight"])

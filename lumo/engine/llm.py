@@ -221,6 +221,9 @@ class LLM:
             path, device="cpu" if kernels else self.device, dtype=self.dtype, progress=progress, lazy=kernels
         )
         self.tokenizer = Tokenizer.from_dir(path)
+        # a tokenizer with ids past the weights' vocabulary: text that encodes to one is refused by name
+        # (a torch IndexError, or a read out of bounds on the GPU, before session 47)
+        self.tokenizer.model_vocab = self.config.vocab_size
         if template is not None:
             self.tokenizer.set_chat_template(template)
         self.max_model_len = max_model_len or self.config.max_position_embeddings

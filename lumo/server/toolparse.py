@@ -379,7 +379,7 @@ def _call_head_cut(body: str) -> bool:
     """Whether a call body cut short ends before the call's name was whole, in either form (`{"na`,
     `<function=get_w`): what a cut call leaves when it is not yet a call."""
     s = body.strip()
-    if _xml_head(s) is _UNDECIDED or (s.startswith(_FUNCTION) and ">" not in s and "\n" not in s):
+    if _xml_head(s) is _UNDECIDED:  # (`<function=` not yet followed by `>`)
         return True
     t = re.sub(r"\s+", "", s)
     head = '{"name":"'
