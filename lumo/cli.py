@@ -85,7 +85,7 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         type=int,
         default=DEFAULT_PREFIX_LINES,
         metavar="N",
-        help="prefixes parked at once, the most recently used kept (a conversation and a "
+        help="prefixes parked at once: the newest, then those resumed before (a conversation and a "
         "sub-agent's, while a side call runs; 0: none parked)",
     )
     p.add_argument(

@@ -207,7 +207,8 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, check: bool = True) -> list[int]:
+        """The text's ids. check=False: ids past `model_vocab` too (counting tokens, not feeding them)."""
         # add_special_tokens=False: no BOS/EOS post-processing; the chat template writes any markers itself.
         # encode_batch, because it releases the GIL while it works (encode does not): a long prompt
         # tokenised in a server worker thread must not stall the event loop.
@@ -220,7 +221,7 @@ class Tokenizer:
                     f"character {e.start}"
                 ) from None
         ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
-        if self.model_vocab is not None and ids and (top := max(ids)) >= self.model_vocab:
+        if check and self.model_vocab is not None and ids and (top := max(ids)) >= self.model_vocab:
             raise TokenizerError(
                 f"the text holds the token {self._tok.id_to_token(top)!r} (id {top}), past the model's "
                 f"vocabulary of {self.model_vocab} ids (config.json vocab_size): this checkpoint's tokenizer "

@@ -381,6 +381,27 @@ def test_a_conversation_and_a_sub_agent_both_survive_side_requests():
         assert s.request(main + [1, 2]) == (60 if lines == 2 else 0)
 
 
+def test_a_main_conversation_outlives_side_requests_that_leave_lines():
+    """The sub-agent scenario with side requests of a chunk or more, each different (a summarised web page,
+    another agent's check): each parks a line of its own. The main conversation, which came back before
+    it was parked, keeps its place over side requests that never did, while the newest line (here the
+    sub-agent's) always gets one; with the newest line alone kept (this session's first fix, a review
+    found) the second side request pushed the main conversation out."""
+    main = list(range(100, 160))
+    s = Slot1(160, park=96, window=8, lines=2)
+    s.request(main[:40])
+    s.request(main)  # turn 2 resumes the slot's line: the main conversation came back
+    sub = list(range(300, 330))
+    got = []
+    for turn in range(3):
+        sub = sub + [700 + turn] * 5
+        got.append(s.request(sub))
+        s.request([900 + 20 * turn + i for i in range(12)])  # a side request of its own, with a snapshot
+        sub = sub + [800 + turn] * 4
+    assert got == [0, 32, 44], got
+    assert s.request(main + [1, 2]) == 60
+
+
 def test_long_prompts_that_never_return_age_out():
     """Two long one-off prompts, then a conversation with a side request between its turns: the lines kept
     are the most recently used, so the conversation's turns resume after each side request (until session

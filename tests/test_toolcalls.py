@@ -573,8 +573,9 @@ def test_a_call_cut_by_the_token_limit_keeps_its_cut_arguments(tmp_path):
         assert json.loads(call.function.arguments) == {"city": "New York", "note": "line one\nline tw"}
 
 
-JSON_CALL_ARGS = (
-    '{"city": "New \\"York\\" \\u00e9", "days": [1, 2], "opts": {"a": true, "b": null}, "n": -1.5}'
+JSON_CALL_ARGS = (  # escapes, a surrogate pair, brackets and commas inside strings
+    '{"city": "New \\"York\\" \\u00e9 \\ud83d\\ude00 [a, b}", "days": [1, 2], '
+    '"opts": {"a": true, "b": null}, "n": -1.5}'
 )
 JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": ' + JSON_CALL_ARGS + "}\n</tool_call>"
 
@@ -614,7 +615,8 @@ def test_a_json_call_cut_by_the_token_limit_is_a_call_at_every_cut(close):
     start = text.index("<tool_call>") + len("<tool_call>") - 1
     name_whole = text.index('"get_weather"') + len('"get_weather"')
     args_at = text.index(JSON_CALL_ARGS)
-    for end in range(start + 1, len(text) - len("}\n</tool_call>")):
+    args_end = args_at + len(JSON_CALL_ARGS)
+    for end in range(start + 1, len(text)):  # to the last character of `</tool_call>`
         seen = []
         for pieces in ([text[:end]], [text[: end // 2], text[end // 2 : end]], list(text[:end])):
             p, total = ChatOutputParser(tools=TOOLS), ParsedDelta()
@@ -630,15 +632,31 @@ def test_a_json_call_cut_by_the_token_limit_is_a_call_at_every_cut(close):
             continue
         (call,) = calls
         assert call.name == "get_weather"
-        if not close:
+        json.dumps(call.arguments).encode("utf-8")  # no lone surrogate: a pair the cut split is left out
+        if end >= args_end:  # whole arguments, whatever came after them (the brace, a split `</tool_call>`)
+            assert json.loads(call.arguments) == full, end
+        elif not close:
             assert call.arguments == text[args_at:end], end
         else:
             assert _cut_prefix_of(json.loads(call.arguments), full), (end, call.arguments)
-    # the whole arguments, cut just before the call's own closing brace
-    p = ChatOutputParser(tools=TOOLS)
-    p.feed(text[: text.index(JSON_CALL_ARGS) + len(JSON_CALL_ARGS)])
-    (call,) = p.finish(cut=True, close_cut=close).calls()
-    assert json.loads(call.arguments) == full
+
+
+def test_cut_calls_of_custom_tools_and_xml_calls_cut_inside_a_tag():
+    """A custom tool's call cut short keeps the input text that came, whether the model wrote its JSON
+    with json.dumps' spaces or without; an XML call cut inside a closing tag keeps no part of the tag in its
+    value (Anthropic's closed input), nor the template's newline before it."""
+    for head in ('{"name": "apply", "arguments": {"input": "', '{"name":"apply","arguments":{"input":"'):
+        for close in (False, True):
+            p = ChatOutputParser(tools=TOOLS, custom=["apply"])
+            p.feed("<tool_call>\n" + head + "line one\\nline t")
+            (call,) = p.finish(cut=True, close_cut=close).calls()
+            assert (call.name, call.custom, call.arguments) == ("apply", True, "line one\nline t"), head
+    for cut_at in ("\n</para", "\n<", "\n</function"):
+        p = ChatOutputParser(tools=TOOLS)
+        d = p.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis" + cut_at)
+        d.extend(p.finish(cut=True, close_cut=True))
+        (call,) = d.calls()
+        assert json.loads(call.arguments) == {"city": "Paris"}, cut_at
 
 
 def test_a_cut_json_call_through_the_three_apis(tmp_path):

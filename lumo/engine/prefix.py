@@ -27,7 +27,7 @@ the slot's positions [a, b) (a prefill and a window past the prompt for its deco
 copied back), every parked line copies aside the ones of them it still takes from the slot (`saved`: its
 values at [lo, hi)). A later prompt that resumes further in a parked line than in the slot's swaps it in:
 its saved positions are copied back and the slot's line is parked in its turn. Up to `lines` lines are
-parked, the most recently used (session 47; the longest cached prefixes before); `park` caps the
+parked: the newest, then those that came back (session 47; the longest before); `park` caps the
 positions each keeps aside (0: no parking). A parked line's positions past `hi` are still the slot's,
 checked against what the requests since wrote (`written`, the high-water mark the slot passes to
 `resume`): a line whose positions were overwritten keeps only its snapshots below them. Parked positions
@@ -68,6 +68,9 @@ class Parked:
     snapshots: dict[int, Snapshot]  # its own, every one longer than lo (the slot's up to lo are shared)
     lo: int
     hi: int
+    # requests that resumed this line (in the slot, or swapped back in) before it was parked: a line that
+    # came back is kept before one that never did (PrefixCache._park)
+    uses: int = 0
     # Per position cache of the slot, its values at [lo, hi) in a ring of `park` rows (position p at row
     # p % park: a run grows either way in place); empty until something is saved
     saved: list[torch.Tensor] = field(default_factory=list)
@@ -120,8 +123,9 @@ class PrefixCache:
         self.max_lines = lines if park else 0
         self.tokens: list[int] = []  # token ids at positions [0, len) as the latest prefill wrote them
         self.snapshots: dict[int, Snapshot] = {}  # by length
-        self.lines: list[Parked] = []  # parked, most recently used first
+        self.lines: list[Parked] = []  # parked, the newest first (`_park`)
         self.swaps = 0  # requests that resumed from a parked line
+        self._uses = 0  # requests that resumed the slot's own line (Parked.uses once it is parked)
         self._guarded = 0  # the latest request's writes past this were not guarded for the parked lines
         self._tick = 0
         # Whoever prefilled keeps caches of its own beside the slot's (a speculative engine: the MTP head's
@@ -136,6 +140,7 @@ class PrefixCache:
         self.tokens = []
         self.snapshots.clear()
         self.lines = []
+        self._uses = 0
 
     def claim(self, owner: object | None) -> None:
         """The next prefill is `owner`'s (compared by identity): if another one's prefills made the cache,
@@ -184,8 +189,10 @@ class PrefixCache:
                 self._swap_in(ids, positions)
         snap = self.match(ids) if reuse else None
         start = 0 if snap is None else snap.length
+        branched = parking and self._park(start)
+        # the slot's line goes on (a resume of it) unless the prompt starts afresh or leaves it here
+        self._uses = self._uses + 1 if start and not branched else 0
         if parking:
-            self._park(start)
             # from start - 1: a speculative prefill rewrites the drafter's pair at start - 1 (its hidden row
             # with the token at start), which the lines parked at start share
             self._guard(max(start - 1, 0), len(ids) + self.window, positions)
@@ -235,26 +242,32 @@ class PrefixCache:
             return
         self.lines.remove(best)
         p = best
+        uses = p.uses
         # (p.lo < best_len: were the slot's shared snapshot longest, the slot's own match would be as long)
         self._park(p.lo)
         self._guard(p.lo, p.hi, positions)
         p.restore(positions)
         self.tokens = list(p.tokens)
         self.snapshots = {n: s for n, s in self.snapshots.items() if n <= p.lo} | p.snapshots
+        self._uses = uses  # (resume counts this request on top)
         self.swaps += 1
 
-    def _park(self, start: int) -> None:
+    def _park(self, start: int) -> bool:
         """The slot's positions start.. are about to be written: its snapshots past start become a parked
-        line (nothing saved yet: `_guard` copies what it needs aside), the newest of the lines, which are
-        kept most recently used first, `max_lines` of them (a line resumed is swapped in and parked again
-        as the newest). Until session 47 the lines with the longest cached prefixes were kept, so two long
-        prompts that never came back held both places for good and every side call after them erased the
-        conversation's prefix (a helper's black-box run)."""
+        line (nothing saved yet: `_guard` copies what it needs aside); True if there were any. The lines
+        kept, `max_lines` of them: the newest, then those that came back (a request resumed them before
+        they were parked) before those that never did, the more recently parked first within each. Until
+        session 47 the lines with the longest cached prefixes were kept, so two long prompts that never
+        came back held both places for good and every side call after them erased the conversation's
+        prefix (a helper's black-box run); most recently parked alone (this session's first fix) lost a
+        main conversation to a sub-agent's and two side requests of a chunk or more (a review)."""
         own = {n: s for n, s in self.snapshots.items() if n > start}  # (the slot drops them in `begin`)
         if not own:
-            return
-        line = Parked(list(self.tokens), own, start, start)
-        self.lines = [line, *self.lines][: self.max_lines]
+            return False
+        line = Parked(list(self.tokens), own, start, start, uses=self._uses)
+        came_back = sorted(self.lines, key=lambda p: p.uses == 0)  # stable: the newer first in each
+        self.lines = [line, *came_back][: self.max_lines]
+        return True
 
     def _guard(self, a: int, b: int, positions: Sequence[torch.Tensor]) -> None:
         """The slot's positions [a, b) are about to be written: each parked line copies aside those of them

@@ -776,7 +776,7 @@ class _Server:
         def result(job: Job, n_gen: int, reason: str | None, reasoning: str) -> tuple[str, dict]:
             """The terminal status and response after the last item closed."""
             status, why = ("incomplete", "max_output_tokens") if reason == "length" else ("completed", None)
-            n_reasoning = len(tok.encode(reasoning)) if reasoning else 0
+            n_reasoning = len(tok.encode(reasoning, check=False)) if reasoning else 0
             usage = response_usage(len(prompt_ids), n_gen, job.cached_tokens, n_reasoning)
             return status, build.response(status, usage, why)
 

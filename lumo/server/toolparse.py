@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -190,7 +190,8 @@ class ChatOutputParser:
             out.add_reasoning(buf)
         elif self._mode == _TOOL and self._xml is not None:
             keep_cut = cut and not close_cut
-            self._end_xml_call(self._xml.feed(buf, final=not keep_cut), out, closed=not keep_cut)
+            text = self._xml.feed(buf, final=not keep_cut, cut=cut)
+            self._end_xml_call(text, out, closed=not keep_cut)
         elif self._mode == _TOOL:
             self._close_tool_call(buf, out, closed=False, cut=cut, close_cut=close_cut)
         else:  # the end: trailing whitespace is the output's own, unless a tag came just before it
@@ -322,8 +323,9 @@ class ChatOutputParser:
     ) -> None:
         call = self._whole_call(body)
         self._mode, self._at_start = _CONTENT, True
-        if call is None and cut:
-            call = self._cut_call(body, close_cut)
+        if call is None and cut:  # a whole call whose `</tool_call>` the cut split, else a call cut short
+            call = self._whole_call(body[: len(body) - _partial_tag_len(body, (TOOL_CLOSE,))])
+            call = call or self._cut_call(body, close_cut)
             if call is None and _call_head_cut(body):
                 self._held_ws = ""
                 return
@@ -344,15 +346,23 @@ class ChatOutputParser:
         if head is None:
             return None
         name, args = head
+        try:  # arguments that are whole, text after them (the call's own brace, a split tag) left out
+            whole, end = json.JSONDecoder().raw_decode(args.lstrip())
+            if isinstance(whole, dict):
+                args = args.lstrip()[:end]
+        except (ValueError, RecursionError):
+            pass
         if close:
             obj = _cut_json_object(args) if args.strip() else {}
             args = json.dumps(obj if obj is not None else {}, ensure_ascii=False)
-        if name in self._custom:
+        if name in self._custom:  # its input's head as json.dumps writes it, which _CustomInput reads
+            args = _CUSTOM_HEAD.sub(_INPUT_HEAD, args, count=1)
             return ToolCall(name, _CustomInput().feed(args, final=close), custom=True)
         return ToolCall(name, args)
 
 
 _CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*')
+_CUSTOM_HEAD = re.compile(r'\A\s*\{\s*"input"\s*:\s*"')
 _CUT_ARGS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -387,9 +397,16 @@ def _call_head_cut(body: str) -> bool:
 
 
 def _cut_json_object(text: str) -> dict[str, Any] | None:
-    """The JSON object a text cut short opens, up to its last whole member (a string cut inside stays, cut;
-    a number or literal at the end is dropped, since more digits may have followed): the text closed as it
-    stands, else at its last `,` or opening bracket outside strings; None if it does not open an object."""
+    """The JSON object a text cut short opens, up to its last whole member (a string cut inside stays, cut,
+    less an escape the cut split; a number or literal at the end is dropped, since more digits may have
+    followed): the object if it is whole, else the text closed as it stands, else closed at its last `,` or
+    opening bracket outside strings, then the one before, ...; None if it does not open an object."""
+    try:
+        whole, _ = json.JSONDecoder().raw_decode(text.lstrip())
+        if isinstance(whole, dict):
+            return whole
+    except (ValueError, RecursionError):
+        pass
     stack: list[str] = []
     ends: list[tuple[int, str]] = []  # (where the text may end, the closers it then needs)
     in_str = esc = False
@@ -412,22 +429,32 @@ def _cut_json_object(text: str) -> dict[str, Any] | None:
             stack.pop()
         elif ch == ",":
             ends.append((i, "".join(reversed(stack))))
-    candidates = [text[:i] + c for i, c in reversed(ends)]
-    if in_str:  # the string closed where it was cut, less an escape the cut left unfinished
-        whole = text
-        if esc or (text[escape_at + 1 : escape_at + 2] == "u" and len(text) - escape_at < 6):
-            whole = text[:escape_at]
-        candidates.insert(0, whole + '"' + "".join(reversed(stack)))
-    elif text.rstrip()[-1:] in ('"', "}", "]"):  # a number or literal at the end may have been cut: not whole
-        candidates.insert(0, text + "".join(reversed(stack)))
-    for candidate in candidates:
+
+    def candidates() -> Iterator[str]:  # made one at a time: the first nearly always parses
+        if in_str:  # the string closed where it was cut, less an escape (or a surrogate pair) it split
+            split = esc or (text[escape_at + 1 : escape_at + 2] == "u" and len(text) - escape_at < 6)
+            kept = text[:escape_at] if split else text
+            if (m := _HIGH_SURROGATE.search(kept)) and len(m.group(1)) % 2:  # (an odd run: an escape)
+                kept = kept[: m.end() - 6]
+            yield kept + '"' + "".join(reversed(stack))
+        elif text.rstrip()[-1:] in ('"', "}", "]"):  # a number or literal at the end may be cut: not whole
+            yield text + "".join(reversed(stack))
+        for i, closers in reversed(ends):
+            yield text[:i] + closers
+
+    for candidate in candidates():
         try:
             obj = json.loads(candidate)
-        except (ValueError, RecursionError):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")  # no lone surrogate in it
+        except (ValueError, RecursionError):  # (UnicodeEncodeError is a ValueError)
             continue
         if isinstance(obj, dict):
             return obj
     return None
+
+
+# a string's end that is a surrogate pair's first half, whose second the cut left out
+_HIGH_SURROGATE = re.compile(r"(\\+)u[dD][89abAB][0-9a-fA-F]{2}\Z")
 
 
 # How a custom tool's call begins: its input parameter (the only one the model is shown) as JSON text,
@@ -634,6 +661,7 @@ def _parse_xml(s: str, schemas: dict[str, dict[str, Any]]) -> ToolCall | None:
 _UNDECIDED = object()  # _xml_head: not enough text yet
 _FUNCTION = "<function="
 _PARAM, _PARAM_CLOSE, _FUNCTION_CLOSE = "<parameter=", "</parameter>", "</function>"
+_XML_TAGS = (_PARAM_CLOSE, _PARAM, _FUNCTION_CLOSE)
 
 
 def _xml_head(body: str) -> tuple[str, int] | object | None:
@@ -669,9 +697,12 @@ class _XmlArguments:
         self.n = 0  # parameters opened
         self.done = False  # </function> seen
 
-    def feed(self, text: str, final: bool = False) -> str:
-        """The JSON text that became certain with `text`; final: the body ends here (the closing brace)."""
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> str:
+        """The JSON text that became certain with `text`; final: the body ends here (the closing brace).
+        cut: the token limit ended the output here, inside a tag perhaps: what may begin one is dropped."""
         self.buf += text
+        if cut:
+            self.buf = self.buf[: len(self.buf) - _partial_tag_len(self.buf, _XML_TAGS)]
         out = []
         while self.buf and not self.done:
             if not (self._parameter(out, final) if self.key is None else self._value(out, final)):
