@@ -383,7 +383,10 @@ def checkpoint_files(root: Path) -> tuple[dict[str, str], list[str]]:
     """(tensor name -> shard file name, shard files) from model.safetensors.index.json or *.safetensors."""
     from safetensors import SafetensorError, safe_open
 
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise WeightError(f"cannot read the directory {root}: permission denied")
     index = root / "model.safetensors.index.json"
+    weight_map: dict[str, str] | None = None
     if index.is_file():
         weight_map = read_json_object(index, " (a safetensors index)").get("weight_map")
         if not isinstance(weight_map, dict) or not all(
@@ -393,17 +396,21 @@ def checkpoint_files(root: Path) -> tuple[dict[str, str], list[str]]:
         files = sorted(set(weight_map.values()))
         if missing := [f for f in files if not (root / f).is_file()]:
             raise WeightError(f"{index.name} names {missing[0]}, which is not in {root}")
-        return weight_map, files
-    files = sorted(p.name for p in root.glob("*.safetensors"))
-    if not files:
-        raise WeightError(f"no .safetensors files in {root}")
-    weight_map = {}
-    for f in files:
-        try:
-            with safe_open(root / f, framework="pt", device="cpu") as h:
-                weight_map.update(dict.fromkeys(h.keys(), f))
-        except (OSError, SafetensorError) as e:  # truncated, empty or not a safetensors file
-            raise WeightError(f"cannot read {root / f}: {e}") from None
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"no .safetensors files in {root}")
+    # (safetensors reports a file it may not open as missing: "No such file or directory")
+    if unreadable := [f for f in files if not os.access(root / f, os.R_OK)]:
+        raise WeightError(f"cannot read {root / unreadable[0]}: permission denied")
+    if weight_map is None:
+        weight_map = {}
+        for f in files:
+            try:
+                with safe_open(root / f, framework="pt", device="cpu") as h:
+                    weight_map.update(dict.fromkeys(h.keys(), f))
+            except (OSError, SafetensorError) as e:  # truncated, empty or not a safetensors file
+                raise WeightError(f"cannot read {root / f}: {e}") from None
     return weight_map, files
 
 

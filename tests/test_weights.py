@@ -883,3 +883,20 @@ def test_the_wrappers_own_tie_rules_as_in_transformers(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))  # (resave rewrote it)
     c, w = load_model(d, progress=False)
     assert c.tie_word_embeddings and torch.equal(w.lm_head.weight, raw["model.embed_tokens.weight"])
+
+
+def test_unreadable_files_are_named_as_such(tmp_path, monkeypatch):
+    """A directory or a shard the user may not read is said to be so (safetensors called such a shard
+    missing, and a directory not listed read as one without .safetensors files). os.access is patched:
+    the tests may run as root, which reads everything."""
+    import os
+
+    d = tiny(tmp_path)
+    real = os.access
+    cases = ((d, "cannot read the directory"), (d / "model.safetensors", "cannot read .*: permission"))
+    for denied, words in cases:
+        monkeypatch.setattr(os, "access", lambda p, mode, denied=denied: Path(p) != denied and real(p, mode))
+        with pytest.raises(WeightError, match=words):
+            load_model(d, progress=False)
+    monkeypatch.setattr(os, "access", real)
+    load_model(d, progress=False)
