@@ -198,7 +198,7 @@ def quantize_checkpoint(
     """
     from safetensors import SafetensorError
 
-    from .weights import WeightError, resolve_model_path
+    from .weights import WeightError, load_model, resolve_model_path
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -226,6 +226,9 @@ def quantize_checkpoint(
         raise WeightError(f"{cfg_path} must hold a JSON object")
     if config.get("quantization_config") or (src_dir / "hf_quant_config.json").is_file():
         raise WeightError(f"{src_dir} is already quantised; `lumo quantize` needs a BF16/F16/F32 checkpoint")
+    # every check loading runs (config, tensor names, dtypes, shapes), no tensor read: a source that would
+    # not load is refused here, not written out as a quantised checkpoint that would not load either
+    load_model(src_dir, progress=False, meta=True)
 
     # Everything is written to a staging directory beside the destination and renamed into place at the
     # end, so an error or an interrupt never leaves a partial checkpoint under the destination's name.

@@ -826,6 +826,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     lazy: bool = False,
+    meta: bool = False,
 ) -> tuple[ModelConfig, ModelWeights]:
     """Load config.json and the text model's tensors (`mtp.*` too; `model.visual.*` is never read).
 
@@ -833,6 +834,7 @@ def load_model(
     lazy: the decoder layers are a LazyLayers, read from the still open shards each time they are walked
     (for one pass: packing for the kernels, the reference check); every tensor is checked here all the same
     (on the meta device), so a broken checkpoint fails before anything is packed.
+    meta: only that check: the weights built of meta tensors (stored dtypes and shapes), none read.
     """
     from tqdm import tqdm
 
@@ -875,8 +877,11 @@ def load_model(
             )
             get, linear = builders(ckpt, device)
             layers = None
-            if lazy:
+            if lazy or meta:
                 formats = build_weights(cfg, *builders(_MetaReads(ckpt), torch.device("meta")), prefix)
+                if meta:
+                    shards.close()
+                    return cfg, formats
                 kinds = cfg.layer_types
 
                 def read(i: int) -> LayerWeights:

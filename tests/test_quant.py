@@ -242,6 +242,17 @@ def test_quantize_errors(tmp_path):
     quantize_checkpoint(src, tmp_path / "q", fmt="w4a16_nvfp4", progress=False)
     with pytest.raises(WeightError, match="already quantised"):
         quantize_checkpoint(tmp_path / "q", tmp_path / "qq", progress=False)
+    # a source that would not load is refused before anything is written (session 47: quantised all the
+    # same, into a checkpoint that would not load either)
+
+    norm = "model.language_model.norm.weight"
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    f = src / index["weight_map"].pop(norm)
+    save_file({n: t for n, t in load_file(f).items() if n != norm}, str(f))
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(WeightError, match=r"language_model\.norm\.weight"):
+        quantize_checkpoint(src, tmp_path / "broken", progress=False)
+    assert not (tmp_path / "broken").exists()
 
 
 def test_quantize_never_leaves_a_partial_destination(tmp_path, monkeypatch):
