@@ -523,16 +523,11 @@ def test_parameter_types_follow_refs_once():
     assert time.perf_counter() - t0 < 1.0  # 4^40 walks without the memo
 
 
-def test_a_call_cut_by_the_token_limit_keeps_its_cut_arguments(tmp_path):
-    """finish_reason length inside an XML call: the call is there with its arguments cut where the output
-    stopped (not JSON), as OpenAI's API sends them, so that clients which run whatever is in tool_calls
-    (LangChain puts it in invalid_tool_calls) do not run a call whose values were cut; streamed and not;
-    the Responses API's function_call item is incomplete with the same arguments. A call that the engine
-    ended itself (stop) is still parsed as it stands."""
-    from lumo.server.testing import ScriptedLLM, serve_in_thread
+def _cut_by_the_limit(tmp_path, out: str):
+    """A scripted engine that writes `out` and ends on the token limit (finish_reason length), and its own
+    stream (ending on a stop) to put back."""
+    from lumo.server.testing import ScriptedLLM
 
-    out = THINK + "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
-    out += "<parameter=note>\nline one\nline tw"
     llm = ScriptedLLM.with_test_tokenizer(tmp_path, out)
     generate = llm.generate_stream
 
@@ -542,6 +537,20 @@ def test_a_call_cut_by_the_token_limit_keeps_its_cut_arguments(tmp_path):
         yield from chunks
 
     llm.generate_stream = cut
+    return llm, generate
+
+
+def test_a_call_cut_by_the_token_limit_keeps_its_cut_arguments(tmp_path):
+    """finish_reason length inside an XML call: the call is there with its arguments cut where the output
+    stopped (not JSON), as OpenAI's API sends them, so that clients which run whatever is in tool_calls
+    (LangChain puts it in invalid_tool_calls) do not run a call whose values were cut; streamed and not;
+    the Responses API's function_call item is incomplete with the same arguments. A call that the engine
+    ended itself (stop) is still parsed as it stands."""
+    from lumo.server.testing import serve_in_thread
+
+    out = THINK + "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+    out += "<parameter=note>\nline one\nline tw"
+    llm, generate = _cut_by_the_limit(tmp_path, out)
     messages = [{"role": "user", "content": "Weather?"}]
     with serve_in_thread(llm) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
@@ -666,18 +675,10 @@ def test_a_cut_json_call_through_the_three_apis(tmp_path):
     cut may have had more digits: left out), stop_reason max_tokens. No `<tool_call>` text anywhere."""
     import anthropic
 
-    from lumo.server.testing import ScriptedLLM, serve_in_thread
+    from lumo.server.testing import serve_in_thread
 
     out = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "New York", "days": [1, 2'
-    llm = ScriptedLLM.with_test_tokenizer(tmp_path, out)
-    generate = llm.generate_stream
-
-    def cut(prompt, max_tokens=256, **kw):
-        chunks = list(generate(prompt, max_tokens, **kw))
-        chunks[-1].finish_reason = "length"
-        yield from chunks
-
-    llm.generate_stream = cut
+    llm, _ = _cut_by_the_limit(tmp_path, out)
     messages = [{"role": "user", "content": "Weather?"}]
     with serve_in_thread(llm) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
