@@ -198,7 +198,7 @@ def quantize_checkpoint(
     """
     from safetensors import SafetensorError
 
-    from .weights import WeightError, load_model, resolve_model_path
+    from .weights import WeightError, load_model, read_json_object, resolve_model_path
 
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -218,12 +218,7 @@ def quantize_checkpoint(
     cfg_path = src_dir / "config.json"
     if not cfg_path.is_file():
         raise WeightError(f"no config.json in {src_dir}")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise WeightError(f"{cfg_path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise WeightError(f"{cfg_path} must hold a JSON object")
+    config = read_json_object(cfg_path)
     if config.get("quantization_config") or (src_dir / "hf_quant_config.json").is_file():
         raise WeightError(f"{src_dir} is already quantised; `lumo quantize` needs a BF16/F16/F32 checkpoint")
     # every check loading runs (config, tensor names, dtypes, shapes), no tensor read: a source that would

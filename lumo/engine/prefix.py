@@ -242,14 +242,13 @@ class PrefixCache:
             return
         self.lines.remove(best)
         p = best
-        uses = p.uses
         # (p.lo < best_len: were the slot's shared snapshot longest, the slot's own match would be as long)
         self._park(p.lo)
         self._guard(p.lo, p.hi, positions)
         p.restore(positions)
         self.tokens = list(p.tokens)
         self.snapshots = {n: s for n, s in self.snapshots.items() if n <= p.lo} | p.snapshots
-        self._uses = uses  # (resume counts this request on top)
+        self._uses = p.uses  # (resume counts this request on top)
         self.swaps += 1
 
     def _park(self, start: int) -> bool:

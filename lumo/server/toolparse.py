@@ -181,9 +181,10 @@ class ChatOutputParser:
         cut: the token limit ended the output (finish_reason length). A call it cut short after its name is
         a call, in either form, whose arguments stay cut where the output stopped, as OpenAI's API sends
         them: not JSON, so that a client (LangChain's invalid_tool_calls) does not run a call whose values
-        were cut (a truncated file). close_cut: its arguments closed into the JSON object of the members
-        that were whole, or cut inside a string (Anthropic's API, whose tool_use input is an object). A call
-        cut before its name was whole is left out: markup, not text."""
+        were cut (a truncated file). close_cut: its arguments closed into a JSON object (Anthropic's API,
+        whose tool_use input is an object): a JSON-form call's members that were whole, or cut inside a
+        string; an XML call's parameters as they stand. A call cut before its name was whole is left out:
+        markup, not text."""
         out = ParsedDelta()
         buf, self._buf = self._buf, ""
         if self._mode == _REASONING:
@@ -347,9 +348,9 @@ class ChatOutputParser:
             return None
         name, args = head
         try:  # arguments that are whole, text after them (the call's own brace, a split tag) left out
-            whole, end = json.JSONDecoder().raw_decode(args.lstrip())
+            whole, end = json.JSONDecoder().raw_decode(args := args.lstrip())
             if isinstance(whole, dict):
-                args = args.lstrip()[:end]
+                args = args[:end]
         except (ValueError, RecursionError):
             pass
         if close:
