@@ -402,10 +402,31 @@ def test_a_main_conversation_outlives_side_requests_that_leave_lines():
     assert s.request(main + [1, 2]) == 60
 
 
+def test_a_conversation_parked_after_its_first_turn_outlives_the_sub_agents_side_requests():
+    """An agent that starts a sub-agent at once: the main conversation is parked after its first turn,
+    never having come back, and the sub-agent runs turn after turn with a side request of a chunk or more
+    after each, a line of its own. The main conversation, longer than the side requests, keeps the place
+    the sub-agent's line does not take (session 48; under session 47's rule, lines that came back and then
+    the more recently parked, the side requests pushed it out: tests/test_prefix_gpu.py on the H100)."""
+    main = list(range(100, 160))
+    s = Slot1(160, park=96, window=8, lines=2)
+    assert s.request(main) == 0
+    sub = list(range(300, 330))
+    got = []
+    for turn in range(3):
+        sub = sub + [700 + turn] * 5
+        got.append(s.request(sub))
+        s.request([900 + 20 * turn + i for i in range(12)])  # a side request of its own, with a snapshot
+        sub = sub + [800 + turn] * 4
+    assert got == [0, 32, 44], got
+    assert s.request(main + [1, 2]) == 60
+
+
 def test_long_prompts_that_never_return_age_out():
-    """Two long one-off prompts, then a conversation with a side request between its turns: the lines kept
-    are the most recently used, so the conversation's turns resume after each side request (until session
-    47 the two longest lines were kept for good and every side request erased the conversation's)."""
+    """Two long one-off prompts, then a conversation with a side request between its turns: the newest line
+    and then those that came back are kept before the longest, so the conversation's turns resume after
+    each side request and the one-offs lose their places to it (until session 47 the two longest lines
+    were kept for good and every side request erased the conversation's)."""
     one_offs = [list(range(100, 160)), list(range(200, 260))]
     conv, side = list(range(300, 330)), list(range(600, 606))
     s = Slot1(128, park=96, window=8, lines=2)

@@ -27,7 +27,7 @@ the slot's positions [a, b) (a prefill and a window past the prompt for its deco
 copied back), every parked line copies aside the ones of them it still takes from the slot (`saved`: its
 values at [lo, hi)). A later prompt that resumes further in a parked line than in the slot's swaps it in:
 its saved positions are copied back and the slot's line is parked in its turn. Up to `lines` lines are
-parked: the newest, then those that came back (session 47; the longest before); `park` caps the
+parked: the newest, then those that came back, then the longest (`_park`); `park` caps the
 positions each keeps aside (0: no parking). A parked line's positions past `hi` are still the slot's,
 checked against what the requests since wrote (`written`, the high-water mark the slot passes to
 `resume`): a line whose positions were overwritten keeps only its snapshots below them. Parked positions
@@ -69,7 +69,7 @@ class Parked:
     lo: int
     hi: int
     # requests that resumed this line (in the slot, or swapped back in) before it was parked: a line that
-    # came back is kept before one that never did (PrefixCache._park)
+    # came back is kept before one that never did, and those by length (PrefixCache._park)
     uses: int = 0
     # Per position cache of the slot, its values at [lo, hi) in a ring of `park` rows (position p at row
     # p % park: a run grows either way in place); empty until something is saved
@@ -254,18 +254,21 @@ class PrefixCache:
     def _park(self, start: int) -> bool:
         """The slot's positions start.. are about to be written: its snapshots past start become a parked
         line (nothing saved yet: `_guard` copies what it needs aside); True if there were any. The lines
-        kept, `max_lines` of them: the newest, then those that came back (a request resumed them before
-        they were parked) before those that never did, the more recently parked first within each. Until
-        session 47 the lines with the longest cached prefixes were kept, so two long prompts that never
-        came back held both places for good and every side call after them erased the conversation's
-        prefix (a helper's black-box run); most recently parked alone (this session's first fix) lost a
-        main conversation to a sub-agent's and two side requests of a chunk or more (a review)."""
+        kept, `max_lines` of them: the newest; then those that came back (a request resumed them before
+        they were parked), the more recently parked first; then those that never did, the longest first
+        (the newer among equals). Each rule answers a way an earlier one lost a coding agent's
+        conversation: longest first alone (until session 47) kept two long prompts that never came back for
+        good, and every side request erased the conversation; most recently parked alone lost a main
+        conversation that had come back to a sub-agent and two side requests of a chunk or more; came back
+        and then most recent (session 47) lost a main conversation parked after its first turn (an agent
+        that starts a sub-agent at once) to the sub-agent's side requests (session 48, on the H100). The
+        price: a long prompt that never comes back keeps a place until lines that came back fill them."""
         own = {n: s for n, s in self.snapshots.items() if n > start}  # (the slot drops them in `begin`)
         if not own:
             return False
         line = Parked(list(self.tokens), own, start, start, uses=self._uses)
-        came_back = sorted(self.lines, key=lambda p: p.uses == 0)  # stable: the newer first in each
-        self.lines = [line, *came_back][: self.max_lines]
+        rank = sorted(self.lines, key=lambda p: (0, 0) if p.uses else (1, -p.useful))  # stable: newer first
+        self.lines = [line, *rank][: self.max_lines]
         return True
 
     def _guard(self, a: int, b: int, positions: Sequence[torch.Tensor]) -> None:

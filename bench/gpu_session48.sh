@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Session 48's GPU call (carry .gpu-deps): run(carry=[".gpu-deps"], command="bash bench/gpu_session48.sh")
+# 1. the prefix cache's GPU tests and the LLM's on session 48's parking rule (the newest line, then those
+#    that came back, then the longest);
+# 2. the kernel files and the runner's (session 46 removed linear.cu's cp.async ring; sessions 46-47 had no
+#    GPU), then `lumo generate` on the GPU.
+set -u
+source bench/gpu_group.sh
+session_start
+group 150 t_prefix $P tests/test_prefix_gpu.py tests/test_llm_gpu.py
+group 330 t_kernels $P tests/test_linear_gpu.py tests/test_norms_gpu.py tests/test_attention_gpu.py \
+  tests/test_gdn_gpu.py tests/test_conv_gpu.py tests/test_rope_kv_gpu.py tests/test_sampling_gpu.py \
+  tests/test_tree_kernels_gpu.py tests/test_runner_gpu.py
+python -m lumo.cli generate --device cuda --prompt "def fibonacci(n):" --max-tokens 64 --temperature 0 \
+  2>&1 >/dev/null | tail -1
