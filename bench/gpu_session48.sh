@@ -4,9 +4,16 @@
 #    that came back, then the longest);
 # 2. the kernel files and the runner's (session 46 removed linear.cu's cp.async ring; sessions 46-47 had no
 #    GPU), then `lumo generate` on the GPU.
+# 3. (a second call: `bash bench/gpu_session48.sh spec`) the speculative engine's GPU tests on the current
+#    kernels: greedy tree == plain on 50 prompts x 256 tokens, accepted logits and state bitwise, sampling.
 set -u
 source bench/gpu_group.sh
 session_start
+if [[ ${1:-} == spec ]]; then
+  group 560 t_spec $P -s tests/test_gpu_spec_gpu.py
+  grep -E "accepted drafts" "$out/t_spec.log"
+  exit
+fi
 group 150 t_prefix $P tests/test_prefix_gpu.py tests/test_llm_gpu.py
 group 330 t_kernels $P tests/test_linear_gpu.py tests/test_norms_gpu.py tests/test_attention_gpu.py \
   tests/test_gdn_gpu.py tests/test_conv_gpu.py tests/test_rope_kv_gpu.py tests/test_sampling_gpu.py \
