@@ -119,7 +119,12 @@ def describe_model(llm) -> str:
 
 
 def generate(llm, tokens: int) -> str:
-    r = llm.generate(CHECK_PROMPTS[0], max_tokens=tokens, temperature=0)
+    room = llm.max_model_len  # a short --max-model-len shortens the prompt and the output, not the check
+    if room < 2:
+        raise SkipCheck(f"a {room}-token context holds no prompt and a token")
+    tokens = min(tokens, room // 2)
+    ids = llm.tokenizer.encode(CHECK_PROMPTS[0])[: room - tokens]
+    r = llm.generate(ids, max_tokens=tokens, temperature=0)
     if not r.token_ids:
         raise RuntimeError("no tokens generated")
     rate = (len(r.token_ids) - 1) / r.decode_seconds if len(r.token_ids) > 1 and r.decode_seconds else 0.0

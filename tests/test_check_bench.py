@@ -39,6 +39,11 @@ def test_check_a_tiny_checkpoint_with_speculation(tmp_path):
         "check", str(ckpt), "--device", "cpu", "--spec", "off", "--skip-kernels", "--max-model-len", "40"
     )
     assert short.returncode == 0 and "lumo check: 4 ok, 0 failed, 2 skipped" in short.stdout, short.stdout
+    # one shorter than the generation's prompt too (it failed with "the prompt has 8 tokens" until session 48)
+    tiny = lumo("check", str(ckpt), "--device", "cpu", "--spec", "off", "--skip-kernels", "--max-model-len=4")
+    assert tiny.returncode == 0, tiny.stdout
+    assert "[  ok] generation: 2 tokens" in tiny.stdout, tiny.stdout
+    assert tiny.stdout.strip().splitlines()[-1] == "lumo check: 3 ok, 0 failed, 3 skipped", tiny.stdout
 
 
 def test_check_reports_a_checkpoint_that_does_not_load(tmp_path):
