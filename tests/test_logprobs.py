@@ -203,7 +203,7 @@ def test_http_logprobs_end_of_sequence_offsets_and_ties(models, monkeypatch):
         choice = r["choices"][0]
         lp, text = choice["logprobs"], choice["text"]
         n = len(tok.encode(prompt))
-        assert choice["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == j
+        assert choice["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == j + 1
         assert lp["tokens"][-1] == tok.token_text(eos)
         assert lp["token_logprobs"][-1] == full.logprobs[j].logprob
         assert len(lp["tokens"]) == n + j + 1 and text == prompt + full.text[: len(text) - len(prompt)]

@@ -66,6 +66,11 @@ def _parsed(prompt: str, text: str) -> tuple[str, str]:
     return a.content + b.content, a.reasoning + b.reasoning
 
 
+def generated(r) -> int:
+    """The tokens a result generated as usage counts them: an end token that ended it too (as vLLM counts)."""
+    return len(r.token_ids) + (r.end_token is not None)
+
+
 def _metric(url: str, name: str, missing: float | None = None) -> float:
     """A sample's value; `missing` (if given) when the series has no sample yet (a labelled counter)."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -84,15 +89,18 @@ def test_startup_line_models_health(server, ckpt):
 
 
 @pytest.mark.parametrize("max_tokens", [1, 12])
-def test_completion_matches_engine(client, llm, max_tokens):
+def test_completion_matches_engine(client, server, llm, max_tokens):
     prompt = "The quick brown fox"
     ref = llm.generate(prompt, max_tokens=max_tokens, temperature=0)
+    tokens0 = _metric(server.url, "lumo_generation_tokens_total", missing=0)
     r = client.completions.create(model=llm.model_name, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    # /metrics counts what usage counts, an end token that ended the output too (12 tokens: one does)
+    assert _metric(server.url, "lumo_generation_tokens_total") - tokens0 == r.usage.completion_tokens
     assert r.choices[0].text == ref.text
     assert r.choices[0].finish_reason == ref.finish_reason
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
         len(ref.prompt_token_ids),
-        len(ref.token_ids),
+        generated(ref),
     )
 
     events = client.completions.create(
@@ -108,8 +116,8 @@ def test_completion_matches_engine(client, llm, max_tokens):
     assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == [
         ref.finish_reason
     ]
-    assert events[-1].choices == [] and events[-1].usage.completion_tokens == len(ref.token_ids)
-    assert events[-1].usage.total_tokens == len(ref.prompt_token_ids) + len(ref.token_ids)
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == generated(ref)
+    assert events[-1].usage.total_tokens == len(ref.prompt_token_ids) + generated(ref)
 
 
 def test_completion_token_prompt_and_default_length(server, llm):
@@ -117,7 +125,7 @@ def test_completion_token_prompt_and_default_length(server, llm):
     ref = llm.generate(ids, max_tokens=16, temperature=0)
     r = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "temperature": 0}, timeout=30).json()
     assert r["choices"][0]["text"] == ref.text  # OpenAI's default max_tokens for completions is 16
-    assert r["usage"]["completion_tokens"] == len(ref.token_ids)
+    assert r["usage"]["completion_tokens"] == generated(ref)
 
 
 @pytest.mark.parametrize("max_tokens", [3, 40])
@@ -141,7 +149,7 @@ def test_chat_matches_engine(client, llm, max_tokens):
     assert r.choices[0].finish_reason == ref.finish_reason
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (
         len(ref.prompt_token_ids),
-        len(ref.token_ids),
+        generated(ref),
     )
 
     events = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
@@ -151,7 +159,7 @@ def test_chat_matches_engine(client, llm, max_tokens):
     streamed_r = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
     assert (streamed, streamed_r) == (content, reasoning)
     assert events[-2].choices[0].finish_reason == ref.finish_reason
-    assert events[-1].usage.completion_tokens == len(ref.token_ids)
+    assert events[-1].usage.completion_tokens == generated(ref)
 
 
 def test_stop_strings(client, llm, server):
@@ -660,7 +668,7 @@ def test_a_batch_of_prompts_is_each_prompt_alone(client, server, llm):
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert [c.text for c in r.choices] == [a.text for a in alone]
     assert r.usage.prompt_tokens == sum(len(a.prompt_token_ids) for a in alone)
-    assert r.usage.completion_tokens == sum(len(a.token_ids) for a in alone)
+    assert r.usage.completion_tokens == sum(generated(a) for a in alone)
     body = {"prompt": [ids, ids], "max_tokens": 5, "temperature": 0, "logprobs": 1}
     choices = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"]
     assert [c["text"] for c in choices] == [alone[1].text] * 2
@@ -735,7 +743,7 @@ def test_logit_bias_is_the_engines(client, llm):
     # vLLM's ignore_eos (extra_body): an end token forced to the top ends a request, or is generated on
     eos = {str(llm.tokenizer.eos_token_ids[0]): 100}
     ended = client.completions.create(model=llm.model_name, prompt="Hi", logit_bias=eos, **kw)
-    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 0
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1  # the end token
     kept = client.completions.create(
         model=llm.model_name, prompt="Hi", logit_bias=eos, extra_body={"ignore_eos": True}, **kw
     )
@@ -743,7 +751,7 @@ def test_logit_bias_is_the_engines(client, llm):
     late = client.completions.create(
         model=llm.model_name, prompt="Hi", logit_bias=eos, extra_body={"min_tokens": 5}, **kw
     )  # vLLM's min_tokens: no end token before the 5th
-    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 5
+    assert late.choices[0].finish_reason == "stop" and late.usage.completion_tokens == 6
     streamed = client.chat.completions.create(
         model=llm.model_name,
         messages=[{"role": "user", "content": "Hi"}],
@@ -818,7 +826,7 @@ def test_stop_token_ids_include_stop_str_and_special_tokens(client, llm):
     extra = {"stop_token_ids": [plain.token_ids[j]]}
     r = client.completions.create(model=llm.model_name, prompt=prompt, extra_body=extra, **kw)
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
-    assert r.usage.completion_tokens == j
+    assert r.usage.completion_tokens == j + 1  # the stop token counted, as vLLM counts it
     stop = next(s for i in range(3, 9) if "\ufffd" not in (s := plain.text[i : i + 2]))
     cut = llm.generate(prompt, **kw, stop=[stop])
     kept = llm.generate(prompt, **kw, stop=[stop], include_stop_str_in_output=True)
@@ -844,7 +852,7 @@ def test_n_choices_are_the_seeded_requests_in_turn(client, server, llm):
     assert [c.index for c in r.choices] == list(range(6))
     assert [c.text for c in r.choices] == [a.text for row in alone for a in row]
     assert r.usage.prompt_tokens == sum(len(row[0].prompt_token_ids) for row in alone)
-    assert r.usage.completion_tokens == sum(len(a.token_ids) for row in alone for a in row)
+    assert r.usage.completion_tokens == sum(generated(a) for row in alone for a in row)
     texts = [""] * 6
     usage = {"include_usage": True}
     events = list(

@@ -214,7 +214,7 @@ class _Collected:
     """A non-streamed job's output (_Server._collect)."""
 
     text: str = ""
-    n_gen: int = 0  # tokens generated (an end token that ended the output not counted)
+    n_gen: int = 0  # tokens generated, with an end token that ended the output (as vLLM counts)
     reason: str | None = None  # the finish reason
     logprobs: list = field(default_factory=list)  # the tokens' (empty unless the job asked)
     why: Any = None  # vLLM's stop_reason: the stop string or stop token id that ended it, else None
@@ -283,7 +283,7 @@ class _CompletionOutput:
             ids = [*ids, lps[-1].token]
         if self.score_only:
             text, ids, lps = "", [], []
-        self.n_gen += len(chunk.token_ids) if not self.score_only else 0
+        self.n_gen += len(_chunk_ids(chunk)) if not self.score_only else 0
         self.new_ids = [] if self.score_only else _chunk_ids(chunk)
         offsets = []
         if self.first:
@@ -525,7 +525,7 @@ class _Server:
             out.prompt_logprobs = out.prompt_logprobs or getattr(chunk, "prompt_logprobs", None) or []
             parts.append(chunk.text)
             out.token_ids += _chunk_ids(chunk)
-            out.n_gen += len(chunk.token_ids)
+            out.n_gen += len(_chunk_ids(chunk))
             out.reason = chunk.finish_reason or out.reason
             out.why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else out.why
             if job.wants_logprobs:
@@ -805,7 +805,7 @@ class _Server:
             jobs.append(submit())  # queued once the stream runs: a client gone before leaves nothing
             n_gen, reason, reasoning = 0, None, ""
             async for chunk in jobs[0].events():
-                n_gen += len(chunk.token_ids)
+                n_gen += len(_chunk_ids(chunk))
                 reason = chunk.finish_reason or reason
                 d = parser.feed(chunk.text)
                 if chunk.finish_reason is not None:
@@ -885,7 +885,7 @@ class _Server:
                 if chunk is None:
                     yield _event({"type": "ping"})
                     continue
-                n_gen += len(chunk.token_ids)
+                n_gen += len(_chunk_ids(chunk))
                 reason = chunk.finish_reason or reason
                 why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
                 d = parser.feed(chunk.text)
@@ -991,7 +991,7 @@ class _Server:
         first = None if prompt_ids is None else {"prompt_token_ids": prompt_ids}
         yield chunk_of({"role": "assistant", "content": ""}, top=first)
         async for chunk in job.events():
-            n_gen[0] += len(chunk.token_ids)
+            n_gen[0] += len(_chunk_ids(chunk))
             reason = chunk.finish_reason or reason
             why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
             held_ids += _chunk_ids(chunk)

@@ -222,7 +222,8 @@ class EngineWorker:
                     else:
                         m.itl.observe((now - t_prev) / n, count=n)
                     t_prev = now
-                    m.generation_tokens.inc(n)
+                # an end token that ended the output counts as generated (vLLM's counter and usage)
+                m.generation_tokens.inc(n + (getattr(chunk, "end_token", None) is not None))
                 job._post(chunk)
                 if chunk.finish_reason is not None:
                     break
