@@ -162,6 +162,35 @@ def test_chat_matches_engine(client, llm, max_tokens):
     assert events[-1].usage.completion_tokens == generated(ref)
 
 
+def test_continuous_usage_stats_on_every_chunk(server, llm):
+    """vLLM's continuous_usage_stats (with include_usage): every chunk carries its choice's usage so far,
+    rising to the choice's tokens; the last chunk is the request's usage (two choices: both counted);
+    without include_usage no chunk carries usage. It was a 400 until session 48."""
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    kw = {"max_tokens": 12, "temperature": 0.8, "seed": 5, "n": 2, "stream": True}
+    user = [{"role": "user", "content": "Hello, how are you?"}]
+    for path, body in (("/v1/completions", {"prompt": "The quick brown fox"}), ("/v1/chat/completions", {})):
+        body = {**body, **({"messages": user} if "chat" in path else {}), **kw}
+        with httpx.stream("POST", server.url + path, json={**body, "stream_options": both}, timeout=60) as r:
+            events = _sse(r)
+        *chunks, last = events
+        n_prompt = last["usage"]["prompt_tokens"]
+        per_choice = {0: [], 1: []}
+        for e in chunks:
+            u = e["usage"]
+            assert u["prompt_tokens"] == n_prompt and u["total_tokens"] == n_prompt + u["completion_tokens"]
+            per_choice[e["choices"][0]["index"]].append(u["completion_tokens"])
+        for counts in per_choice.values():
+            assert counts == sorted(counts) and counts[-1] >= 1, (path, counts)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == sum(
+            c[-1] for c in per_choice.values()
+        )
+        with httpx.stream(
+            "POST", server.url + path, json={**body, "stream_options": {"continuous_usage_stats": True}}
+        ) as r:
+            assert all("usage" not in e for e in _sse(r)), path
+
+
 def test_stop_strings(client, llm, server):
     prompt = "Numbers: 0 1 2"
     text = llm.generate(prompt, max_tokens=30, temperature=0).text

@@ -280,14 +280,6 @@ BAD = [
         "stream: true",
     ),  # fmt: skip
     (
-        "continuous-usage",
-        COMP,
-        {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-        400,
-        "stream_options",
-        "continuous_usage_stats",
-    ),  # fmt: skip
-    (
         "text-part-without-text",
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "text"}]}]},

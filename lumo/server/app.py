@@ -319,6 +319,14 @@ def _batch_usage(outs: list[_CompletionOutput], n: int = 1) -> dict[str, Any]:
     )
 
 
+def _stream_usage(body: Any) -> tuple[bool, bool]:
+    """A stream's usage: (include_usage: a last chunk with the request's, continuous_usage_stats as vLLM
+    serves it: with include_usage, every chunk also carries its choice's usage so far)."""
+    opts = body.stream_options
+    final = bool(opts and opts.include_usage)
+    return final, final and opts.continuous_usage_stats
+
+
 async def _sse_stream(
     events: AsyncIterator[str],
     head: dict[str, Any],
@@ -580,8 +588,7 @@ class _Server:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.served_name}
         with_ids = bool(body.return_token_ids)
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream_completion(start, len(items) * n, n, head, usage, with_ids)
+            events = self._stream_completion(start, len(items) * n, n, head, *_stream_usage(body), with_ids)
             return self._streaming(events)
         choices, outs, scored = [], [], None
         for i in range(len(items) * n):
@@ -620,11 +627,12 @@ class _Server:
         n: int,
         head: dict[str, Any],
         include_usage: bool,
+        continuous: bool = False,
         with_ids: bool = False,
     ) -> AsyncIterator[str]:
         """The choices' chunks in turn, each under its index (prompt-major, n choices per prompt). with_ids
         (vLLM's return_token_ids): a choice's first chunk carries the prompt's ids, every chunk the ids of
-        its tokens."""
+        its tokens. continuous (_stream_usage): each chunk its choice's usage so far."""
         extra = {"usage": None} if include_usage else {}
         outs = []
 
@@ -634,14 +642,16 @@ class _Server:
                 outs.append(out)
                 reason, held, sent = None, [], False  # held: token ids not yet sent (with_ids)
 
-                def event(choice: dict[str, Any], prompt_ids: list[int] = out.prompt_ids) -> str:
+                def event(choice: dict[str, Any], out: _CompletionOutput = out) -> str:
                     """A chunk of the choice, with its token ids (the prompt's on the choice's first)."""
                     nonlocal held, sent
                     if with_ids:
                         choice["token_ids"], held = held, []
                         if not sent:
-                            choice["prompt_token_ids"] = prompt_ids
+                            choice["prompt_token_ids"] = out.prompt_ids
                     sent = True
+                    if continuous:
+                        return _sse({**head, "choices": [choice], "usage": _batch_usage([out])})
                     return _sse({**head, "choices": [choice], **extra})
 
                 async for chunk in out.job.events():
@@ -706,8 +716,8 @@ class _Server:
         as_ids = self._as_ids(body)
         ids = prompt_ids if body.return_token_ids else None  # vLLM's return_token_ids
         if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
             head["object"] = "chat.completion.chunk"
+            usage = _stream_usage(body)
             events = self._stream_chat(start, body.choices, head, len(prompt_ids), usage, as_ids, ids)
             return self._streaming(events)
         choices, n_gen, cached, scored = [], 0, 0, None
@@ -935,14 +945,20 @@ class _Server:
         n: int,
         head: dict[str, Any],
         n_prompt: int,
-        include_usage: bool,
+        usage_mode: tuple[bool, bool],
         as_ids: bool = False,
         prompt_ids: list[int] | None = None,
     ) -> AsyncIterator[str]:
-        """The n choices' chunks in turn, each under its index (as_ids: logprobs name tokens by id;
-        prompt_ids: vLLM's return_token_ids, the prompt's ids on each choice's first chunk and the tokens'
-        on every chunk; None: not asked)."""
-        extra = {"usage": None} if include_usage else {}
+        """The n choices' chunks in turn, each under its index (usage_mode: _stream_usage's; as_ids: logprobs
+        name tokens by id; prompt_ids: vLLM's return_token_ids, the prompt's ids on each choice's first chunk
+        and the tokens' on every chunk; None: not asked)."""
+        include_usage, continuous = usage_mode
+        fixed = {"usage": None} if include_usage else {}
+
+        def extra(job: Job, tokens: int) -> dict[str, Any]:
+            """What a chunk of a choice carries besides it (its job, its tokens so far)."""
+            return {"usage": _usage(n_prompt, tokens, job.cached_tokens)} if continuous else fixed
+
         n_gen, jobs = [0], []
 
         async def choices() -> AsyncIterator[str]:
@@ -963,14 +979,15 @@ class _Server:
         job: Job,
         parser: ChatOutputParser,
         head: dict[str, Any],
-        extra: dict[str, Any],
+        extra: Callable[[Job, int], dict[str, Any]],
         n_gen: list[int],
         as_ids: bool,
         prompt_ids: list[int] | None,
     ) -> AsyncIterator[str]:
         """One choice's streamed chunks: the role, the parser's deltas, the finish reason (n_gen[0] counts
-        its tokens; as_ids and prompt_ids: _stream_chat's)."""
+        its tokens; extra, as_ids and prompt_ids: _stream_chat's)."""
         tok = self.llm.tokenizer
+        tokens = 0  # this choice's so far
         held = []  # logprobs of tokens whose text the parser still holds: they go out with the next delta
         held_ids: list[int] = []  # the same tokens' ids (return_token_ids)
 
@@ -985,12 +1002,13 @@ class _Server:
             if prompt_ids is not None:
                 choice["token_ids"] = held_ids[:]
                 held_ids.clear()
-            return _sse({**head, **(top or {}), "choices": [choice], **extra})
+            return _sse({**head, **(top or {}), "choices": [choice], **extra(job, tokens)})
 
         reason = why = None
         first = None if prompt_ids is None else {"prompt_token_ids": prompt_ids}
         yield chunk_of({"role": "assistant", "content": ""}, top=first)
         async for chunk in job.events():
+            tokens += len(_chunk_ids(chunk))
             n_gen[0] += len(_chunk_ids(chunk))
             reason = chunk.finish_reason or reason
             why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why

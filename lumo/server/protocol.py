@@ -30,7 +30,8 @@ from .toolparse import CUSTOM_PARAMETER
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False  # vLLM's usage on every chunk: not served (a 400)
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: StrictBool = False
 
 
 class FunctionCall(BaseModel):
@@ -276,9 +277,6 @@ class _Common(BaseModel):
             raise APIError(400, msg, "truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given with stream: true", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            msg = "stream_options.continuous_usage_stats is not supported (include_usage: one final chunk)"
-            raise APIError(400, msg, "stream_options")
 
     def _structured_fields(self) -> list[str]:
         """The fields that ask for a structured output (response_format text asks for nothing)."""
