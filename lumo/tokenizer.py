@@ -333,6 +333,7 @@ class Tokenizer:
         if (template := self._compiled.get(name)) is None:
             template = self._compiled[name] = _compile_template(source)
         ctx = {**self.special_tokens, **kwargs}
+        messages = [_both_reasoning_names(m) for m in messages]
         try:
             return template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **ctx
@@ -342,6 +343,18 @@ class Tokenizer:
 
 
 _CONTINUE_MARK = "\ue000lumo:continue\ue000"  # private-use characters: no template or text has them
+
+
+def _both_reasoning_names(message: Any) -> Any:
+    """A message whose reasoning has one of its two names has it under both for the template: Qwen's and
+    DeepSeek's templates read `reasoning_content`, vLLM has named it `reasoning` since 2026 (clients
+    send either back with an assistant turn)."""
+    if not isinstance(message, dict):
+        return message
+    text = message.get("reasoning_content") or message.get("reasoning")
+    if not text or message.get("reasoning_content") == message.get("reasoning"):
+        return message
+    return {**message, "reasoning_content": text, "reasoning": text}
 
 
 def _cut_after_final(text: str, final: str) -> str:

@@ -354,6 +354,38 @@ def test_http_tool_calls_streamed_and_not(scripted):
     assert "tool_calls" not in r["choices"][0]["message"]
 
 
+def test_reasoning_under_both_names_and_a_cut_reasoning_has_null_content(scripted, tmp_path):
+    """vLLM's name for the reasoning since 2026, `reasoning`, beside the older `reasoning_content` that
+    clients still read, in a message and in the deltas; an output cut inside its reasoning has null
+    content (vLLM's); an assistant turn sent back with either name renders the same prompt, its reasoning
+    in it (helper-94: one sent as `reasoning` was dropped)."""
+    llm, url = scripted
+    user = [{"role": "user", "content": "Weather?"}]
+
+    def chat(**body) -> dict:
+        return httpx.post(url + "/v1/chat/completions", json={"messages": user, **body}, timeout=10).json()
+
+    msg = chat(tools=TOOLS)["choices"][0]["message"]
+    assert msg["reasoning"] == msg["reasoning_content"] == "\nNeed weather.\n"
+    from lumo.server.testing import serve_in_thread
+
+    with serve_in_thread(_cut_by_the_limit(tmp_path, "<think>\nStill thinking")[0]) as cut_url:
+        body = {"messages": user, "max_tokens": 3}
+        cut = httpx.post(cut_url + "/v1/chat/completions", json=body, timeout=10).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
+    assert cut["message"]["reasoning"] == cut["message"]["reasoning_content"] == "\nStill thinking"
+    text = httpx.post(url + "/v1/chat/completions", json={"messages": user, "stream": True}, timeout=10).text
+    deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in text.split("\n\n") if x.startswith("data: {")]
+    for name in ("reasoning", "reasoning_content"):
+        assert "".join(d.get(name) or "" for d in deltas) == "\nNeed weather.\n", name
+    prompts = []
+    for name in ("reasoning", "reasoning_content"):
+        turn = {"role": "assistant", "content": "Checking.", name: "Earlier thought."}
+        chat(messages=[*user, turn], max_tokens=1)
+        prompts.append(llm.tokenizer.decode(llm.prompts[-1]))
+    assert prompts[0] == prompts[1] and "Earlier thought." in prompts[0]
+
+
 def test_include_reasoning_false_leaves_reasoning_out(scripted):
     """vLLM's include_reasoning: false: the reasoning is parsed (the content and calls are the same) but not
     returned, streamed or not."""

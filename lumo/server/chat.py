@@ -104,8 +104,8 @@ def template_message(i: int, m: ChatMessage) -> dict[str, Any]:
         out["name"] = m.name
     if m.tool_call_id is not None:
         out["tool_call_id"] = m.tool_call_id
-    if m.reasoning_content:
-        out["reasoning_content"] = m.reasoning_content
+    if m.reasoning_content or m.reasoning:
+        out["reasoning_content"] = m.reasoning_content or m.reasoning
     if m.tool_calls:
         out["tool_calls"] = [
             {
@@ -394,8 +394,8 @@ def piece_json(p: ToolCallPiece) -> dict[str, Any]:
 def delta_json(d: ParsedDelta) -> dict[str, Any]:
     """A streamed `delta` object."""
     out: dict[str, Any] = {}
-    if d.reasoning:
-        out["reasoning_content"] = d.reasoning
+    if d.reasoning:  # under vLLM's name and the older one clients still read
+        out["reasoning"] = out["reasoning_content"] = d.reasoning
     if d.content:
         out["content"] = d.content
     if d.tool_calls:
@@ -405,9 +405,11 @@ def delta_json(d: ParsedDelta) -> dict[str, Any]:
 
 def message_json(d: ParsedDelta) -> dict[str, Any]:
     calls = d.calls()
-    msg: dict[str, Any] = {"role": "assistant", "content": d.content if d.content or not calls else None}
-    if d.reasoning:
-        msg["reasoning_content"] = d.reasoning
+    # content null when the output was reasoning or calls only (vLLM's, e.g. reasoning cut by max_tokens)
+    content = d.content or (None if calls or d.reasoning else "")
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if d.reasoning:  # under vLLM's name and the older one clients still read
+        msg["reasoning"] = msg["reasoning_content"] = d.reasoning
     if calls:
         msg["tool_calls"] = [tool_call_json(c) for c in calls]
     return msg

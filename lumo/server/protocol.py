@@ -157,7 +157,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, under its older name
+    reasoning: str | None = None  # vLLM's name for it since 2026 (either reaches the template)
 
 
 # vLLM's request options lumo does not implement -> what they ask for
@@ -476,7 +477,7 @@ class ChatCompletionRequest(_Common):
     # vLLM's: no assistant turn opened (None: unless continue_final_message), or the last message continued
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool = False
-    include_reasoning: StrictBool | None = None  # vLLM's: false leaves reasoning_content out
+    include_reasoning: StrictBool | None = None  # vLLM's: false leaves the reasoning out
     # OpenAI's legacy function calling, superseded by tools / tool_choice: a 400 rather than ignored
     functions: Any = None
     function_call: Any = None
