@@ -184,6 +184,7 @@ def test_quantize_round_trip(tmp_path):
     "args, words",
     [
         (["--temperature", "nan"], "finite temperature"),
+        (["--temperature", "1e39"], "temperature must be at most"),
         (["--min-p", "2"], "min_p must lie in [0, 1]"),
         (["--presence-penalty", "3"], "presence_penalty must lie in [-2, 2]"),
         (["--repetition-penalty", "0"], "repetition_penalty must lie in (0, 10]"),

@@ -28,6 +28,7 @@ def test_tiny_temperatures_are_greedy(llm):
         (dict(max_tokens=2.5), "max_tokens must be an integer"),
         (dict(max_tokens=True), "max_tokens must be an integer"),
         (dict(temperature="hot"), "temperature must be a number"),
+        (dict(temperature=1e300), r"temperature must be at most 3.4\d*e\+38"),  # inf as f32: NaN logits
         (dict(top_k=1.5), "top_k must be an integer"),
         (dict(seed=0.5), "seed must be an integer"),
         (dict(seed=2**64), "seed must lie in"),
@@ -52,6 +53,7 @@ def test_tiny_temperatures_are_greedy(llm):
         "max-tokens-float",
         "max-tokens-bool",
         "temperature-str",
+        "temperature-past-float32",
         "top-k-float",
         "seed-float",
         "seed-over-int64",

@@ -62,6 +62,7 @@ BAD = [
     ("max-tokens-zero", COMP, {"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "echo"),
     ("max-tokens-zero-chat", CHAT, {"messages": USER, "max_tokens": 0}, 422, "max_tokens", ""),
     ("temperature-negative", CHAT, {"messages": USER, "temperature": -0.5}, 422, "temperature", ""),
+    ("temperature-past-float32", COMP, {"prompt": "x", "temperature": 1e300}, 422, "temperature", ""),
     ("top-p-zero", COMP, {"prompt": "a", "top_p": 0}, 422, "top_p", ""),
     (
         "unknown-role",

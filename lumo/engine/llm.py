@@ -36,6 +36,7 @@ from .sampling import SamplingParams
 from .tree import build_tree, chain_config
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily: logits / t would overflow float32
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the largest temperature the samplers can divide by
 
 
 def _integer(v: object, what: str) -> int:
@@ -486,6 +487,8 @@ class LLM:
         p = number(top_p, "top_p", 1.0)
         if not (t >= 0 and 0.0 < p <= 1.0 and k >= 0):
             raise ValueError("need a finite temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if t > FLOAT32_MAX:  # the samplers divide f32 logits by it: an infinite one makes -inf / inf NaN
+            raise ValueError(f"temperature must be at most {FLOAT32_MAX:.7g} (a float32), got {t}")
         mp = number(min_p, "min_p", 0.0)
         rep = number(repetition_penalty, "repetition_penalty", 1.0)
         freq = number(frequency_penalty, "frequency_penalty", 0.0)

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from ..engine.grammar import StructuredOutputs
+from ..engine.llm import FLOAT32_MAX
 from ..engine.logprobs import MAX_LOGPROBS
 from .errors import APIError
 from .toolparse import CUSTOM_PARAMETER
@@ -212,8 +213,8 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    # no upper bound, as vLLM's (OpenAI's API caps it at 2)
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    # no cap at 2 (OpenAI's API has one, vLLM's none): at most what the samplers' f32 division takes
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=FLOAT32_MAX, allow_inf_nan=False)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # lumo/vLLM extension; 0 or -1 = off
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM's

@@ -42,6 +42,7 @@ from pydantic import (
     ValidationError,
 )
 
+from ..engine.llm import FLOAT32_MAX
 from .chat import fold_system_messages, left_out
 from .errors import APIError, loc_to_param
 from .protocol import GUIDED, ChatCompletionRequest
@@ -62,8 +63,8 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
-    # no upper bound, as vLLM's (OpenAI's API caps it at 2)
-    temperature: StrictFloat | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    # no cap at 2 (OpenAI's API has one, vLLM's none): at most what the samplers' f32 division takes
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=FLOAT32_MAX, allow_inf_nan=False)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=-1)  # lumo/vLLM extension, as in the chat API
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
