@@ -13,6 +13,7 @@ from typing import NoReturn
 
 from . import __version__
 from .config import DEFAULT_PREFIX_LINES, DEFAULT_PREFIX_PARK, DEFAULT_PREFIX_SNAPSHOTS, DRAFT_QUANTS
+from .vllm_flags import add_vllm_flags, apply_vllm_flags
 
 USER_ERROR = 2
 
@@ -23,7 +24,8 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
     else:
         p.add_argument("--model", default=None, help="model directory or hub id (default: embedded)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    dtypes = ["auto", "float32", "bfloat16"]
+    p.add_argument("--dtype", default=None, choices=dtypes, help="auto (the default): the device's")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output)")
     p.add_argument(
         "--backend", default="auto", choices=["auto", "torch", "kernels"], help="kernels: lumo's CUDA runner"
@@ -85,8 +87,8 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         type=int,
         default=DEFAULT_PREFIX_LINES,
         metavar="N",
-        help="prefixes parked at once: the newest, then those resumed before (a conversation and a "
-        "sub-agent's, while a side call runs; 0: none parked)",
+        help="prefixes parked at once: the newest, then those resumed before, then the longest (a "
+        "conversation and a sub-agent's, while a side call runs; 0: none parked)",
     )
     p.add_argument(
         "--chat-template",
@@ -106,7 +108,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
     return LLM(
         args.model,
         device=args.device,
-        dtype=args.dtype,
+        dtype=None if args.dtype == "auto" else args.dtype,
         max_model_len=args.max_model_len,
         progress=progress,
         spec=args.spec,
@@ -227,6 +229,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="logprobs name tokens `token_id:N` unless a request's return_tokens_as_token_ids says otherwise",
     )
+    add_vllm_flags(s)
 
     b = sub.add_parser(
         "bench",
@@ -356,6 +359,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
 
+    for note in apply_vllm_flags(args):  # before minutes of loading weights
+        print(f"lumo serve: {note}", file=sys.stderr)
     if args.max_queue < 1:  # before minutes of loading weights
         raise ValueError(f"--max-queue must be at least 1, got {args.max_queue}")
     key = args.api_key if args.api_key is not None else os.environ.get("LUMO_API_KEY")

@@ -13,6 +13,8 @@ pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
 import asyncio
 import json
 import re
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -324,6 +326,34 @@ def test_embedded_model_with_tree_speculation():
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
         assert r["choices"][0]["text"] == want
         assert _metric(srv.url, "lumo_spec_accepted_drafts_count") > 0
+
+
+def test_a_vllm_command_line_serves(ckpt):
+    """`lumo serve` with the flags of a typical `vllm serve` command for a Qwen3.5 model: each ignored one
+    says what lumo does instead, --no-enable-prefix-caching turns the prefix cache off (a repeated 600-token
+    prompt: 0 cached tokens, 512 with it on), and the server serves; more than one GPU is refused before
+    anything loads."""
+    vllm = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
+    vllm += ["--gpu-memory-utilization", "0.85", "--trust-remote-code", "-tp", "1", "--dtype", "auto"]
+    vllm += ["--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}']
+    ids = torch.randint(1, 200, (600,), generator=torch.Generator().manual_seed(3)).tolist()
+    for flag, cached in (("--enable-prefix-caching", 512), ("--no-enable-prefix-caching", 0)):
+        with serve_subprocess(ckpt, "--device", "cpu", *vllm, flag, env=ONE_THREAD) as srv:
+            for _ in range(2):
+                body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+                r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+            notes = [line for line in srv.log().splitlines() if "(vLLM's)" in line]
+        assert len(notes) == 6 + (cached == 0), notes
+        said = "--gpu-memory-utilization 0.85 (vLLM's) has no effect here: the context"
+        assert any(said in n for n in notes), notes
+    r = subprocess.run(
+        [sys.executable, "-m", "lumo.cli", "serve", str(ckpt), "--tensor-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "one GPU" in r.stderr, r.stderr
 
 
 def test_prefix_cache_reuse_is_reported_and_changes_nothing(server, llm):
