@@ -307,8 +307,18 @@ def test_metrics_exposition(server):
     assert re.search(r'^lumo_time_to_first_token_seconds_bucket\{le="\+Inf"\} [1-9]', text, re.M)
     for line in text.splitlines():  # every sample line is NAME{labels} VALUE
         assert line.startswith("#") or re.fullmatch(
-            r'[a-z_]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? \S+', line
+            r'[a-z_:][a-z0-9_:]*(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? \S+', line
         )
+    # vLLM's names for the same numbers (dashboards built on vLLM's /metrics), with its model_name label
+    model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+    for lumo_name, vllm_name in (
+        ("lumo_generation_tokens_total", "vllm:generation_tokens_total"),
+        ("lumo_prompt_tokens_cached_total", "vllm:prefix_cache_hits_total"),
+        ("lumo_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+        ("lumo_num_requests_waiting", "vllm:num_requests_waiting"),
+    ):
+        mine = re.search(rf"^{lumo_name} (\S+)$", text, re.M).group(1)
+        assert re.search(rf'^{vllm_name}\{{model_name="{model}"\}} {re.escape(mine)}$', text, re.M), vllm_name
 
 
 def test_embedded_model_with_tree_speculation():

@@ -41,7 +41,7 @@ from .chat import (
 )
 from .errors import APIError, anthropic_error, error_response, install_error_handlers
 from .logprobs import chat_entries, completion_logprobs, extend, prompt_entries
-from .metrics import ServerMetrics
+from .metrics import ServerMetrics, add_vllm_names
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import ItemStore, ResponseBuilder, ResponsesRequest, response_head, response_usage
 from .toolparse import ChatOutputParser
@@ -1051,6 +1051,7 @@ def create_app(
     worker = EngineWorker(llm, metrics, max_queue)
     metrics.registry.gauge("lumo_num_requests_waiting", "requests queued for the engine", worker.queue_length)
     metrics.registry.gauge("lumo_num_requests_running", "requests the engine is generating", worker.running)
+    add_vllm_names(metrics.registry, served)
     server = _Server(llm, served, worker, metrics, return_tokens_as_token_ids)
 
     @asynccontextmanager

@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterable, Sequence
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
+def _labels(names: Sequence[str], values: Sequence[str], *extra: str) -> str:
     parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
+    parts += [e for e in extra if e]
     return "{" + ",".join(parts) + "}" if parts else ""
 
 
@@ -41,8 +40,9 @@ class _Metric:
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {sorted(labels)}")
         return tuple(str(labels[n]) for n in self.labelnames)
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+    def header(self, name: str | None = None) -> list[str]:
+        name = name or self.name
+        return [f"# HELP {name} {self.help}", f"# TYPE {name} {self.kind}"]
 
 
 class Counter(_Metric):
@@ -60,9 +60,11 @@ class Counter(_Metric):
     def value(self, **labels: str) -> float:
         return self._values.get(self._key(labels), 0.0)
 
-    def render(self) -> list[str]:
+    def render(self, name: str | None = None, label: str = "") -> list[str]:
+        """The exposition lines, under `name` with `label` added to each sample (an alias) if given."""
         rows = self._values.items() if self._values or self.labelnames else [((), 0.0)]
-        return self.header() + [f"{self.name}{_labels(self.labelnames, k)} {_num(v)}" for k, v in rows]
+        name = name or self.name
+        return self.header(name) + [f"{name}{_labels(self.labelnames, k, label)} {_num(v)}" for k, v in rows]
 
 
 class Gauge(_Metric):
@@ -74,8 +76,9 @@ class Gauge(_Metric):
         super().__init__(*a, **kw)
         self._fn = fn
 
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {_num(self._fn())}"]
+    def render(self, name: str | None = None, label: str = "") -> list[str]:
+        name = name or self.name
+        return self.header(name) + [f"{name}{_labels((), (), label)} {_num(self._fn())}"]
 
 
 class Histogram(_Metric):
@@ -100,18 +103,19 @@ class Histogram(_Metric):
         row = self._data.get(self._key(labels))
         return row[-2] if row else 0.0
 
-    def render(self) -> list[str]:
-        lines = self.header()
+    def render(self, name: str | None = None, label: str = "") -> list[str]:
+        name = name or self.name
+        lines = self.header(name)
         rows = (
             self._data.items() if self._data or self.labelnames else [((), [0.0] * (len(self.buckets) + 1))]
         )
         for key, row in rows:
             for b, c in zip(self.buckets, row[:-1], strict=True):
                 le = 'le="' + _num(b) + '"'
-                lines.append(f"{self.name}_bucket{_labels(self.labelnames, key, le)} {_num(c)}")
-            lab = _labels(self.labelnames, key)
-            lines.append(f"{self.name}_sum{lab} {_num(row[-1])}")
-            lines.append(f"{self.name}_count{lab} {_num(row[-2])}")
+                lines.append(f"{name}_bucket{_labels(self.labelnames, key, label, le)} {_num(c)}")
+            lab = _labels(self.labelnames, key, label)
+            lines.append(f"{name}_sum{lab} {_num(row[-1])}")
+            lines.append(f"{name}_count{lab} {_num(row[-2])}")
         return lines
 
 
@@ -119,6 +123,7 @@ class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._metrics: dict[str, _Metric] = {}
+        self._aliases: list[tuple[_Metric, str, str]] = []  # (metric, name, label): `alias`
 
     def _add(self, metric: _Metric) -> _Metric:
         if metric.name in self._metrics:
@@ -137,10 +142,40 @@ class Registry:
     ) -> Histogram:
         return self._add(Histogram(name, help, labelnames, self._lock, buckets=buckets))
 
+    def alias(self, source: str, name: str, label: str) -> None:
+        """Expose metric `source` again as `name`, each sample with `label` (`key="value"`) added."""
+        self._aliases.append((self._metrics[source], name, label))
+
     def render(self) -> str:
         with self._lock:
             lines = [line for m in self._metrics.values() for line in m.render()]
+            lines += [line for m, name, label in self._aliases for line in m.render(name, label)]
         return "\n".join(lines) + "\n"
+
+
+# vLLM's names for lumo's metrics, for dashboards and autoscalers built on vLLM's /metrics (with vLLM's
+# `model_name` label): its prefix-cache counters count tokens, as lumo's prompt and cached token counters do
+VLLM_NAMES = {
+    "lumo_num_requests_running": "vllm:num_requests_running",
+    "lumo_num_requests_waiting": "vllm:num_requests_waiting",
+    "lumo_prompt_tokens_total": "vllm:prompt_tokens_total",
+    "lumo_generation_tokens_total": "vllm:generation_tokens_total",
+    "lumo_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "lumo_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "lumo_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "lumo_queue_wait_seconds": "vllm:request_queue_time_seconds",
+}
+VLLM_PREFIX_CACHE = {
+    "lumo_prompt_tokens_total": "vllm:prefix_cache_queries_total",
+    "lumo_prompt_tokens_cached_total": "vllm:prefix_cache_hits_total",
+}
+
+
+def add_vllm_names(registry: Registry, model_name: str) -> None:
+    """vLLM's names (VLLM_NAMES, VLLM_PREFIX_CACHE) for the registered metrics, labelled with the model."""
+    label = f'model_name="{_escape(model_name)}"'
+    for source, name in [*VLLM_NAMES.items(), *VLLM_PREFIX_CACHE.items()]:
+        registry.alias(source, name, label)
 
 
 class ServerMetrics:
