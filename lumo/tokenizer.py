@@ -333,7 +333,8 @@ class Tokenizer:
         if (template := self._compiled.get(name)) is None:
             template = self._compiled[name] = _compile_template(source)
         ctx = {**self.special_tokens, **kwargs}
-        messages = [_both_reasoning_names(m) for m in messages]
+        names = _reasoning_names(source)
+        messages = [_reasoning_as(m, names) for m in messages]
         try:
             return template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **ctx
@@ -345,16 +346,36 @@ class Tokenizer:
 _CONTINUE_MARK = "\ue000lumo:continue\ue000"  # private-use characters: no template or text has them
 
 
-def _both_reasoning_names(message: Any) -> Any:
-    """A message whose reasoning has one of its two names has it under both for the template: Qwen's and
-    DeepSeek's templates read `reasoning_content`, vLLM has named it `reasoning` since 2026 (clients
-    send either back with an assistant turn)."""
-    if not isinstance(message, dict):
+# An assistant turn's reasoning has two names: `reasoning_content` (DeepSeek's, which Qwen's templates read)
+# and `reasoning` (vLLM's since late 2025). A template reads it as `message.reasoning`, `message['reasoning']`
+# or `message.get('reasoning')`; `reasoning_content` anywhere in it is the other name.
+_READS_REASONING = re.compile(r"""[.\[(]\s*['"]?reasoning\b""")
+
+
+@functools.lru_cache(maxsize=16)
+def _reasoning_names(source: str) -> tuple[str, ...]:
+    """The names of the reasoning that a chat template reads."""
+    return tuple(
+        name
+        for name, reads in (
+            ("reasoning_content", "reasoning_content" in source),
+            ("reasoning", _READS_REASONING.search(source) is not None),
+        )
+        if reads
+    )
+
+
+def _reasoning_as(message: Any, names: tuple[str, ...]) -> Any:
+    """The message with its reasoning (under either name; `reasoning_content` first if both differ) under
+    the names the template reads, and not under the others; as given if the template reads neither (one
+    that lists a message's keys renders it once)."""
+    if not isinstance(message, dict) or not names:
         return message
     text = message.get("reasoning_content") or message.get("reasoning")
-    if not text or message.get("reasoning_content") == message.get("reasoning"):
+    if not text:
         return message
-    return {**message, "reasoning_content": text, "reasoning": text}
+    rest = {k: v for k, v in message.items() if k not in ("reasoning_content", "reasoning")}
+    return {**rest, **dict.fromkeys(names, text)}
 
 
 def _cut_after_final(text: str, final: str) -> str:

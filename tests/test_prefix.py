@@ -422,11 +422,12 @@ def test_a_conversation_parked_after_its_first_turn_outlives_the_sub_agents_side
     assert s.request(main + [1, 2]) == 60
 
 
-def test_long_prompts_that_never_return_age_out():
+def test_long_prompts_that_never_return_do_not_erase_a_conversation():
     """Two long one-off prompts, then a conversation with a side request between its turns: the newest line
     and then those that came back are kept before the longest, so the conversation's turns resume after
-    each side request and the one-offs lose their places to it (until session 47 the two longest lines
-    were kept for good and every side request erased the conversation's)."""
+    each side request (until session 47 the two longest lines were kept for good and every side request
+    erased the conversation's). The one-offs keep only the place the conversation does not need: the
+    newer of the two (they are as long) until a third line is parked beside the conversation."""
     one_offs = [list(range(100, 160)), list(range(200, 260))]
     conv, side = list(range(300, 330)), list(range(600, 606))
     s = Slot1(128, park=96, window=8, lines=2)
@@ -438,8 +439,10 @@ def test_long_prompts_that_never_return_age_out():
         got.append(s.request(conv))
         s.request(side + [turn])
     assert got == [0, 32, 36], got
-    assert s.request(one_offs[0] + [1]) == 0  # aged out
-    assert [p.tokens for p in s.pc.lines][1] == conv
+    assert [p.tokens for p in s.pc.lines] == [conv, one_offs[1]]
+    assert s.request(one_offs[0] + [1]) == 0  # the older one-off went first
+    assert [p.tokens for p in s.pc.lines][1] == conv  # the side request's line took the newest place
+    assert s.request(one_offs[1] + [1]) == 0  # and the other one-off's went
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -180,7 +180,11 @@ def test_continuous_usage_stats_on_every_chunk(server, llm):
         per_choice = {0: [], 1: []}
         for e in chunks:
             u = e["usage"]
-            assert u["prompt_tokens"] == n_prompt and u["total_tokens"] == n_prompt + u["completion_tokens"]
+            assert u == {  # no prompt_tokens_details: the cached count is the last chunk's, the request's
+                "prompt_tokens": n_prompt,
+                "completion_tokens": u["completion_tokens"],
+                "total_tokens": n_prompt + u["completion_tokens"],
+            }
             per_choice[e["choices"][0]["index"]].append(u["completion_tokens"])
         for counts in per_choice.values():
             assert counts == sorted(counts) and counts[-1] >= 1, (path, counts)
@@ -442,7 +446,7 @@ def test_completion_logprobs_streamed_and_not(client, llm):
     assert [x for e in events for x in e.choices[0].logprobs.text_offset] == lp.text_offset
 
 
-def test_echo_scores_the_prompt(client, llm):
+def test_echo_scores_the_prompt(client, server, llm):
     """echo with logprobs (lm-eval-harness's loglikelihood request): the prompt's text and tokens first,
     its first token with null logprobs, the others as the engine scores them; max_tokens 0 generates
     nothing; streamed, the first chunk carries the prompt."""
@@ -458,8 +462,10 @@ def test_echo_scores_the_prompt(client, llm):
     assert lp.token_logprobs == [None] + [t.logprob for t in ref.prompt_logprobs[1:] + ref.logprobs]
     assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(ids)
     assert lp.text_offset[len(ref.prompt_token_ids)] == sum(map(len, lp.tokens[: len(ref.prompt_token_ids)]))
+    tokens0 = _metric(server.url, "lumo_generation_tokens_total", missing=0)
     scored = client.completions.create(**kw, max_tokens=0)
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert _metric(server.url, "lumo_generation_tokens_total") == tokens0  # /metrics counts what usage does
     assert scored.choices[0].finish_reason == "length"
     n = len(ref.prompt_token_ids)
     assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]

@@ -525,3 +525,25 @@ def test_text_past_the_weights_vocabulary_is_refused_by_name(tok_dir):
     assert t.encode("plain text") == Tokenizer.from_dir(tok_dir).encode("plain text")
     with pytest.raises(TokenizerError, match=rf"'<\|im_end\|>' \(id {top}\), past the model's vocabulary"):
         t.encode("hi<|im_end|>")
+
+
+def test_reasoning_reaches_a_template_under_the_name_it_reads(tok_dir):
+    """An assistant turn's reasoning, sent as `reasoning` (vLLM's name) or `reasoning_content`, reaches a
+    template that reads either name; a template that lists a message's keys sees it once, as given."""
+    tok = Tokenizer.from_dir(tok_dir)
+    for name in ("reasoning", "reasoning_content"):
+        turn = {"role": "assistant", "content": "C", name: "T"}
+        for source in (
+            "{% for m in messages %}[{{ m.reasoning_content }}]{% endfor %}",
+            "{% for m in messages %}[{{ m.reasoning }}]{% endfor %}",
+            "{% for m in messages %}[{{ m.get('reasoning') or m['reasoning_content'] }}]{% endfor %}",
+        ):
+            tok.set_chat_template(source)
+            assert tok.apply_chat_template([turn], add_generation_prompt=False) == "[T]", (name, source)
+        tok.set_chat_template(
+            "{% for m in messages %}{% for k, v in m.items() %}{{ k }}={{ v }};{% endfor %}{% endfor %}"
+        )
+        assert (
+            tok.apply_chat_template([turn], add_generation_prompt=False)
+            == f"role=assistant;content=C;{name}=T;"
+        )

@@ -355,7 +355,7 @@ def test_http_tool_calls_streamed_and_not(scripted):
 
 
 def test_reasoning_under_both_names_and_a_cut_reasoning_has_null_content(scripted, tmp_path):
-    """vLLM's name for the reasoning since 2026, `reasoning`, beside the older `reasoning_content` that
+    """vLLM's name for the reasoning since late 2025, `reasoning`, beside the older `reasoning_content` that
     clients still read, in a message and in the deltas; an output cut inside its reasoning has null
     content (vLLM's); an assistant turn sent back with either name renders the same prompt, its reasoning
     in it (helper-94: one sent as `reasoning` was dropped)."""
@@ -372,8 +372,11 @@ def test_reasoning_under_both_names_and_a_cut_reasoning_has_null_content(scripte
     with serve_in_thread(_cut_by_the_limit(tmp_path, "<think>\nStill thinking")[0]) as cut_url:
         body = {"messages": user, "max_tokens": 3}
         cut = httpx.post(cut_url + "/v1/chat/completions", json=body, timeout=10).json()["choices"][0]
+        body["include_reasoning"] = False  # the reasoning hidden: still no content
+        hidden = httpx.post(cut_url + "/v1/chat/completions", json=body, timeout=10).json()["choices"][0]
     assert cut["finish_reason"] == "length" and cut["message"]["content"] is None
     assert cut["message"]["reasoning"] == cut["message"]["reasoning_content"] == "\nStill thinking"
+    assert hidden["message"] == {"role": "assistant", "content": None}
     text = httpx.post(url + "/v1/chat/completions", json={"messages": user, "stream": True}, timeout=10).text
     deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in text.split("\n\n") if x.startswith("data: {")]
     for name in ("reasoning", "reasoning_content"):
@@ -396,12 +399,13 @@ def test_include_reasoning_false_leaves_reasoning_out(scripted):
     ).json()
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10).json()
     msg, with_reasoning = r["choices"][0]["message"], full["choices"][0]["message"]
-    assert "reasoning_content" not in msg and with_reasoning["reasoning_content"] == "\nNeed weather.\n"
+    assert with_reasoning["reasoning"] == with_reasoning["reasoning_content"] == "\nNeed weather.\n"
+    assert "reasoning_content" not in msg and "reasoning" not in msg
     assert msg["content"] == with_reasoning["content"] == "Checking."
     assert [c["function"] for c in msg["tool_calls"]] == [c["function"] for c in with_reasoning["tool_calls"]]
     text = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10).text
     deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in text.split("\n\n") if x.startswith("data: {")]
-    assert not any("reasoning_content" in d for d in deltas)
+    assert not any("reasoning_content" in d or "reasoning" in d for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == "Checking." and "get_weather" in text
 
 

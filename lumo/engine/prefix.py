@@ -262,7 +262,11 @@ class PrefixCache:
         conversation that had come back to a sub-agent and two side requests of a chunk or more; came back
         and then most recent (session 47) lost a main conversation parked after its first turn (an agent
         that starts a sub-agent at once) to the sub-agent's side requests (session 48, on the H100). The
-        price: a long prompt that never comes back keeps a place until lines that came back fill them."""
+        price: a long prompt that never comes back keeps a place until lines that came back fill them, and
+        a new conversation's first turn followed by two side requests loses to an older, longer such
+        prompt (session 48's review). By length and age the two cases look alike (an older, longer line
+        against a newer, shorter one), so no order of them keeps both; the longer is kept: its prefill is
+        the dearer to repeat."""
         own = {n: s for n, s in self.snapshots.items() if n > start}  # (the slot drops them in `begin`)
         if not own:
             return False

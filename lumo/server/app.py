@@ -319,6 +319,12 @@ def _batch_usage(outs: list[_CompletionOutput], n: int = 1) -> dict[str, Any]:
     )
 
 
+def _running_usage(n_prompt: int, n_gen: int) -> dict[str, int]:
+    """A chunk's usage under continuous_usage_stats (vLLM's: no prompt_tokens_details, whose cached count
+    is the last chunk's, the request's)."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
 def _stream_usage(body: Any) -> tuple[bool, bool]:
     """A stream's usage: (include_usage: a last chunk with the request's, continuous_usage_stats as vLLM
     serves it: with include_usage, every chunk also carries its choice's usage so far)."""
@@ -500,10 +506,15 @@ class _Server:
         return structured
 
     def _submit(
-        self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any], ticket: Ticket
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: dict[str, Any],
+        ticket: Ticket,
+        scores_only: bool = False,
     ) -> Job:
         """Queue one of an admitted request's jobs (EngineWorker.submit)."""
-        job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop())
+        job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop(), scores_only=scores_only)
         return self.worker.submit(job, ticket)
 
     async def _collected(self, job: Job, request: Request) -> AsyncIterator[Any]:
@@ -580,7 +591,7 @@ class _Server:
             one place in the queue at a time."""
             ids, budget, echo = items[c // n]
             sampling = {**body.sampling(c % n), **by_id, "structured_outputs": structured}
-            job = self._submit(ids, budget, sampling, ticket)
+            job = self._submit(ids, budget, sampling, ticket, scores_only=score_only)
             shown = None if body.stream else body.shown_prompt_logprobs()  # a stream does not carry them
             return _CompletionOutput(tok, job, ids, echo, score_only, self._as_ids(body), shown)
 
@@ -651,7 +662,8 @@ class _Server:
                             choice["prompt_token_ids"] = out.prompt_ids
                     sent = True
                     if continuous:
-                        return _sse({**head, "choices": [choice], "usage": _batch_usage([out])})
+                        usage = _running_usage(out.n_prompt, out.n_gen)
+                        return _sse({**head, "choices": [choice], "usage": usage})
                     return _sse({**head, "choices": [choice], **extra})
 
                 async for chunk in out.job.events():
@@ -735,7 +747,7 @@ class _Server:
                 logprobs = {"content": chat_entries(tok, out.logprobs, as_ids), "refusal": None}
             choice = {
                 "index": j,
-                "message": message_json(parsed),
+                "message": message_json(parsed, parser.reasoned),
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(out.reason, parser.n_tool_calls),
                 "stop_reason": out.why,
@@ -957,7 +969,7 @@ class _Server:
 
         def extra(job: Job, tokens: int) -> dict[str, Any]:
             """What a chunk of a choice carries besides it (its job, its tokens so far)."""
-            return {"usage": _usage(n_prompt, tokens, job.cached_tokens)} if continuous else fixed
+            return {"usage": _running_usage(n_prompt, tokens)} if continuous else fixed
 
         n_gen, jobs = [0], []
 

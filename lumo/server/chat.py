@@ -403,10 +403,11 @@ def delta_json(d: ParsedDelta) -> dict[str, Any]:
     return out
 
 
-def message_json(d: ParsedDelta) -> dict[str, Any]:
+def message_json(d: ParsedDelta, reasoned: bool = False) -> dict[str, Any]:
+    """The assistant message of a parsed output (reasoned: it had reasoning, perhaps not shown)."""
     calls = d.calls()
     # content null when the output was reasoning or calls only (vLLM's, e.g. reasoning cut by max_tokens)
-    content = d.content or (None if calls or d.reasoning else "")
+    content = d.content or (None if calls or d.reasoning or reasoned else "")
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if d.reasoning:  # under vLLM's name and the older one clients still read
         msg["reasoning"] = msg["reasoning_content"] = d.reasoning

@@ -159,7 +159,7 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an assistant turn's reasoning, under its older name
-    reasoning: str | None = None  # vLLM's name for it since 2026 (either reaches the template)
+    reasoning: str | None = None  # vLLM's name for it since late 2025 (either reaches the template)
 
 
 # vLLM's request options lumo does not implement -> what they ask for

@@ -168,6 +168,7 @@ class ChatOutputParser:
         self._xml: _XmlArguments | None = None  # the XML call streaming now
         self._input: _CustomInput | None = None  # its input text, if it calls a custom tool
         self.n_tool_calls = 0
+        self.reasoned = False  # reasoning was parsed (shown or not: vLLM's include_reasoning false)
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -202,6 +203,7 @@ class ChatOutputParser:
         return self._shown(out)
 
     def _shown(self, d: ParsedDelta) -> ParsedDelta:
+        self.reasoned = self.reasoned or any(k == "reasoning" and v for k, v in d.parts)
         return d if self._shows_reasoning else ParsedDelta([p for p in d.parts if p[0] != "reasoning"])
 
     def _step(self, out: ParsedDelta) -> bool:

@@ -43,6 +43,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_arrival: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (set before the first chunk)
+    scores_only: bool = False  # a completions request with max_tokens 0: its one token is not an output
 
     @property
     def wants_logprobs(self) -> bool:
@@ -223,7 +224,8 @@ class EngineWorker:
                         m.itl.observe((now - t_prev) / n, count=n)
                     t_prev = now
                 # an end token that ended the output counts as generated (vLLM's counter and usage)
-                m.generation_tokens.inc(n + (getattr(chunk, "end_token", None) is not None))
+                if not job.scores_only:
+                    m.generation_tokens.inc(n + (getattr(chunk, "end_token", None) is not None))
                 job._post(chunk)
                 if chunk.finish_reason is not None:
                     break
