@@ -381,36 +381,20 @@ def test_a_conversation_and_a_sub_agent_both_survive_side_requests():
         assert s.request(main + [1, 2]) == (60 if lines == 2 else 0)
 
 
-def test_a_main_conversation_outlives_side_requests_that_leave_lines():
+@pytest.mark.parametrize("came_back", [True, False], ids=["after-two-turns", "after-its-first-turn"])
+def test_a_main_conversation_outlives_side_requests_that_leave_lines(came_back):
     """The sub-agent scenario with side requests of a chunk or more, each different (a summarised web page,
-    another agent's check): each parks a line of its own. The main conversation, which came back before
-    it was parked, keeps its place over side requests that never did, while the newest line (here the
-    sub-agent's) always gets one; with the newest line alone kept (this session's first fix, a review
-    found) the second side request pushed the main conversation out."""
+    another agent's check): each parks a line of its own, and the sub-agent's, parked last, always gets a
+    place. The main conversation keeps the other: after two turns because it came back before it was
+    parked (with the newest line alone kept, session 47's first fix, a review found the second side
+    request pushed it out); after its first turn (an agent that starts a sub-agent at once) because it is
+    longer than the side requests (session 48: under session 47's rule, lines that came back and then the
+    more recently parked, they pushed it out: tests/test_prefix_gpu.py on the H100)."""
     main = list(range(100, 160))
     s = Slot1(160, park=96, window=8, lines=2)
-    s.request(main[:40])
-    s.request(main)  # turn 2 resumes the slot's line: the main conversation came back
-    sub = list(range(300, 330))
-    got = []
-    for turn in range(3):
-        sub = sub + [700 + turn] * 5
-        got.append(s.request(sub))
-        s.request([900 + 20 * turn + i for i in range(12)])  # a side request of its own, with a snapshot
-        sub = sub + [800 + turn] * 4
-    assert got == [0, 32, 44], got
-    assert s.request(main + [1, 2]) == 60
-
-
-def test_a_conversation_parked_after_its_first_turn_outlives_the_sub_agents_side_requests():
-    """An agent that starts a sub-agent at once: the main conversation is parked after its first turn,
-    never having come back, and the sub-agent runs turn after turn with a side request of a chunk or more
-    after each, a line of its own. The main conversation, longer than the side requests, keeps the place
-    the sub-agent's line does not take (session 48; under session 47's rule, lines that came back and then
-    the more recently parked, the side requests pushed it out: tests/test_prefix_gpu.py on the H100)."""
-    main = list(range(100, 160))
-    s = Slot1(160, park=96, window=8, lines=2)
-    assert s.request(main) == 0
+    if came_back:
+        s.request(main[:40])
+    s.request(main)  # after main[:40]: the turn resumes the slot's line, the conversation came back
     sub = list(range(300, 330))
     got = []
     for turn in range(3):
