@@ -93,7 +93,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         "vLLM's flags", "accepted so that a `vllm serve` command line runs; each says what lumo does instead"
     )
     for f in IGNORED:
-        kw = {"metavar": "X"} if f.takes_value else {"action": "store_true"}
+        kw = {"metavar": "X"} if f.takes_value else {"action": argparse.BooleanOptionalAction}  # --no-X too
         g.add_argument(*f.names, dest=_dest(f.names[0]), default=None, help=f.instead, **kw)
     for names in SIZES:
         g.add_argument(*names, dest=_dest(names[0]), type=int, default=1, metavar="1", help="one GPU: 1 only")
@@ -116,9 +116,9 @@ def apply_vllm_flags(args: argparse.Namespace) -> list[str]:
     notes = []
     for f in IGNORED:
         v = getattr(args, _dest(f.names[0]))
-        if v is None or v is False:
+        if v is None:
             continue
-        given = f.names[0] if v is True else f"{f.names[0]} {v}"
+        given = f"{f.names[0]} {v}" if f.takes_value else f.names[0] if v else "--no-" + f.names[0][2:]
         notes.append(f"{given} (vLLM's) has no effect here: {f.instead}")
     if args.vllm_enable_prefix_caching is False:
         args.prefix_snapshots = 0

@@ -349,6 +349,7 @@ def test_a_vllm_command_line_serves(ckpt):
     anything loads."""
     vllm = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
     vllm += ["--gpu-memory-utilization", "0.85", "--trust-remote-code", "-tp", "1", "--dtype", "auto"]
+    vllm += ["--no-async-scheduling"]
     vllm += ["--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}']
     ids = torch.randint(1, 200, (600,), generator=torch.Generator().manual_seed(3)).tolist()
     for flag, cached in (("--enable-prefix-caching", 512), ("--no-enable-prefix-caching", 0)):
@@ -359,7 +360,7 @@ def test_a_vllm_command_line_serves(ckpt):
             assert r.status_code == 200
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
             notes = [line for line in srv.log().splitlines() if "(vLLM's)" in line]
-        assert len(notes) == 6 + (cached == 0), notes
+        assert len(notes) == 7 + (cached == 0), notes
         said = "--gpu-memory-utilization 0.85 (vLLM's) has no effect here: the context"
         assert any(said in n for n in notes), notes
     r = subprocess.run(
