@@ -206,7 +206,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(s, positional=True)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=_port, default=8000)
-    s.add_argument("--served-model-name", default=None)
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model's name in the API (default: the checkpoint's); several: the first is reported, all "
+        "are accepted (vLLM's)",
+    )
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests before 503")
     s.add_argument(
         "--api-key",

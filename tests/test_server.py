@@ -345,18 +345,22 @@ def test_embedded_model_with_tree_speculation():
 def test_a_vllm_command_line_serves(ckpt):
     """`lumo serve` with the flags of a typical `vllm serve` command for a Qwen3.5 model: each ignored one
     says what lumo does instead, --no-enable-prefix-caching turns the prefix cache off (a repeated 600-token
-    prompt: 0 cached tokens, 512 with it on), and the server serves; more than one GPU is refused before
-    anything loads."""
+    prompt: 0 cached tokens, 512 with it on), two served names are both accepted, and the server serves;
+    more than one GPU is refused before anything loads."""
     vllm = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"]
     vllm += ["--gpu-memory-utilization", "0.85", "--trust-remote-code", "-tp", "1", "--dtype", "auto"]
-    vllm += ["--no-async-scheduling"]
+    vllm += ["--no-async-scheduling", "--served-model-name", "qwen", "qwen3.5-27b"]
     vllm += ["--speculative-config", '{"method": "qwen3_next_mtp", "num_speculative_tokens": 2}']
     ids = torch.randint(1, 200, (600,), generator=torch.Generator().manual_seed(3)).tolist()
     for flag, cached in (("--enable-prefix-caching", 512), ("--no-enable-prefix-caching", 0)):
         with serve_subprocess(ckpt, "--device", "cpu", *vllm, flag, env=ONE_THREAD) as srv:
-            for _ in range(2):
-                body = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+            for name in ("qwen3.5-27b", "qwen"):  # vLLM's several names: all accepted, the first answers
+                body = {"model": name, "prompt": ids, "max_tokens": 2, "temperature": 0}
                 r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+                assert r.json()["model"] == "qwen"
+            models = httpx.get(srv.url + "/v1/models").json()["data"]
+            assert [m["id"] for m in models] == ["qwen", "qwen3.5-27b"]
+            assert httpx.post(srv.url + "/v1/completions", json={**body, "model": "other"}).status_code == 404
             assert r.status_code == 200
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
             notes = [line for line in srv.log().splitlines() if "(vLLM's)" in line]

@@ -365,8 +365,11 @@ class _Server:
         worker: EngineWorker,
         metrics: ServerMetrics,
         tokens_as_ids: bool = False,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
+        # the names requests may use (vLLM's several --served-model-name: the first answers)
+        self.names = (served_name, *(a for a in aliases if a != served_name))
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids when a request does not say
         self.created = int(time.time())
         self.items = ItemStore()  # the Responses API's recent items, for item_reference
@@ -390,14 +393,14 @@ class _Server:
         }
 
     async def models(self) -> dict[str, Any]:
-        card = self._card(self.served_name)
-        page = {"has_more": False, "first_id": card["id"], "last_id": card["id"]}  # Anthropic's list
-        return {"object": "list", "data": [card], **page}
+        cards = [self._card(name) for name in self.names]
+        page = {"has_more": False, "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}  # Anthropic's list
+        return {"object": "list", "data": cards, **page}
 
     async def model(self, model_id: str, request: Request) -> dict[str, Any]:
         """GET /v1/models/{id}: the served model (OpenAI's SDK `models.retrieve`); under Anthropic's API
         (an `anthropic-version` header) any name, as /v1/messages answers any."""
-        if model_id != self.served_name and "anthropic-version" not in request.headers:
+        if model_id not in self.names and "anthropic-version" not in request.headers:
             raise APIError(
                 404, f"model {model_id!r} not found; this server serves {self.served_name!r}", "model",
                 "model_not_found",
@@ -439,7 +442,7 @@ class _Server:
         return self.llm.config.vocab_size
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.served_name, self.llm.model_name):
+        if model is not None and model not in (*self.names, self.llm.model_name):
             raise APIError(
                 404,
                 f"model {model!r} not found; this server serves {self.served_name!r}",
@@ -1048,7 +1051,7 @@ class _Server:
 
 def create_app(
     llm: Any,
-    model_name: str | None = None,
+    model_name: str | Sequence[str] | None = None,
     max_queue: int = 64,
     api_key: str | None = None,
     allowed_origins: Sequence[str] = (),
@@ -1057,14 +1060,16 @@ def create_app(
     """The FastAPI app serving `llm`; its engine worker thread starts and stops with the app's lifespan.
     api_key: required of every request but /health and /metrics. allowed_origins: web origins whose pages
     may call the API from a browser (CORS; "*" any); none by default. return_tokens_as_token_ids: the
-    default of the requests' field (vLLM's server flag)."""
-    served = model_name or llm.model_name
+    default of the requests' field (vLLM's server flag). model_name: the name served (several: the first,
+    the others accepted too, as vLLM's --served-model-name takes them); None: the model's own."""
+    names = [n for n in ([model_name] if isinstance(model_name, str) else model_name or ()) if n]
+    served = names[0] if names else llm.model_name
     metrics = ServerMetrics()
     worker = EngineWorker(llm, metrics, max_queue)
     metrics.registry.gauge("lumo_num_requests_waiting", "requests queued for the engine", worker.queue_length)
     metrics.registry.gauge("lumo_num_requests_running", "requests the engine is generating", worker.running)
     add_vllm_names(metrics.registry, served)
-    server = _Server(llm, served, worker, metrics, return_tokens_as_token_ids)
+    server = _Server(llm, served, worker, metrics, return_tokens_as_token_ids, aliases=names)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -1104,7 +1109,7 @@ def run_server(
     llm: Any,
     host: str = "127.0.0.1",
     port: int = 8000,
-    model_name: str | None = None,
+    model_name: str | Sequence[str] | None = None,
     max_queue: int = 64,
     api_key: str | None = None,
     allowed_origins: Sequence[str] = (),
@@ -1119,10 +1124,11 @@ def run_server(
         check_tls(ssl_certfile, ssl_keyfile)
     sock = _listen(host, port)
     app = create_app(llm, model_name, max_queue, api_key, allowed_origins, return_tokens_as_token_ids)
+    server_names = [n for n in ([model_name] if isinstance(model_name, str) else model_name or ()) if n]
     shown = f"[{host}]" if ":" in host else host
     scheme = "https" if ssl_certfile else "http"
     print(
-        f"lumo: serving {model_name or llm.model_name} (context {llm.max_model_len} tokens) "
+        f"lumo: serving {', '.join(server_names or [llm.model_name])} (context {llm.max_model_len} tokens) "
         f"at {scheme}://{shown}:{port}/v1" + (" (API key required)" if api_key is not None else ""),
         flush=True,
     )
