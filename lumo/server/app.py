@@ -369,7 +369,7 @@ class _Server:
     ) -> None:
         self.llm, self.served_name, self.worker, self.metrics = llm, served_name, worker, metrics
         # the names requests may use (vLLM's several --served-model-name: the first answers)
-        self.names = (served_name, *(a for a in aliases if a != served_name))
+        self.names = tuple(dict.fromkeys((served_name, *aliases)))
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids when a request does not say
         self.created = int(time.time())
         self.items = ItemStore()  # the Responses API's recent items, for item_reference
@@ -1023,11 +1023,12 @@ class _Server:
         first = None if prompt_ids is None else {"prompt_token_ids": prompt_ids}
         yield chunk_of({"role": "assistant", "content": ""}, top=first)
         async for chunk in job.events():
-            tokens += len(_chunk_ids(chunk))
-            n_gen[0] += len(_chunk_ids(chunk))
+            ids = _chunk_ids(chunk)
+            tokens += len(ids)
+            n_gen[0] += len(ids)
             reason = chunk.finish_reason or reason
             why = getattr(chunk, "stop_reason", None) if chunk.finish_reason else why
-            held_ids += _chunk_ids(chunk)
+            held_ids += ids
             if job.wants_logprobs:
                 held.extend(chunk_logprobs(chunk))
             d = parser.feed(chunk.text)
@@ -1049,6 +1050,12 @@ class _Server:
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
 
 
+def _served_names(model_name: str | Sequence[str] | None, llm: Any) -> list[str]:
+    """The names the API serves the model under (create_app's model_name), the first reported."""
+    names = [n for n in ([model_name] if isinstance(model_name, str) else model_name or ()) if n]
+    return names or [llm.model_name]
+
+
 def create_app(
     llm: Any,
     model_name: str | Sequence[str] | None = None,
@@ -1062,8 +1069,8 @@ def create_app(
     may call the API from a browser (CORS; "*" any); none by default. return_tokens_as_token_ids: the
     default of the requests' field (vLLM's server flag). model_name: the name served (several: the first,
     the others accepted too, as vLLM's --served-model-name takes them); None: the model's own."""
-    names = [n for n in ([model_name] if isinstance(model_name, str) else model_name or ()) if n]
-    served = names[0] if names else llm.model_name
+    names = _served_names(model_name, llm)
+    served = names[0]
     metrics = ServerMetrics()
     worker = EngineWorker(llm, metrics, max_queue)
     metrics.registry.gauge("lumo_num_requests_waiting", "requests queued for the engine", worker.queue_length)
@@ -1124,11 +1131,10 @@ def run_server(
         check_tls(ssl_certfile, ssl_keyfile)
     sock = _listen(host, port)
     app = create_app(llm, model_name, max_queue, api_key, allowed_origins, return_tokens_as_token_ids)
-    server_names = [n for n in ([model_name] if isinstance(model_name, str) else model_name or ()) if n]
     shown = f"[{host}]" if ":" in host else host
     scheme = "https" if ssl_certfile else "http"
     print(
-        f"lumo: serving {', '.join(server_names or [llm.model_name])} (context {llm.max_model_len} tokens) "
+        f"lumo: serving {', '.join(_served_names(model_name, llm))} (context {llm.max_model_len} tokens) "
         f"at {scheme}://{shown}:{port}/v1" + (" (API key required)" if api_key is not None else ""),
         flush=True,
     )

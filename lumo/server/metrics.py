@@ -155,26 +155,24 @@ class Registry:
 
 # vLLM's names for lumo's metrics, for dashboards and autoscalers built on vLLM's /metrics (with vLLM's
 # `model_name` label): its prefix-cache counters count tokens, as lumo's prompt and cached token counters do
-VLLM_NAMES = {
-    "lumo_num_requests_running": "vllm:num_requests_running",
-    "lumo_num_requests_waiting": "vllm:num_requests_waiting",
-    "lumo_prompt_tokens_total": "vllm:prompt_tokens_total",
-    "lumo_generation_tokens_total": "vllm:generation_tokens_total",
-    "lumo_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
-    "lumo_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
-    "lumo_request_latency_seconds": "vllm:e2e_request_latency_seconds",
-    "lumo_queue_wait_seconds": "vllm:request_queue_time_seconds",
-}
-VLLM_PREFIX_CACHE = {
-    "lumo_prompt_tokens_total": "vllm:prefix_cache_queries_total",
-    "lumo_prompt_tokens_cached_total": "vllm:prefix_cache_hits_total",
-}
+VLLM_NAMES = (
+    ("lumo_num_requests_running", "vllm:num_requests_running"),
+    ("lumo_num_requests_waiting", "vllm:num_requests_waiting"),
+    ("lumo_prompt_tokens_total", "vllm:prompt_tokens_total"),
+    ("lumo_generation_tokens_total", "vllm:generation_tokens_total"),
+    ("lumo_time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+    ("lumo_inter_token_latency_seconds", "vllm:inter_token_latency_seconds"),
+    ("lumo_request_latency_seconds", "vllm:e2e_request_latency_seconds"),
+    ("lumo_queue_wait_seconds", "vllm:request_queue_time_seconds"),
+    ("lumo_prompt_tokens_total", "vllm:prefix_cache_queries_total"),
+    ("lumo_prompt_tokens_cached_total", "vllm:prefix_cache_hits_total"),
+)
 
 
 def add_vllm_names(registry: Registry, model_name: str) -> None:
-    """vLLM's names (VLLM_NAMES, VLLM_PREFIX_CACHE) for the registered metrics, labelled with the model."""
+    """vLLM's names (VLLM_NAMES) for the registered metrics, labelled with the model."""
     label = f'model_name="{_escape(model_name)}"'
-    for source, name in [*VLLM_NAMES.items(), *VLLM_PREFIX_CACHE.items()]:
+    for source, name in VLLM_NAMES:
         registry.alias(source, name, label)
 
 

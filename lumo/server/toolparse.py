@@ -349,12 +349,9 @@ class ChatOutputParser:
         if head is None:
             return None
         name, args = head
-        try:  # arguments that are whole, text after them (the call's own brace, a split tag) left out
-            whole, end = json.JSONDecoder().raw_decode(args := args.lstrip())
-            if isinstance(whole, dict):
-                args = args[:end]
-        except (ValueError, RecursionError):
-            pass
+        # whole arguments: the text after them (the call's own brace, a split tag) left out
+        if (whole := _leading_object(args := args.lstrip())) is not None:
+            args = args[: whole[1]]
         if close:
             obj = _cut_json_object(args) if args.strip() else {}
             args = json.dumps(obj if obj is not None else {}, ensure_ascii=False)
@@ -399,17 +396,22 @@ def _call_head_cut(body: str) -> bool:
     return head.startswith(t) or (t.startswith(head) and '"' not in t[len(head) :])
 
 
+def _leading_object(text: str) -> tuple[dict[str, Any], int] | None:
+    """The whole JSON object `text` starts with and where it ends, if it starts with one."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text)
+    except (ValueError, RecursionError):
+        return None
+    return (obj, end) if isinstance(obj, dict) else None
+
+
 def _cut_json_object(text: str) -> dict[str, Any] | None:
     """The JSON object a text cut short opens, up to its last whole member (a string cut inside stays, cut,
     less an escape the cut split; a number or literal at the end is dropped, since more digits may have
     followed): the object if it is whole, else the text closed as it stands, else closed at its last `,` or
     opening bracket outside strings, then the one before, ...; None if it does not open an object."""
-    try:
-        whole, _ = json.JSONDecoder().raw_decode(text.lstrip())
-        if isinstance(whole, dict):
-            return whole
-    except (ValueError, RecursionError):
-        pass
+    if (whole := _leading_object(text.lstrip())) is not None:
+        return whole[0]
     stack: list[str] = []
     ends: list[tuple[int, str]] = []  # (where the text may end, the closers it then needs)
     in_str = esc = False
