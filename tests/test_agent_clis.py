@@ -208,8 +208,18 @@ def test_openai_agents_sdk_runs_a_tool(tmp_path):
             async for _ in streamed.stream_events():
                 pass
             outputs += [done.final_output, streamed.final_output]
-        return outputs
+        # turns chained by previous_response_id: the SDK then sends only the new items (within a run with
+        # auto_previous_response_id, the tool's result; the next run, its question)
+        agent = agents.Agent(
+            name="w", tools=[get_weather], model=models[0](model="scripted", openai_client=client)
+        )
+        chained = await agents.Runner.run(agent, "Weather in Oslo?", auto_previous_response_id=True)
+        again = await agents.Runner.run(
+            agent, "And in Bergen?", previous_response_id=chained.last_response_id
+        )
+        return outputs + [chained.final_output, again.final_output]
 
     with serve_in_thread(llm) as url:
-        assert asyncio.run(run(url)) == [DONE] * 4
-    assert "sunny, 21 C in Oslo" in llm.tokenizer.decode(llm.prompts[-1])
+        assert asyncio.run(run(url)) == [DONE] * 6
+    prompt = llm.tokenizer.decode(llm.prompts[-1])
+    assert "Weather in Oslo?" in prompt and "sunny, 21 C in Oslo" in prompt and "And in Bergen?" in prompt

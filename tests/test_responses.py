@@ -227,7 +227,7 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+        ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id", "'resp_1' is not kept"),
         ({"input": "a", "conversation": "conv_1"}, "conversation", "not supported"),
         ({"input": "a", "background": True}, "background", "not supported"),
         ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
@@ -353,6 +353,112 @@ def test_item_references_name_recent_items(scripted):
         with pytest.raises(openai.BadRequestError, match="is not known") as e:
             client.responses.create(model="any", input=[{"type": "item_reference", "id": ref}])
         assert e.value.body["param"] == "input[0]"
+
+
+def test_previous_response_id_continues_the_conversation(scripted):
+    """previous_response_id: the prompt is the one the whole conversation sent as input gives (the chain's
+    input and output items, streamed responses' too; instructions not carried over); GET returns a kept
+    response as it was, input_items its own input (pages, both orders), DELETE drops it, and a chain
+    through a dropped, unknown or store-false response is a 400 naming previous_response_id."""
+    llm, client = scripted
+    tools = [TOOL]
+    first = client.responses.create(model="any", input="Weather?", tools=tools, instructions="Be brief.")
+    calls = [o for o in first.output if o.type == "function_call"]
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"} for c in calls]
+    second = client.responses.create(model="any", input=outputs, tools=tools, previous_response_id=first.id)
+    chained = llm.tokenizer.decode(llm.prompts[-1])
+    whole = [
+        {"role": "user", "content": "Weather?"},
+        *(o.model_dump(exclude_none=True) for o in first.output),
+    ]
+    client.responses.create(model="any", input=whole + outputs, tools=tools)
+    assert chained == llm.tokenizer.decode(llm.prompts[-1]) and "Be brief." not in chained
+    assert second.previous_response_id == first.id and first.previous_response_id is None
+    # a third turn, streamed, over the two before it; then one more from the streamed response
+    with client.responses.stream(model="any", input="And Oslo?", previous_response_id=second.id) as s:
+        third = s.get_final_response()
+    whole += outputs + [o.model_dump(exclude_none=True) for o in second.output]
+    whole.append({"role": "user", "content": "And Oslo?"})
+    client.responses.create(model="any", input=whole)
+    assert llm.tokenizer.decode(llm.prompts[-2]) == llm.tokenizer.decode(llm.prompts[-1])
+    client.responses.create(model="any", input="Thanks", previous_response_id=third.id)
+    whole += [o.model_dump(exclude_none=True) for o in third.output] + [{"role": "user", "content": "Thanks"}]
+    client.responses.create(model="any", input=whole)
+    assert llm.tokenizer.decode(llm.prompts[-2]) == llm.tokenizer.decode(llm.prompts[-1])
+
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    kept = client.responses.retrieve(third.id)  # (the stream helper's objects are parsed ones)
+    assert [o.id for o in kept.output] == [
+        o.id for o in third.output
+    ] and kept.output_text == third.output_text
+    items = client.responses.input_items.list(second.id)
+    assert [i.call_id for i in items.data] == [c.call_id for c in reversed(calls)]  # newest first
+    assert all(i.id for i in items.data) and not items.has_more
+    page = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert [i.call_id for i in page.data] == [calls[0].call_id] and page.has_more
+    assert [i.call_id for p in page.iter_pages() for i in p.data] == [c.call_id for c in calls]
+    (text,) = client.responses.input_items.list(third.id).data
+    assert text.role == "user" and text.content[0].text == "And Oslo?"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(second.id, limit=0)
+    assert e.value.body["param"] == "limit"
+
+    # an error in the new input names the input's own item, not its place after the history
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="any", input=[{"role": "bogus", "content": "x"}], previous_response_id=third.id
+        )
+    assert e.value.body["param"] == "input[0]"
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(first.id)
+    unstored = client.responses.create(model="any", input="Weather?", store=False)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    for rid, words in [
+        (second.id, f"continues {first.id!r}, which is no longer kept"),
+        (unstored.id, "is not kept"),
+        ("resp_nope", "is not kept"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=words) as e:
+            client.responses.create(model="any", input="hi", previous_response_id=rid)
+        assert e.value.body["param"] == "previous_response_id"
+        assert e.value.body["code"] == "previous_response_not_found"
+
+
+def test_the_response_store_is_bounded():
+    """ResponseStore keeps the newest responses within its count and byte bounds, least recently used
+    out first; continuing a conversation uses its whole chain, so its first turn outlives later one-offs."""
+    from lumo.server.errors import APIError
+    from lumo.server.responses import ResponseStore
+
+    def response(rid: str, parent: str | None = None, text: str = "x") -> dict:
+        message = {"type": "message", "id": f"msg_{rid}", "role": "assistant", "content": text}
+        return {"id": rid, "previous_response_id": parent, "output": [message]}
+
+    store = ResponseStore(max_responses=3, max_bytes=2000)
+    user = {"type": "message", "role": "user", "content": "q"}
+    store.keep(response("a"), [user])
+    store.keep(response("b", "a"), [user])
+    store.keep(response("one-off"), [user])
+    assert [i["content"] for i in store.history("b")] == ["q", "x", "q", "x"]  # a and b used again
+    store.keep(response("c"), [user])  # evicts the least recently used: the one-off, not a
+    with pytest.raises(APIError, match="'one-off' is not kept"):
+        store.history("one-off")
+    assert store.get("a")["id"] == "a" and store.input_items("b")[0]["id"].startswith("msg_")
+    store.keep(response("d"), [user])  # now a goes, and b's chain with it
+    with pytest.raises(APIError, match="continues 'a', which is no longer kept"):
+        store.history("b")
+    store.keep(response("big", text="x" * 3000), [user])  # over the whole bound: not kept
+    with pytest.raises(APIError) as e:
+        store.get("big")
+    assert e.value.status == 404
+    store.keep(response("mid", text="x" * 1500), [user])  # evicts down to the byte bound
+    assert store.get("mid")["id"] == "mid" and store._bytes <= 2000
 
 
 def test_the_item_store_is_bounded():

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine worker.
 
-POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (each also as SSE with `stream: true`),
-POST /v1/messages and /v1/messages/count_tokens (Anthropic's), GET /v1/models and /v1/models/{id},
-GET /health, GET /metrics (Prometheus text), POST /tokenize and /detokenize (vLLM's). See docs/server.md.
+POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (each also as SSE with `stream: true`;
+GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items), POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's), GET /v1/models and /v1/models/{id}, GET /health, GET /metrics
+(Prometheus text), POST /tokenize and /detokenize (vLLM's). See docs/server.md.
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ from .errors import APIError, anthropic_error, error_response, install_error_han
 from .logprobs import chat_entries, completion_logprobs, extend, prompt_entries
 from .metrics import ServerMetrics, add_vllm_names
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from .responses import ItemStore, ResponseBuilder, ResponsesRequest, response_head, response_usage
+from .responses import (
+    ItemStore,
+    ResponseBuilder,
+    ResponsesRequest,
+    ResponseStore,
+    response_head,
+    response_usage,
+)
 from .toolparse import ChatOutputParser
 from .worker import EngineWorker, Job, Ticket
 
@@ -373,6 +381,7 @@ class _Server:
         self.tokens_as_ids = tokens_as_ids  # return_tokens_as_token_ids when a request does not say
         self.created = int(time.time())
         self.items = ItemStore()  # the Responses API's recent items, for item_reference
+        self.kept = ResponseStore()  # its recent responses, for previous_response_id and GET / DELETE
 
     # ---- small endpoints ----
     async def health(self) -> dict[str, str]:
@@ -770,7 +779,9 @@ class _Server:
         /v1/messages: an agent's configured model, Codex CLI's review model). Streamed, a conversation past
         the context is a `response.failed` with code context_length_exceeded (what Codex CLI looks for before
         it compacts the conversation), not an HTTP 400."""
-        chat = body.to_chat(self.items)  # checked (check_supported), errors name the request's own items
+        previous = body.previous_response_id
+        history = None if previous is None else self.kept.history(previous)
+        chat = body.to_chat(self.items, history)  # checked (check_supported), errors name the request's own
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
@@ -806,10 +817,12 @@ class _Server:
             return status, build.response(status, usage, why)
 
         def remember(final: dict) -> None:
-            """Keep the input's items with ids and the output's, for later item_references."""
+            """Keep the response (previous_response_id, GET), the input's items with ids and the output's
+            (later item_references)."""
             if body.store is not False:
                 self.items.keep(body.input)
                 self.items.keep(final["output"])
+                self.kept.keep(final, body.resolved_input)
 
         if not body.stream:
             job = submit()
@@ -854,6 +867,41 @@ class _Server:
             return _response_failed(build, err)
 
         return self._streaming(_guarded(events(), jobs, failed))
+
+    async def stored_response(self, response_id: str) -> dict[str, Any]:
+        """GET /v1/responses/{id}: a kept response as it was returned."""
+        return self.kept.get(response_id)
+
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        """DELETE /v1/responses/{id}: the response is no longer kept (nor continued)."""
+        self.kept.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def response_input_items(
+        self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
+        """GET /v1/responses/{id}/input_items: the response's own input items, a page of OpenAI's list
+        (newest first unless order=asc; `after` an item id; at most `limit`, 1..100)."""
+        if not 1 <= limit <= 100:
+            raise APIError(400, "limit must be between 1 and 100", "limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, "order must be asc or desc", "order")
+        items = self.kept.input_items(response_id)
+        if order == "desc":
+            items.reverse()
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise APIError(400, f"after: no input item {after!r} in response {response_id!r}", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
 
     # ---- /v1/messages (Anthropic) ----
     async def messages(self, body: MessagesRequest, request: Request) -> Any:
@@ -1105,6 +1153,9 @@ def create_app(
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/responses", server.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/input_items", server.response_input_items, methods=["GET"])
     app.add_api_route("/v1/messages", server.messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])

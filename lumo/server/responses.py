@@ -10,10 +10,12 @@ is opened, filled by deltas and closed in turn (`response.output_item.added`, `.
 `...reasoning_text.delta` / `...function_call_arguments.delta` / `...custom_tool_call_input.delta`,
 `...done`), between `response.created` and `response.completed` (or `response.incomplete` when
 `max_output_tokens` cut it), whose response holds exactly the streamed items.
-lumo keeps no responses: `previous_response_id` is refused (send the conversation as `input`). It does
-keep the items of its recent responses in memory (ItemStore, unless `store` is false), so that an input's
-`item_reference` to one of them is that item: the AI SDK's default OpenAI model sends earlier reasoning and
-messages so while `store` is not false.
+lumo keeps its recent responses in memory (ResponseStore, unless a request's `store` is false; lost on
+restart): a request's `previous_response_id` continues that response's conversation (its chain's input and
+output items come before the new input; instructions are not carried over, as in OpenAI's API), and
+GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and drop them. It keeps the
+items of its recent responses too (ItemStore), so that an input's `item_reference` to one of them is that
+item: the AI SDK's default OpenAI model sends earlier reasoning and messages so while `store` is not false.
 
 What a text model cannot use but an agent's history holds is not refused (Codex CLI, served by a server
 that refused it, would fail every later turn of the session): tools the API's servers run (web search,
@@ -75,21 +77,40 @@ class ResponsesRequest(BaseModel):
     background: StrictBool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    store: StrictBool | None = None  # false: this response's items are not kept for item_reference
+    store: StrictBool | None = None  # false: this response is not kept (nor its items for item_reference)
     # set by to_chat: the name each tool is shown to the model under -> (its namespace or None, its name)
     _names: dict[str, tuple[str | None, str]] = PrivateAttr(default_factory=dict)
+    _inputs: list[Any] = PrivateAttr(default_factory=list)  # set by to_chat: input_items(store)
 
     @property
     def tool_names(self) -> dict[str, tuple[str | None, str]]:
         return self._names
 
-    def to_chat(self, store: ItemStore | None = None) -> ChatCompletionRequest:
+    @property
+    def resolved_input(self) -> list[Any]:
+        """The input's items as to_chat read them (ResponseStore.keep keeps these)."""
+        return self._inputs
+
+    def input_items(self, store: ItemStore | None = None) -> list[Any]:
+        """The input as a list of items: a string is one user message; `store` resolves item references."""
+        if isinstance(self.input, str):
+            text = [{"type": "input_text", "text": self.input}]
+            return [{"type": "message", "role": "user", "content": text}]
+        return self.input if store is None else store.resolve(self.input)
+
+    def to_chat(
+        self, store: ItemStore | None = None, history: list[dict[str, Any]] | None = None
+    ) -> ChatCompletionRequest:
         """The equivalent chat request (a 400 naming the field for what lumo cannot serve; the module's
-        docstring says what is left out instead); `store` resolves the input's item references."""
-        for name in ("previous_response_id", "conversation", "prompt", "background"):
+        docstring says what is left out instead); `store` resolves the input's item references, `history`
+        is the conversation `previous_response_id` continues (ResponseStore.history)."""
+        for name in ("conversation", "prompt", "background"):
             if getattr(self, name):
-                msg = f"{name} is not supported: lumo keeps no responses or prompts (send the whole input)"
+                msg = f"{name} is not supported: lumo keeps no conversations or prompts (send the input)"
                 raise APIError(400, msg, name)
+        if self.previous_response_id is not None and history is None:
+            msg = "previous_response_id needs the server's response store"
+            raise APIError(400, msg, "previous_response_id")
         fmt = text_format(self.text)
         kind = fmt["type"]
         if kind not in ("text", "json_object", "json_schema"):
@@ -104,9 +125,9 @@ class ResponsesRequest(BaseModel):
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
         tools, kept, self._names = _chat_tools(self.tools or [])
         shown = {origin: name for name, origin in self._names.items()}
-        items = self.input if store is None or isinstance(self.input, str) else store.resolve(self.input)
-        items, origin = _messages(items, shown)
-        origin = [[-1]] * len(messages) + origin  # -1: instructions
+        self._inputs = self.input_items(store)
+        items, origin = _messages([*(history or ()), *self._inputs], shown, first=len(history or ()))
+        origin = [[_INSTRUCTIONS]] * len(messages) + origin
         messages += items
         # Codex CLI sends developer messages first (with or without instructions), and more when its
         # settings change mid-session
@@ -196,6 +217,72 @@ class ItemStore:
         return out
 
 
+class ResponseStore:
+    """This server's recent responses by id, for `previous_response_id` and GET / DELETE
+    /v1/responses/{id}: each response with its input items (references resolved, ids given) and the id of
+    the response it continued, so a conversation is a chain of them. In memory, lost on restart: the newest
+    `max_responses` within `max_bytes` of JSON, least recently used out first; continuing a conversation
+    uses its whole chain again, so a conversation in use keeps its earlier turns. Used from the event loop
+    only."""
+
+    def __init__(self, max_responses: int = 4096, max_bytes: int = 256 << 20) -> None:
+        self.max_responses, self.max_bytes = max_responses, max_bytes
+        # id -> (response, its input items, the previous response's id, bytes)
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[Any], str | None, int]] = OrderedDict()
+        self._bytes = 0
+
+    def keep(self, response: dict[str, Any], inputs: list[Any]) -> None:
+        inputs = [item if "id" in item else {"id": new_id("msg"), **item} for item in _copy(inputs)]
+        size = len(json.dumps(response)) + len(json.dumps(inputs))
+        if size > self.max_bytes:
+            return
+        self._kept[response["id"]] = (_copy(response), inputs, response.get("previous_response_id"), size)
+        self._bytes += size
+        while len(self._kept) > self.max_responses or self._bytes > self.max_bytes:
+            self._bytes -= self._kept.popitem(last=False)[1][3]
+
+    def get(self, response_id: str) -> dict[str, Any]:
+        """The response as it was returned (a 404 if it is not kept)."""
+        return _copy(self._entry(response_id)[0])
+
+    def input_items(self, response_id: str) -> list[Any]:
+        """The response's own input items, oldest first (not those of the responses it continued)."""
+        return _copy(self._entry(response_id)[1])
+
+    def delete(self, response_id: str) -> None:
+        self._entry(response_id)
+        self._bytes -= self._kept.pop(response_id)[3]
+
+    def history(self, response_id: str) -> list[Any]:
+        """The conversation up to and with the response: each response of its chain, oldest first, its
+        input items then its output items (a 400 naming previous_response_id if one is not kept)."""
+        chain: list[str] = []
+        rid: str | None = response_id
+        while rid is not None:
+            if rid not in self._kept:
+                what = "is not" if rid == response_id else f"continues {rid!r}, which is no longer"
+                msg = (
+                    f"previous response {response_id!r} {what} kept: lumo keeps its recent responses in "
+                    "memory only (send the whole conversation as input)"
+                )
+                raise APIError(400, msg, "previous_response_id", "previous_response_not_found")
+            chain.append(rid)
+            rid = self._kept[rid][2]
+        items: list[Any] = []
+        for rid in reversed(chain):
+            self._kept.move_to_end(rid)
+            response, inputs = self._kept[rid][:2]
+            items += _copy(inputs) + _copy(response["output"])
+        return items
+
+    def _entry(self, response_id: str) -> tuple[dict[str, Any], list[Any], str | None, int]:
+        kept = self._kept.get(response_id)
+        if kept is None:
+            msg = f"response {response_id!r} not found (lumo keeps its recent responses in memory only)"
+            raise APIError(404, msg, "response_id", "not_found")
+        return kept
+
+
 # the chat request's fields under their Responses names (a validation error names the request's own)
 _RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 # a chat message's fields under their input items' names
@@ -211,8 +298,10 @@ def _item_loc(loc: tuple[Any, ...], origin: list[list[int]]) -> tuple[Any, ...]:
         call = rest[1] if rest[:1] == ("tool_calls",) and len(rest) > 1 else None
         if isinstance(call, int) and call + 1 < len(items):
             item, rest = items[call + 1], rest[2:]
-        if item < 0:
+        if item == _INSTRUCTIONS:
             return ("instructions",)
+        if item == _HISTORY:
+            return ("previous_response_id",)
         named = (_ITEM_NAMES.get(p, p) if isinstance(p, str) else p for p in rest)
         return ("input", item, *(p for p in named if p is not None))
     return tuple(_RESPONSES_NAMES.get(p, p) if i == 0 else p for i, p in enumerate(loc))
@@ -289,20 +378,25 @@ def _text_of(content: Any, where: str, field: str = "content") -> str:
     return "\n".join(parts)
 
 
+# an item's origin (_messages) when it is not one of the input's: the instructions, the conversation
+# previous_response_id continues
+_INSTRUCTIONS, _HISTORY = -1, -2
+
+
 def _messages(
-    items: str | list[dict[str, Any]], shown: dict[tuple[str | None, str], str] | None = None
+    items: list[dict[str, Any]], shown: dict[tuple[str | None, str], str] | None = None, first: int = 0
 ) -> tuple[list[dict[str, Any]], list[list[int]]]:
-    """The input's items as chat messages, and each message's origin: the item it came from, then its
+    """The items as chat messages, and each message's origin: the input item it came from, then its
     tool calls' items (function_call items merge into one assistant message, which a message item may
-    open; a reasoning item goes into the message after it). shown: (namespace, name) -> the name the
-    tool is shown under (_chat_tools), for calls of a namespace's tools."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}], [[0]]
+    open; a reasoning item goes into the message after it); the items before `first` are the history
+    previous_response_id continues (origin _HISTORY). shown: (namespace, name) -> the name the tool is
+    shown under (_chat_tools), for calls of a namespace's tools."""
     out: list[dict[str, Any]] = []
     origin: list[list[int]] = []
     reasoning = None  # a reasoning item's text, for the assistant message that follows it
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    for n, item in enumerate(items):
+        i = n - first if n >= first else _HISTORY
+        where = f"input[{i}]" if n >= first else "previous_response_id"
         if not isinstance(item, dict):
             raise APIError(400, f"{where} must be an object", where)
         kind = item.get("type", "message")
@@ -573,7 +667,8 @@ def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": body.previous_response_id,
+        "store": body.store is not False,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "tool_choice": body.tool_choice or "auto",
