@@ -218,8 +218,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--api-key",
         default=None,
-        help="answer only requests with `Authorization: Bearer KEY` or `x-api-key: KEY` (/health and "
-        "/metrics stay open); default: $LUMO_API_KEY, else no key",
+        help="answer only requests with `Authorization: Bearer KEY` or `x-api-key: KEY` (/health, /ping, "
+        "/version and /metrics stay open); default: $LUMO_API_KEY, else no key",
     )
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM)")
     s.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")

@@ -13,6 +13,7 @@ import httpx
 import openai
 from fastapi.testclient import TestClient
 
+import lumo
 from lumo.server.app import create_app
 from lumo.server.testing import ScriptedLLM, serve_in_thread, serve_subprocess
 
@@ -27,7 +28,7 @@ def llm(tmp_path):
     return ScriptedLLM.with_test_tokenizer(tmp_path, "Hello there.")
 
 
-def test_api_key_guards_every_route_but_health_and_metrics(llm):
+def test_api_key_guards_every_route_but_probes_version_and_metrics(llm):
     with TestClient(create_app(llm, api_key=KEY)) as c:
         calls = [
             ("GET", "/v1/models", None),
@@ -48,7 +49,9 @@ def test_api_key_guards_every_route_but_health_and_metrics(llm):
             r = c.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
             assert r.status_code == (404 if path == "/no/such/route" else 200), (path, r.text)
         assert c.post(CHAT, json=USER, headers={"Authorization": f"bearer {KEY}"}).status_code == 200
-        assert c.get("/health").status_code == 200
+        for probe in (c.get("/health"), c.get("/ping"), c.post("/ping")):
+            assert probe.status_code == 200 and probe.json() == {"status": "ok"}
+        assert c.get("/version").json() == {"version": lumo.__version__}
         metrics = c.get("/metrics").text
         assert re.search(r'lumo_requests_total\{endpoint="/v1/chat/completions",status="401"\} 6', metrics)
     with TestClient(create_app(llm)) as c:  # no key: open

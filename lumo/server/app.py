@@ -26,6 +26,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 
+from .. import __version__
 from ..engine.grammar import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, TokenizerError
 from .anthropic import CountTokensRequest, MessageBuilder, MessagesRequest
@@ -63,6 +64,8 @@ ENDPOINTS = (
     "/v1/messages/count_tokens",
     "/v1/models",
     "/health",
+    "/ping",
+    "/version",
     "/metrics",
     "/tokenize",
     "/detokenize",
@@ -190,11 +193,11 @@ class _CountRequests:
 
 
 class _RequireKey:
-    """ASGI middleware (`lumo serve --api-key`): every route but /health and /metrics answers only requests
-    carrying `Authorization: Bearer <key>` (what OpenAI clients send for their api_key) or `x-api-key: <key>`
-    (Anthropic's clients); others get a 401."""
+    """ASGI middleware (`lumo serve --api-key`): every route but the probes (/health, /ping), /version and
+    /metrics answers only requests carrying `Authorization: Bearer <key>` (what OpenAI clients send for
+    their api_key) or `x-api-key: <key>` (Anthropic's clients); others get a 401."""
 
-    OPEN = ("/health", "/metrics")  # probes and scrapers, as in vLLM
+    OPEN = ("/health", "/ping", "/version", "/metrics")  # probes, scrapers and the version, as in vLLM
 
     def __init__(self, app: Any, key: str) -> None:
         self.app, self._key = app, key.strip().encode()  # a key from an env file may end in a newline
@@ -386,6 +389,10 @@ class _Server:
     # ---- small endpoints ----
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    async def version(self) -> dict[str, str]:
+        """vLLM's GET /version: the server's version."""
+        return {"version": __version__}
 
     def _card(self, name: str) -> dict[str, Any]:
         """The model as OpenAI's and Anthropic's model objects describe one (the fields of both)."""
@@ -1113,10 +1120,11 @@ def create_app(
     return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `llm`; its engine worker thread starts and stops with the app's lifespan.
-    api_key: required of every request but /health and /metrics. allowed_origins: web origins whose pages
-    may call the API from a browser (CORS; "*" any); none by default. return_tokens_as_token_ids: the
-    default of the requests' field (vLLM's server flag). model_name: the name served (several: the first,
-    the others accepted too, as vLLM's --served-model-name takes them); None: the model's own."""
+    api_key: required of every request but /health, /ping, /version and /metrics. allowed_origins: web
+    origins whose pages may call the API from a browser (CORS; "*" any); none by default.
+    return_tokens_as_token_ids: the default of the requests' field (vLLM's server flag). model_name: the
+    name served (several: the first, the others accepted too, as vLLM's --served-model-name takes them);
+    None: the model's own."""
     names = _served_names(model_name, llm)
     served = names[0]
     metrics = ServerMetrics()
@@ -1147,6 +1155,8 @@ def create_app(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
     app.add_api_route("/health", server.health, methods=["GET", "HEAD"])  # load balancers probe with HEAD
+    app.add_api_route("/ping", server.health, methods=["GET", "POST"])  # vLLM's (SageMaker's probe)
+    app.add_api_route("/version", server.version, methods=["GET"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", server.model, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
