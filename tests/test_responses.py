@@ -430,6 +430,32 @@ def test_previous_response_id_continues_the_conversation(scripted):
         assert e.value.body["code"] == "previous_response_not_found"
 
 
+def test_reasoning_effort_none_turns_thinking_off(scripted):
+    """reasoning.effort "none" (OpenAI's no reasoning) is the template's enable_thinking false, as chat's
+    chat_template_kwargs give it (which the Responses request takes too, vLLM's extension); other efforts
+    leave the template's default."""
+    llm, client = scripted
+
+    def prompt(**kw) -> str:
+        client.responses.create(model="any", input="hi", max_output_tokens=2, **kw)
+        return llm.tokenizer.decode(llm.prompts[-1])
+
+    default, off = prompt(), prompt(reasoning={"effort": "none"})
+    assert off != default and off.endswith("<think>\n\n</think>\n\n")
+    assert prompt(reasoning={"effort": "low"}) == default
+    assert prompt(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == off
+    kwargs = {"chat_template_kwargs": {"enable_thinking": True}}  # what the client set wins
+    assert prompt(reasoning={"effort": "none"}, extra_body=kwargs) == default
+    chat = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(
+        model=_model(client),
+        messages=chat,
+        max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert llm.tokenizer.decode(llm.prompts[-1]) == off
+
+
 def test_the_response_store_is_bounded():
     """ResponseStore keeps the newest responses within its count and byte bounds, least recently used
     out first; continuing a conversation uses its whole chain, so its first turn outlives later one-offs."""

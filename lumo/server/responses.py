@@ -54,8 +54,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponsesRequest(BaseModel):
-    """The fields lumo honours; the API's others (store, metadata, user, truncation, reasoning, ...) are
-    accepted and ignored."""
+    """The fields lumo honours; the API's others (metadata, user, truncation, reasoning's effort other than
+    "none", ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -78,6 +78,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None  # false: this response is not kept (nor its items for item_reference)
+    reasoning: dict[str, Any] | None = None  # effort "none": the template's enable_thinking false
     # set by to_chat: the name each tool is shown to the model under -> (its namespace or None, its name)
     _names: dict[str, tuple[str | None, str]] = PrivateAttr(default_factory=dict)
     _inputs: list[Any] = PrivateAttr(default_factory=list)  # set by to_chat: input_items(store)
@@ -85,6 +86,17 @@ class ResponsesRequest(BaseModel):
     @property
     def tool_names(self) -> dict[str, tuple[str | None, str]]:
         return self._names
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        """vLLM's chat_template_kwargs extension, as in chat; `reasoning.effort` "none" (OpenAI's "no
+        reasoning") is Qwen's enable_thinking false unless those set it (other templates ignore it)."""
+        kwargs = (self.model_extra or {}).get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            return kwargs  # what the chat request's validation refuses with a 400
+        kwargs = dict(kwargs or {})
+        if (self.reasoning or {}).get("effort") == "none":
+            kwargs.setdefault("enable_thinking", False)
+        return kwargs or None
 
     @property
     def resolved_input(self) -> list[Any]:
@@ -148,6 +160,7 @@ class ResponsesRequest(BaseModel):
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
+            "chat_template_kwargs": self._template_kwargs(),
         }
         try:
             chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
