@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("fastapi")  # the GPU image has no fastapi/uvicorn; CI does
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -229,7 +231,7 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
     [
         ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id", "'resp_1' is not kept"),
         ({"input": "a", "conversation": "conv_1"}, "conversation", "not supported"),
-        ({"input": "a", "background": True}, "background", "not supported"),
+        ({"input": "a", "background": True, "store": False}, "background", "background needs store"),
         ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
         ({"input": "a", "tools": [{"type": "local_shell"}]}, "tools[0]", "function and custom tools"),
         (
@@ -454,6 +456,66 @@ def test_reasoning_effort_none_turns_thinking_off(scripted):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert llm.tokenizer.decode(llm.prompts[-1]) == off
+
+
+class _Gated(ScriptedLLM):
+    """A scripted engine that waits for `gate` before each chunk after its first (a response in progress)."""
+
+    gate: threading.Event | None = None
+
+    def generate_stream(self, prompt, max_tokens=256, **kw):
+        for i, chunk in enumerate(super().generate_stream(prompt, max_tokens, **kw)):
+            if i and self.gate is not None:
+                assert self.gate.wait(30)
+            yield chunk
+
+
+def _until(client, rid: str, statuses: tuple[str, ...]) -> Response:
+    deadline = time.monotonic() + 30
+    while (r := client.responses.retrieve(rid)).status not in statuses:
+        assert time.monotonic() < deadline, r.status
+        time.sleep(0.02)
+    return r
+
+
+def test_background_responses(tmp_path):
+    """background: answered at once (queued), run without a client, read with GET (in_progress while the
+    engine runs it, then the response a foreground request gives); POST .../cancel stops one in progress
+    (cancelled; again: unchanged); a failure is kept as failed; continuing one not yet ended is a 400, as
+    are background with store false or with stream, and cancelling a foreground response."""
+    llm = _Gated.with_test_tokenizer(tmp_path, THINK + XML_CALL)
+    with serve_in_thread(llm) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        ask = dict(model="any", input="Weather?", tools=[TOOL])
+        foreground = client.responses.create(**ask)
+        queued = client.responses.create(**ask, background=True)
+        assert queued.status == "queued" and queued.background and queued.output == []
+        done = _until(client, queued.id, ("completed",))
+        assert [o.type for o in done.output] == [o.type for o in foreground.output]
+        assert done.output_text == foreground.output_text and done.usage == foreground.usage
+        assert client.responses.cancel(queued.id).status == "completed"  # ended: as it is
+
+        llm.gate = threading.Event()
+        running = client.responses.create(**ask, background=True)
+        _until(client, running.id, ("in_progress",))
+        with pytest.raises(openai.BadRequestError, match="has not ended yet"):
+            client.responses.create(model="any", input="more", previous_response_id=running.id)
+        threading.Timer(0.3, llm.gate.set).start()  # the engine's current token ends, then it stops
+        assert client.responses.cancel(running.id).status == "cancelled"
+        assert client.responses.retrieve(running.id).status == "cancelled"
+        assert client.responses.cancel(running.id).status == "cancelled"
+
+        llm.gate, llm.fail_after = None, 2
+        failed = _until(client, client.responses.create(**ask, background=True).id, ("failed",))
+        assert failed.error is not None
+        llm.fail_after = None
+        for extra in ({"store": False}, {"stream": True}):
+            r = httpx.post(url + "/v1/responses", json={**ask, "background": True, **extra}, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "background", r.text
+        with pytest.raises(openai.BadRequestError, match="only a background response"):
+            client.responses.cancel(foreground.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.cancel("resp_nope")
 
 
 def test_the_response_store_is_bounded():

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine worker.
 
 POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (each also as SSE with `stream: true`;
-GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items), POST /v1/messages and
-/v1/messages/count_tokens (Anthropic's), GET /v1/models and /v1/models/{id}, GET /health, GET /metrics
-(Prometheus text), POST /tokenize and /detokenize (vLLM's). See docs/server.md.
+GET / DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST /v1/responses/{id}/cancel),
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's), GET /v1/models and /v1/models/{id},
+GET /health and /ping, GET /version, GET /metrics (Prometheus text), POST /tokenize and /detokenize
+(vLLM's). See docs/server.md.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import asyncio
 import datetime
 import hmac
 import json
+import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -385,6 +387,8 @@ class _Server:
         self.created = int(time.time())
         self.items = ItemStore()  # the Responses API's recent items, for item_reference
         self.kept = ResponseStore()  # its recent responses, for previous_response_id and GET / DELETE
+        # background responses not yet ended: their jobs, tasks, and whether a client cancelled them
+        self._running: dict[str, tuple[Job, asyncio.Task, bool]] = {}
 
     # ---- small endpoints ----
     async def health(self) -> dict[str, str]:
@@ -536,8 +540,9 @@ class _Server:
         job = Job(prompt_ids, max_tokens, sampling, asyncio.get_running_loop(), scores_only=scores_only)
         return self.worker.submit(job, ticket)
 
-    async def _collected(self, job: Job, request: Request) -> AsyncIterator[Any]:
-        """A non-streamed job's chunks; a client that hangs up cancels it, an engine error is an APIError."""
+    async def _collected(self, job: Job, request: Request | None) -> AsyncIterator[Any]:
+        """A non-streamed job's chunks; a client that hangs up cancels it (request None: a background job,
+        no client), an engine error is an APIError."""
 
         async def watch() -> None:
             while not job.cancelled.is_set():
@@ -545,17 +550,18 @@ class _Server:
                 if await request.is_disconnected():
                     job.cancel()
 
-        watcher = asyncio.create_task(watch())
+        watcher = None if request is None else asyncio.create_task(watch())
         try:
             async for chunk in job.events():
                 yield chunk
         except Exception as exc:
             raise _engine_error(exc) from None
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
             job.cancel()
 
-    async def _collect(self, job: Job, request: Request) -> _Collected:
+    async def _collect(self, job: Job, request: Request | None) -> _Collected:
         """Run a non-streamed job to its end."""
         out = _Collected()
         parts = []
@@ -831,9 +837,9 @@ class _Server:
                 self.items.keep(final["output"])
                 self.kept.keep(final, body.resolved_input)
 
-        if not body.stream:
-            job = submit()
-            out = await self._collect(job, request)
+        async def whole(job: Job, client: Request | None) -> dict:
+            """The job run to its end: the final response, kept (client None: a background response's)."""
+            out = await self._collect(job, client)
             parsed = parser.feed(out.text)
             parsed.extend(parser.finish(cut=out.reason == "length"))
             build.feed(parsed)
@@ -841,6 +847,11 @@ class _Server:
             final = result(job, out.n_gen, out.reason, parsed.reasoning)[1]
             remember(final)
             return final
+
+        if body.background:
+            return self._background(build, submit(), whole, body.resolved_input)
+        if not body.stream:
+            return await whole(submit(), request)
 
         jobs: list[Job] = []
 
@@ -875,9 +886,58 @@ class _Server:
 
         return self._streaming(_guarded(events(), jobs, failed))
 
-    async def stored_response(self, response_id: str) -> dict[str, Any]:
-        """GET /v1/responses/{id}: a kept response as it was returned."""
+    def _background(
+        self, build: ResponseBuilder, job: Job, whole: Callable[[Job, None], Awaitable[dict]], inputs: list
+    ) -> dict[str, Any]:
+        """A background response (`background: true`): answered at once, `queued`, and kept; the job runs
+        on without a client and its end (completed / incomplete, failed with the error, or cancelled by
+        POST /v1/responses/{id}/cancel) replaces it in the store, where GET reads it."""
+        queued = build.response("queued")
+        rid = queued["id"]
+        self.kept.keep(queued, inputs)
+
+        async def run() -> None:
+            try:
+                response = await whole(job, None)
+            except Exception as e:  # the engine's errors are APIErrors (_collected); others are ours
+                err = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}")
+                if not isinstance(e, APIError):
+                    logging.getLogger("lumo.server").exception("background response %s", rid)
+                response = build.response("failed")
+                response["error"] = {"code": err.code or "server_error", "message": err.message}
+            finally:
+                cancelled = self._running.pop(rid)[2]
+            if cancelled:
+                response = build.response("cancelled")
+            self.kept.keep(response, inputs)
+
+        self._running[rid] = (job, asyncio.create_task(run()), False)
+        return queued
+
+    async def cancel_response(self, response_id: str) -> dict[str, Any]:
+        """POST /v1/responses/{id}/cancel: a background response still queued or running is stopped and
+        kept as `cancelled`; one that already ended is returned as it is (only background responses can be
+        cancelled)."""
+        response = self.kept.get(response_id)
+        if not response.get("background"):
+            raise APIError(400, "only a background response can be cancelled", "response_id")
+        running = self._running.get(response_id)
+        if running is None:
+            return response
+        job, task, _ = running
+        self._running[response_id] = (job, task, True)
+        job.cancel()
+        await asyncio.shield(task)  # its end is kept
         return self.kept.get(response_id)
+
+    async def stored_response(self, response_id: str) -> dict[str, Any]:
+        """GET /v1/responses/{id}: a kept response as it was returned; a background one as it stands
+        (queued, in_progress once the engine runs it, then as it ended)."""
+        response = self.kept.get(response_id)
+        running = self._running.get(response_id)
+        if running is not None and self.worker.is_running(running[0]):
+            response["status"] = "in_progress"
+        return response
 
     async def delete_response(self, response_id: str) -> dict[str, Any]:
         """DELETE /v1/responses/{id}: the response is no longer kept (nor continued)."""
@@ -1165,6 +1225,7 @@ def create_app(
     app.add_api_route("/v1/responses", server.responses, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", server.cancel_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}/input_items", server.response_input_items, methods=["GET"])
     app.add_api_route("/v1/messages", server.messages, methods=["POST"])
     app.add_api_route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"])

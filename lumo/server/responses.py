@@ -13,7 +13,8 @@ is opened, filled by deltas and closed in turn (`response.output_item.added`, `.
 lumo keeps its recent responses in memory (ResponseStore, unless a request's `store` is false; lost on
 restart): a request's `previous_response_id` continues that response's conversation (its chain's input and
 output items come before the new input; instructions are not carried over, as in OpenAI's API), and
-GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and drop them. It keeps the
+GET / DELETE /v1/responses/{id} and GET /v1/responses/{id}/input_items read and drop them; a `background`
+response runs without a client, read with GET, stopped with POST /v1/responses/{id}/cancel. It keeps the
 items of its recent responses too (ItemStore), so that an input's `item_reference` to one of them is that
 item: the AI SDK's default OpenAI model sends earlier reasoning and messages so while `store` is not false.
 
@@ -116,10 +117,13 @@ class ResponsesRequest(BaseModel):
         """The equivalent chat request (a 400 naming the field for what lumo cannot serve; the module's
         docstring says what is left out instead); `store` resolves the input's item references, `history`
         is the conversation `previous_response_id` continues (ResponseStore.history)."""
-        for name in ("conversation", "prompt", "background"):
+        for name in ("conversation", "prompt"):
             if getattr(self, name):
                 msg = f"{name} is not supported: lumo keeps no conversations or prompts (send the input)"
                 raise APIError(400, msg, name)
+        if self.background and (self.store is False or self.stream):
+            msg = "background needs store (a background response is read with GET), and no stream"
+            raise APIError(400, msg, "background")
         if self.previous_response_id is not None and history is None:
             msg = "previous_response_id needs the server's response store"
             raise APIError(400, msg, "previous_response_id")
@@ -245,6 +249,12 @@ class ResponseStore:
         self._bytes = 0
 
     def keep(self, response: dict[str, Any], inputs: list[Any]) -> None:
+        """Keep the response; in place of one kept under its id (a background response's end), with the
+        input items (and ids) kept with that one."""
+        before = self._kept.pop(response["id"], None)
+        if before is not None:
+            self._bytes -= before[3]
+            inputs = before[1]
         inputs = [item if "id" in item else {"id": new_id("msg"), **item} for item in _copy(inputs)]
         size = len(json.dumps(response)) + len(json.dumps(inputs))
         if size > self.max_bytes:
@@ -279,6 +289,9 @@ class ResponseStore:
                     "memory only (send the whole conversation as input)"
                 )
                 raise APIError(400, msg, "previous_response_id", "previous_response_not_found")
+            if self._kept[rid][0].get("status") in ("queued", "in_progress"):
+                msg = f"previous response {rid!r} has not ended yet (a background response: poll it with GET)"
+                raise APIError(400, msg, "previous_response_id")
             chain.append(rid)
             rid = self._kept[rid][2]
         items: list[Any] = []
@@ -682,6 +695,7 @@ def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": body.previous_response_id,
         "store": body.store is not False,
+        "background": bool(body.background),
         "temperature": body.temperature,
         "top_p": body.top_p,
         "tool_choice": body.tool_choice or "auto",

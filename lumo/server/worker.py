@@ -169,6 +169,10 @@ class EngineWorker:
     def running(self) -> int:
         return int(self._running is not None)
 
+    def is_running(self, job: Job) -> bool:
+        """Whether the engine runs this job now (no longer waiting, not yet ended)."""
+        return self._running is job
+
     # ---- the worker thread ----
     def _loop(self) -> None:
         while True:
