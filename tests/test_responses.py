@@ -505,6 +505,14 @@ def test_background_responses(tmp_path):
         assert client.responses.retrieve(running.id).status == "cancelled"
         assert client.responses.cancel(running.id).status == "cancelled"
 
+        llm.gate = threading.Event()
+        dropped = client.responses.create(**ask, background=True)
+        _until(client, dropped.id, ("in_progress",))
+        threading.Timer(0.3, llm.gate.set).start()
+        client.responses.delete(dropped.id)  # stopped, and not kept when it ends
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(dropped.id)
+
         llm.gate, llm.fail_after = None, 2
         failed = _until(client, client.responses.create(**ask, background=True).id, ("failed",))
         assert failed.error is not None

@@ -387,8 +387,8 @@ class _Server:
         self.created = int(time.time())
         self.items = ItemStore()  # the Responses API's recent items, for item_reference
         self.kept = ResponseStore()  # its recent responses, for previous_response_id and GET / DELETE
-        # background responses not yet ended: their jobs, tasks, and whether a client cancelled them
-        self._running: dict[str, tuple[Job, asyncio.Task, bool]] = {}
+        # background responses not yet ended: their jobs, tasks, and why a client stopped them (or None)
+        self._running: dict[str, tuple[Job, asyncio.Task, str | None]] = {}
 
     # ---- small endpoints ----
     async def health(self) -> dict[str, str]:
@@ -906,13 +906,24 @@ class _Server:
                 response = build.response("failed")
                 response["error"] = {"code": err.code or "server_error", "message": err.message}
             finally:
-                cancelled = self._running.pop(rid)[2]
-            if cancelled:
+                stopped = self._running.pop(rid)[2]
+            if stopped == "deleted":
+                return
+            if stopped == "cancelled":
                 response = build.response("cancelled")
             self.kept.keep(response, inputs)
 
-        self._running[rid] = (job, asyncio.create_task(run()), False)
+        self._running[rid] = (job, asyncio.create_task(run()), None)
         return queued
+
+    async def _stop(self, response_id: str, why: str) -> None:
+        """Stop a background response not yet ended (why: cancelled or deleted) and wait for its end."""
+        running = self._running.get(response_id)
+        if running is not None:
+            job, task, _ = running
+            self._running[response_id] = (job, task, why)
+            job.cancel()  # the engine stops after its current token
+            await asyncio.shield(task)
 
     async def cancel_response(self, response_id: str) -> dict[str, Any]:
         """POST /v1/responses/{id}/cancel: a background response still queued or running is stopped and
@@ -921,13 +932,7 @@ class _Server:
         response = self.kept.get(response_id)
         if not response.get("background"):
             raise APIError(400, "only a background response can be cancelled", "response_id")
-        running = self._running.get(response_id)
-        if running is None:
-            return response
-        job, task, _ = running
-        self._running[response_id] = (job, task, True)
-        job.cancel()
-        await asyncio.shield(task)  # its end is kept
+        await self._stop(response_id, "cancelled")
         return self.kept.get(response_id)
 
     async def stored_response(self, response_id: str) -> dict[str, Any]:
@@ -940,7 +945,10 @@ class _Server:
         return response
 
     async def delete_response(self, response_id: str) -> dict[str, Any]:
-        """DELETE /v1/responses/{id}: the response is no longer kept (nor continued)."""
+        """DELETE /v1/responses/{id}: the response is no longer kept (nor continued); a background one not
+        yet ended is stopped."""
+        self.kept.get(response_id)  # a 404 if not kept
+        await self._stop(response_id, "deleted")
         self.kept.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
