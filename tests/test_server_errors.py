@@ -489,8 +489,7 @@ def test_clients_that_leave_the_queue_free_their_places(server):
                 while await _ametric(c, "lumo_num_requests_waiting") > 0:
                     assert time.monotonic() < deadline, "the abandoned request still holds its place"
                     await asyncio.sleep(0.05)
-            short = {"prompt": "y", "max_tokens": 2, "ignore_eos": True}  # sampled: count exact all the same
-            admitted = asyncio.create_task(c.post(COMP, json=short))
+            admitted = asyncio.create_task(c.post(COMP, json={"prompt": "y", "max_tokens": 2}))
             await asyncio.sleep(1.0)
             assert not admitted.done(), admitted.result().text  # waiting behind the long one, not a 503
             # counted when dropped (by the admission that needed their places at the latest)
