@@ -432,6 +432,45 @@ def test_previous_response_id_continues_the_conversation(scripted):
         assert e.value.body["code"] == "previous_response_not_found"
 
 
+def test_kept_input_items_are_the_apis_items(scripted):
+    """GET .../input_items lists items the SDK's ResponseItem models take (string contents as parts, types,
+    statuses and ids filled in, an id sent twice made unique so paging ends); the history renders them as
+    the items sent; an item of previous_response_id's chain sent again is a 400, as in OpenAI's API."""
+    from openai.types.responses import ResponseItem
+
+    llm, client = scripted
+    call = {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather", "arguments": "{}"}
+    sent = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "content": "Checking.", "id": "same"},
+        call,
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny", "id": "same"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+    ]
+    first = client.responses.create(model="any", input=sent, tools=[TOOL])
+    as_sent = llm.tokenizer.decode(llm.prompts[-1])
+    raw = httpx.get(f"{client.base_url}responses/{first.id}/input_items", params={"order": "asc"}).json()
+    items = [TypeAdapter(ResponseItem).validate_python(i) for i in raw["data"]]
+    assert [i.type for i in items] == [
+        "message",
+        "message",
+        "function_call",
+        "function_call_output",
+        "message",
+    ]
+    assert items[1].content[0].text == "Checking." and items[0].content[0].text == "Weather?"
+    assert len({i.id for i in items}) == 5 and items[2].id == "fc_1"
+    paged = [i.id for i in client.responses.input_items.list(first.id, limit=2, order="asc")]
+    assert paged == [i.id for i in items]  # every page, each item once
+    client.responses.create(model="any", input="Go on", tools=[TOOL], previous_response_id=first.id)
+    assert llm.tokenizer.decode(llm.prompts[-1]).startswith(as_sent.rsplit("<|im_start|>assistant", 1)[0])
+    again = [{"type": "item_reference", "id": first.output[0].id}, {"role": "user", "content": "more"}]
+    for dup, at in ((again, "input[0]"), ([{"role": "user", "content": "x"}, call], "input[1]")):
+        with pytest.raises(openai.BadRequestError, match="Duplicate item found") as e:
+            client.responses.create(model="any", input=dup, tools=[TOOL], previous_response_id=first.id)
+        assert e.value.body["param"] == at
+
+
 def test_reasoning_effort_none_turns_thinking_off(scripted):
     """reasoning.effort "none" (OpenAI's no reasoning) is the template's enable_thinking false, as chat's
     chat_template_kwargs give it (which the Responses request takes too, vLLM's extension); other efforts
@@ -513,6 +552,19 @@ def test_background_responses(tmp_path):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(dropped.id)
 
+        # one waiting behind another in progress: cancelled at once, not when the engine reaches it
+        llm.gate = threading.Event()
+        first = client.responses.create(**ask, background=True)
+        _until(client, first.id, ("in_progress",))
+        waiting = client.responses.create(**ask, background=True)
+        t0 = time.monotonic()
+        assert client.responses.cancel(waiting.id).status == "cancelled" and time.monotonic() - t0 < 5
+        assert client.responses.retrieve(first.id).status == "in_progress"
+        llm.gate.set()
+        assert _until(client, first.id, ("completed",)).output_text == foreground.output_text
+        r = httpx.get(f"{url}/v1/responses/{first.id}", params={"stream": "true"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
         llm.gate, llm.fail_after = None, 2
         failed = _until(client, client.responses.create(**ask, background=True).id, ("failed",))
         assert failed.error is not None
@@ -541,7 +593,8 @@ def test_the_response_store_is_bounded():
     store.keep(response("a"), [user])
     store.keep(response("b", "a"), [user])
     store.keep(response("one-off"), [user])
-    assert [i["content"] for i in store.history("b")] == ["q", "x", "q", "x"]  # a and b used again
+    q = [{"type": "input_text", "text": "q"}]  # (kept as the API lists input items)
+    assert [i["content"] for i in store.history("b")] == [q, "x", q, "x"]  # a and b used again
     store.keep(response("c"), [user])  # evicts the least recently used: the one-off, not a
     with pytest.raises(APIError, match="'one-off' is not kept"):
         store.history("one-off")
@@ -555,6 +608,11 @@ def test_the_response_store_is_bounded():
     assert e.value.status == 404
     store.keep(response("mid", text="x" * 1500), [user])  # evicts down to the byte bound
     assert store.get("mid")["id"] == "mid" and store._bytes <= 2000
+    pending = {**response("bg"), "status": "queued"}  # a background response not yet ended stays
+    store.keep(pending, [user])
+    for i in range(5):
+        store.keep(response(f"r{i}"), [user])
+    assert store.get("bg")["status"] == "queued" and len(store._kept) <= 3
 
 
 def test_the_item_store_is_bounded():

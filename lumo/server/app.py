@@ -837,8 +837,9 @@ class _Server:
                 self.items.keep(final["output"])
                 self.kept.keep(final, body.resolved_input)
 
-        async def whole(job: Job, client: Request | None) -> dict:
-            """The job run to its end: the final response, kept (client None: a background response's)."""
+        async def whole(job: Job, client: Request | None) -> tuple[dict, bool]:
+            """The job run to its end (client None: a background response's): the final response, kept,
+            and whether the output ended (not cut short by a cancel)."""
             out = await self._collect(job, client)
             parsed = parser.feed(out.text)
             parsed.extend(parser.finish(cut=out.reason == "length"))
@@ -846,12 +847,12 @@ class _Server:
             build.finish("incomplete" if out.reason == "length" else "completed")
             final = result(job, out.n_gen, out.reason, parsed.reasoning)[1]
             remember(final)
-            return final
+            return final, out.reason is not None
 
         if body.background:
             return self._background(build, submit(), whole, body.resolved_input)
         if not body.stream:
-            return await whole(submit(), request)
+            return (await whole(submit(), request))[0]
 
         jobs: list[Job] = []
 
@@ -887,7 +888,11 @@ class _Server:
         return self._streaming(_guarded(events(), jobs, failed))
 
     def _background(
-        self, build: ResponseBuilder, job: Job, whole: Callable[[Job, None], Awaitable[dict]], inputs: list
+        self,
+        build: ResponseBuilder,
+        job: Job,
+        whole: Callable[[Job, None], Awaitable[tuple[dict, bool]]],
+        inputs: list,
     ) -> dict[str, Any]:
         """A background response (`background: true`): answered at once, `queued`, and kept; the job runs
         on without a client and its end (completed / incomplete, failed with the error, or cancelled by
@@ -897,8 +902,9 @@ class _Server:
         self.kept.keep(queued, inputs)
 
         async def run() -> None:
+            ended = False
             try:
-                response = await whole(job, None)
+                response, ended = await whole(job, None)
             except Exception as e:  # the engine's errors are APIErrors (_collected); others are ours
                 err = e if isinstance(e, APIError) else APIError(500, f"internal error: {type(e).__name__}")
                 if not isinstance(e, APIError):
@@ -909,7 +915,7 @@ class _Server:
                 stopped = self._running.pop(rid)[2]
             if stopped == "deleted":
                 return
-            if stopped == "cancelled":
+            if stopped == "cancelled" and not ended:  # (a cancel that came as it ended: as it ended)
                 response = build.response("cancelled")
             self.kept.keep(response, inputs)
 
@@ -922,7 +928,8 @@ class _Server:
         if running is not None:
             job, task, _ = running
             self._running[response_id] = (job, task, why)
-            job.cancel()  # the engine stops after its current token
+            job.cancel()  # the engine stops after its current token; a job still waiting leaves now
+            self.worker.withdraw()
             await asyncio.shield(task)
 
     async def cancel_response(self, response_id: str) -> dict[str, Any]:
@@ -935,12 +942,15 @@ class _Server:
         await self._stop(response_id, "cancelled")
         return self.kept.get(response_id)
 
-    async def stored_response(self, response_id: str) -> dict[str, Any]:
+    async def stored_response(self, response_id: str, stream: bool = False) -> dict[str, Any]:
         """GET /v1/responses/{id}: a kept response as it was returned; a background one as it stands
-        (queued, in_progress once the engine runs it, then as it ended)."""
+        (queued, in_progress once the engine took it, then as it ended)."""
         response = self.kept.get(response_id)
+        if stream:
+            msg = "stream is not supported here: lumo keeps no events (GET the response until it ends)"
+            raise APIError(400, msg, "stream")
         running = self._running.get(response_id)
-        if running is not None and self.worker.is_running(running[0]):
+        if running is not None and running[0].started:
             response["status"] = "in_progress"
         return response
 

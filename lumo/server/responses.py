@@ -142,6 +142,11 @@ class ResponsesRequest(BaseModel):
         tools, kept, self._names = _chat_tools(self.tools or [])
         shown = {origin: name for name, origin in self._names.items()}
         self._inputs = self.input_items(store)
+        chained = {item.get("id") for item in history or () if isinstance(item, dict)}
+        for i, item in enumerate(self._inputs):  # (an item_reference is the item it names by now)
+            if isinstance(item, dict) and isinstance(item.get("id"), str) and item["id"] in chained:
+                msg = f"Duplicate item found with id {item['id']!r}: previous_response_id's chain has it"
+                raise APIError(400, msg, f"input[{i}]")
         items, origin = _messages([*(history or ()), *self._inputs], shown, first=len(history or ()))
         origin = [[_INSTRUCTIONS]] * len(messages) + origin
         messages += items
@@ -254,15 +259,19 @@ class ResponseStore:
         before = self._kept.pop(response["id"], None)
         if before is not None:
             self._bytes -= before[3]
-            inputs = before[1]
-        inputs = [item if "id" in item else {"id": new_id("msg"), **item} for item in _copy(inputs)]
+        inputs = before[1] if before is not None else _listed_items(inputs)
         size = len(json.dumps(response)) + len(json.dumps(inputs))
         if size > self.max_bytes:
             return
         self._kept[response["id"]] = (_copy(response), inputs, response.get("previous_response_id"), size)
         self._bytes += size
+        # least recently used out first; a background response not yet ended stays (it can be stopped)
+        old = iter([rid for rid, kept in self._kept.items() if not _pending(kept[0])])
         while len(self._kept) > self.max_responses or self._bytes > self.max_bytes:
-            self._bytes -= self._kept.popitem(last=False)[1][3]
+            rid = next(old, None)
+            if rid is None:
+                break
+            self._bytes -= self._kept.pop(rid)[3]
 
     def get(self, response_id: str) -> dict[str, Any]:
         """The response as it was returned (a 404 if it is not kept)."""
@@ -289,7 +298,7 @@ class ResponseStore:
                     "memory only (send the whole conversation as input)"
                 )
                 raise APIError(400, msg, "previous_response_id", "previous_response_not_found")
-            if self._kept[rid][0].get("status") in ("queued", "in_progress"):
+            if _pending(self._kept[rid][0]):
                 msg = f"previous response {rid!r} has not ended yet (a background response: poll it with GET)"
                 raise APIError(400, msg, "previous_response_id")
             chain.append(rid)
@@ -307,6 +316,41 @@ class ResponseStore:
             msg = f"response {response_id!r} not found (lumo keeps its recent responses in memory only)"
             raise APIError(404, msg, "response_id", "not_found")
         return kept
+
+
+def _pending(response: dict[str, Any]) -> bool:
+    """A background response not yet ended."""
+    return response.get("status") in ("queued", "in_progress")
+
+
+# an item type -> the prefix of the ids lumo gives such items
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "custom_tool_call": "ctc", "reasoning": "rs"}
+
+
+def _listed_items(items: list[Any]) -> list[Any]:
+    """Input items as GET .../input_items lists them (the API's item objects, each with an id of its own,
+    which the history's rendering reads as it read the items sent): a message's string content as one
+    text part (an assistant's output_text, with its status), `type` and a call's or output's `status` set
+    where the client left them out, an id given where it sent none or one used before in this input."""
+    out, seen = _copy(items), set()
+    for item in out:
+        kind = item.setdefault("type", "message")
+        if not isinstance(item.get("id"), str) or item["id"] in seen:
+            item["id"] = new_id(_ID_PREFIX.get(kind, "item"))
+        seen.add(item["id"])
+        if kind == "message":
+            assistant = item.get("role") == "assistant"
+            if isinstance(item.get("content"), str):
+                part = "output_text" if assistant else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            for part in item["content"] if isinstance(item.get("content"), list) else ():
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    part.setdefault("annotations", [])
+            if assistant:
+                item.setdefault("status", "completed")
+        elif kind in ("function_call", "custom_tool_call", "function_call_output", "custom_tool_call_output"):
+            item.setdefault("status", "completed")
+    return out
 
 
 # the chat request's fields under their Responses names (a validation error names the request's own)

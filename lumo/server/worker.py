@@ -43,6 +43,7 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_arrival: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (set before the first chunk)
+    started: bool = False  # the engine took it from the queue
     scores_only: bool = False  # a completions request with max_tokens 0: its one token is not an output
 
     @property
@@ -169,9 +170,12 @@ class EngineWorker:
     def running(self) -> int:
         return int(self._running is not None)
 
-    def is_running(self, job: Job) -> bool:
-        """Whether the engine runs this job now (no longer waiting, not yet ended)."""
-        return self._running is job
+    def withdraw(self) -> None:
+        """Drop the waiting jobs that were cancelled now (their events end at once), not when the next
+        request is admitted or the engine reaches them."""
+        with self._cond:
+            dropped = self._drop_cancelled()
+        self.metrics.cancelled.inc(dropped)
 
     # ---- the worker thread ----
     def _loop(self) -> None:
@@ -189,7 +193,7 @@ class EngineWorker:
                 if skip:
                     job._post(_DONE)
                 else:
-                    self._running = job
+                    self._running, job.started = job, True
             if skip:  # counted outside _cond (admit says why)
                 self.metrics.cancelled.inc()
                 continue
