@@ -206,7 +206,10 @@ def against_reference(llm) -> str:
     r = llm.generate(ids, max_tokens=new, temperature=0, logprobs=0, prompt_logprobs=0)
     got = [*r.prompt_logprobs[1:], *r.logprobs]
     # lazy: the one forward reads a layer at a time (a whole 27B model in fp32 would need 108 GB)
-    cfg, w = load_model(llm.path, device="cpu", dtype=torch.float32, progress=False, lazy=True)
+    overrides = getattr(llm, "hf_overrides", None)  # the engine's config.json, --hf-overrides and all
+    cfg, w = load_model(
+        llm.path, device="cpu", dtype=torch.float32, progress=False, lazy=True, overrides=overrides
+    )
     with torch.inference_mode():
         logits, _ = M.forward(cfg, w, torch.tensor([ids + r.token_ids[:-1]]))
     ref = torch.log_softmax(logits[0].double(), dim=-1)

@@ -4,6 +4,7 @@ exit 2."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -96,6 +97,26 @@ def _add_model_args(p: argparse.ArgumentParser, positional: bool = False) -> Non
         metavar="FILE|TEMPLATE",
         help="a jinja chat template (a file, or the template itself) to use instead of the checkpoint's",
     )
+    p.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into the checkpoint's config.json (vLLM's flag; objects key by key), "
+        'e.g. yarn for a longer context: \'{"text_config": {"rope_parameters": {"rope_type": "yarn", '
+        '"factor": 4.0, "original_max_position_embeddings": 262144}}}\' --max-model-len 1010000',
+    )
+
+
+def _json_object(text: str) -> dict:
+    """--hf-overrides: a JSON object (argparse turns the error into one line and exit 2)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _llm(args: argparse.Namespace, progress: bool = False):
@@ -121,6 +142,7 @@ def _llm(args: argparse.Namespace, progress: bool = False):
         prefix_lines=args.prefix_lines,
         adaptive_spec=args.adaptive_spec,
         chat_template=args.chat_template,
+        hf_overrides=args.hf_overrides,
     )
 
 

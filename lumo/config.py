@@ -128,6 +128,31 @@ def _rope_scaling(rope: dict[str, Any], d: dict[str, Any], max_pos: int) -> Rope
     )
 
 
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json's object with `overrides` (vLLM's --hf-overrides) merged in: objects key by key (so
+    {"rope_parameters": {"rope_type": "yarn", ...}} keeps the checkpoint's rope_theta), anything else
+    replaced. A wrapper checkpoint's text fields live under text_config: a top-level key that only
+    text_config has is a ConfigError saying so (it would change nothing)."""
+    if not overrides:
+        return raw
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"--hf-overrides must be a JSON object, got {overrides!r}")
+    text = raw.get("text_config")
+    for key in overrides:
+        if isinstance(text, dict) and key not in raw and key in text:
+            raise ConfigError(
+                f"--hf-overrides: {key} is a field of this checkpoint's text_config: give it as "
+                f'{{"text_config": {{"{key}": ...}}}}'
+            )
+
+    def merged(base: Any, over: Any) -> Any:
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {**base, **{k: merged(base.get(k), v) for k, v in over.items()}}
+        return over
+
+    return merged(raw, overrides)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The Qwen3.5/3.8 hybrid text model: only the fields lumo reads (names follow config.json)."""
@@ -182,6 +207,15 @@ class ModelConfig:
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def context_length(self) -> int:
+        """The longest context the model takes: max_position_embeddings, or under yarn the original
+        context times the factor where that is longer (vLLM's rule: Qwen's long-context recipe sets the
+        rope parameters alone, e.g. through --hf-overrides)."""
+        yarn = self.rope_scaling if self.rope_scaling and self.rope_scaling.rope_type == "yarn" else None
+        stretched = int(yarn.original_max_position_embeddings * yarn.factor) if yarn else 0
+        return max(self.max_position_embeddings, stretched)
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:

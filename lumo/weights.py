@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import FULL, ModelConfig
+from .config import FULL, ModelConfig, apply_overrides
 
 
 class WeightError(ValueError):
@@ -827,6 +827,7 @@ def load_model(
     progress: bool = True,
     lazy: bool = False,
     meta: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[ModelConfig, ModelWeights]:
     """Load config.json and the text model's tensors (`mtp.*` too; `model.visual.*` is never read).
 
@@ -835,6 +836,7 @@ def load_model(
     (for one pass: packing for the kernels, the reference check); every tensor is checked here all the same
     (on the meta device), so a broken checkpoint fails before anything is packed.
     meta: only that check: the weights built of meta tensors (stored dtypes and shapes), none read.
+    overrides: merged into config.json's object (lumo.config.apply_overrides, vLLM's --hf-overrides).
     """
     from tqdm import tqdm
 
@@ -842,7 +844,7 @@ def load_model(
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
         raise WeightError(f"no config.json in {root}")
-    raw = read_json_object(cfg_path)
+    raw = apply_overrides(read_json_object(cfg_path), overrides)
     cfg = ModelConfig.from_hf(raw)
     spec = read_quant_spec(root, raw)
     device = torch.device(device)

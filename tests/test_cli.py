@@ -200,12 +200,31 @@ def test_quantize_round_trip(tmp_path):
         (["--grammar", "@/no/such/file"], "cannot read /no/such/file"),
         (["--json-object", "--min-tokens", "2"], "cannot be combined"),
         (["--regex", "a", "--choice", "b"], "not allowed with argument"),
+        (["--hf-overrides", "{no"], "--hf-overrides: not JSON"),
+        (["--hf-overrides", "[1]"], "must be a JSON object"),
+        (
+            ["--hf-overrides", '{"rope_parameters": {"rope_type": "llama3"}}'],
+            "rope_type 'llama3' is not supported",
+        ),
+        (["--hf-overrides", '{"num_experts": 8}'], "mixture-of-experts"),
     ],
 )
 def test_bad_settings_fail_at_start(tmp_path, args, words):
     ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4, mtp_num_hidden_layers=0)
     r = lumo("generate", "--model", str(ckpt), "--prompt", "x", "--device", "cpu", *args)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hf_overrides_stretch_the_context(tmp_path):
+    """--hf-overrides with yarn rope parameters: a context past max_position_embeddings is served."""
+    import json
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4, mtp_num_hidden_layers=0)
+    yarn = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}}
+    args = ("generate", "--model", str(ckpt), "--prompt", "x", "--device", "cpu", "--max-tokens", "2")
+    r = lumo(*args, "--max-model-len", "8192", "--hf-overrides", json.dumps(yarn))
+    assert r.returncode == 0 and "2 tokens" in r.stderr, r.stderr
+    assert "exceeds the model's context" in lumo(*args, "--max-model-len", "8192").stderr
 
 
 def test_version():

@@ -139,6 +139,58 @@ def test_bad_max_model_len(tmp_path):
         LLM(ckpt, device="cpu", max_model_len=10**8)
 
 
+YARN = {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}}
+
+
+def test_hf_overrides_are_config_json(tmp_path):
+    """hf_overrides (vLLM's --hf-overrides): the engine is the one a checkpoint whose config.json holds the
+    merged values gives (bitwise: tokens and logprobs), objects merged key by key (rope_theta kept); yarn
+    stretches the context to the original x factor (a context the checkpoint refuses without it); the
+    fp32 reference check (`lumo check`) reads the same config."""
+    import json
+    import shutil
+
+    from lumo.check import against_reference
+
+    ckpt = make_tiny_checkpoint(tmp_path / "m", num_hidden_layers=4, mtp_num_hidden_layers=0)
+    edited = tmp_path / "edited"
+    shutil.copytree(ckpt, edited)
+    config = json.loads((edited / "config.json").read_text())
+    config["rope_parameters"].update(YARN["rope_parameters"])
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        LLM(ckpt, device="cpu", max_model_len=8192)
+    over, ref = LLM(ckpt, device="cpu", hf_overrides=YARN), LLM(edited, device="cpu")
+    assert over.config == ref.config and over.config.rope_scaling.rope_type == "yarn"
+    assert over.max_model_len == ref.max_model_len == 8192  # the default: the whole stretched context
+    plain = LLM(ckpt, device="cpu")
+    ids = list(range(5, 300))
+    want = ref.generate(ids, max_tokens=6, temperature=0, logprobs=2)
+    got = over.generate(ids, max_tokens=6, temperature=0, logprobs=2)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    assert plain.generate(ids, max_tokens=6, temperature=0, logprobs=2).logprobs != want.logprobs
+    assert "of the fp32 CPU model" in against_reference(over)
+
+
+def test_hf_overrides_merge_and_refuse():
+    from lumo.config import ConfigError, apply_overrides
+
+    raw = {"a": 1, "rope": {"theta": 5, "type": "default"}, "text_config": {"max_position_embeddings": 8}}
+    assert apply_overrides(raw, {"rope": {"type": "yarn"}, "b": [1]}) == {
+        "a": 1,
+        "rope": {"theta": 5, "type": "yarn"},
+        "text_config": {"max_position_embeddings": 8},
+        "b": [1],
+    }
+    assert apply_overrides(raw, {"text_config": {"max_position_embeddings": 16}})["text_config"] == {
+        "max_position_embeddings": 16
+    }
+    with pytest.raises(ConfigError, match="a field of this checkpoint's text_config"):
+        apply_overrides(raw, {"max_position_embeddings": 16})  # it would change nothing
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        apply_overrides(raw, [1])
+
+
 def test_chat_template_override(tmp_path, monkeypatch):
     """LLM(chat_template=): the prompts a chat renders to; a bad template fails before any weight is read."""
     import lumo.engine.llm as L

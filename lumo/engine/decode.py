@@ -56,7 +56,7 @@ class Slot:
         emptying the prefix cache, when it holds fewer than max_len positions."""
         if self.cache is None or self.cache.max_len < max_len:
             self.cache = None  # free the old one first
-            self.cache = M.new_cache(cfg, slot_capacity(max_len, cfg.max_position_embeddings), device, dtype)
+            self.cache = M.new_cache(cfg, slot_capacity(max_len, cfg.context_length), device, dtype)
             if self.prefix is not None:
                 self.prefix.clear()
         return self.cache

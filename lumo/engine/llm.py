@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from ..config import (
     ConfigError,
     ModelConfig,
     TreeConfig,
+    apply_overrides,
     check_draft_quant,
 )
 from ..tokenizer import IncrementalDetokenizer, Tokenizer, read_chat_template
@@ -154,11 +156,14 @@ class LLM:
         chat_template: str | os.PathLike | None = None,
         prefix_park: int = DEFAULT_PREFIX_PARK,
         prefix_lines: int = DEFAULT_PREFIX_LINES,
+        hf_overrides: dict[str, Any] | None = None,
     ):
         """chat_template: a jinja chat template (a file's path or the text) used instead of the
         checkpoint's; prefix_park: the positions each prefix parked out of another prompt's way keeps
-        aside, prefix_lines: how many are parked at once (lumo.engine.prefix; either 0: none parked); the
-        other arguments are `lumo serve`'s flags (README)."""
+        aside, prefix_lines: how many are parked at once (lumo.engine.prefix; either 0: none parked);
+        hf_overrides: merged into config.json (vLLM's --hf-overrides; lumo.config.apply_overrides), e.g.
+        yarn rope parameters for a context past the checkpoint's; the other arguments are `lumo serve`'s
+        flags (README)."""
         # checked before minutes of loading weights
         template = None if chat_template is None else read_chat_template(chat_template)
         if spec not in ("auto", "off", "chain", "tree"):
@@ -199,7 +204,7 @@ class LLM:
             self.model_name = (
                 str(model).rstrip("/").split("/")[-1] if Path(str(model)).exists() else str(model)
             )
-        self.path = path
+        self.path, self.hf_overrides = path, hf_overrides
         # "torch": the reference model in plain torch (CPU or GPU; speculation = the exact reference event).
         # "kernels": lumo's CUDA kernels (GPURunner; GPUSpecEngine for tree / chain), batch invariant, so
         # speculation is bitwise plain decoding. auto = kernels on a CUDA device in bf16, torch otherwise.
@@ -210,16 +215,22 @@ class LLM:
             raise ValueError("--backend kernels needs --device cuda and bfloat16")
         if max_model_len is not None and _integer(max_model_len, "max_model_len") < 2:
             raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
-        limit = _context_limit(path)
+        limit = _context_limit(path, hf_overrides)
         if max_model_len is not None and limit is not None and max_model_len > limit:  # vLLM refuses it too
             raise ValueError(  # before minutes of loading weights
-                f"max_model_len {max_model_len} exceeds the model's context (max_position_embeddings {limit})"
+                f"max_model_len {max_model_len} exceeds the model's context ({limit}: "
+                "max_position_embeddings, or yarn's original context x factor)"
             )
         # The kernels pack each layer onto the GPU as it is read (lazy): the checkpoint is never held whole
         # beside its packed copy (on a GB10 both would be in the same 128 GB).
         kernels = self.backend == "kernels"
         self.config, self.weights = load_model(
-            path, device="cpu" if kernels else self.device, dtype=self.dtype, progress=progress, lazy=kernels
+            path,
+            device="cpu" if kernels else self.device,
+            dtype=self.dtype,
+            progress=progress,
+            lazy=kernels,
+            overrides=hf_overrides,
         )
         self.tokenizer = Tokenizer.from_dir(path)
         # a tokenizer with ids past the weights' vocabulary: text that encodes to one is refused by name
@@ -227,7 +238,7 @@ class LLM:
         self.tokenizer.model_vocab = self.config.vocab_size
         if template is not None:
             self.tokenizer.set_chat_template(template)
-        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.max_model_len = max_model_len or self.config.context_length
         # auto: tree speculation on the kernels backend when the checkpoint has an MTP head; plain decoding
         # otherwise (the torch backend's tree event forwards each node separately: exact, but slower).
         if spec == "auto":
@@ -729,11 +740,12 @@ class Ending:
     eos_ids: frozenset[int] = frozenset()  # the model's end-of-sequence ids among them (none: ignore_eos)
 
 
-def _context_limit(path: Path) -> int | None:
-    """The checkpoint's max_position_embeddings read from config.json alone (None where it cannot be read:
-    load_model then says what is wrong)."""
+def _context_limit(path: Path, overrides: dict[str, Any] | None = None) -> int | None:
+    """The checkpoint's context (ModelConfig.context_length) read from config.json alone, with the
+    overrides (None where it cannot be read: load_model then says what is wrong)."""
     try:
-        return ModelConfig.from_hf(json.loads((path / "config.json").read_text())).max_position_embeddings
+        raw = json.loads((path / "config.json").read_text())
+        return ModelConfig.from_hf(apply_overrides(raw, overrides)).context_length
     except (OSError, ValueError):  # ConfigError and JSONDecodeError are ValueErrors
         return None
 
