@@ -232,7 +232,7 @@ def test_items_follow_the_text_when_a_chunk_holds_several(tmp_path):
         ({"input": "a", "previous_response_id": "resp_1"}, "previous_response_id", "'resp_1' is not kept"),
         ({"input": "a", "conversation": "conv_1"}, "conversation", "not supported"),
         ({"input": "a", "background": True, "store": False}, "background", "background needs store"),
-        ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "exceeds"),
+        ({"input": "a", "max_output_tokens": 10**6}, "max_output_tokens", "maximum context length"),
         ({"input": "a", "tools": [{"type": "local_shell"}]}, "tools[0]", "function and custom tools"),
         (
             {"input": [{"role": "user", "content": [{"type": "bogus", "text": "x"}]}]},

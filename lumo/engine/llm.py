@@ -579,8 +579,8 @@ class LLM:
         n = len(prompt_ids)
         if n + 1 > self.max_model_len:
             raise PromptTooLongError(
-                f"the prompt has {n} tokens but the context holds {self.max_model_len} "
-                "(prompt + at least 1 new token)"
+                f"This model's maximum context length is {self.max_model_len} tokens. However, the prompt "
+                f"has {n} tokens (the prompt and at least 1 new token must fit)"
             )
         max_tokens = min(max_tokens, self.max_model_len - n)
         params = self.sampling_params(temperature, top_k, top_p, seed, **shaping)

@@ -477,15 +477,20 @@ class _Server:
         to fit the context with the prompt, or what the context leaves."""
         limit = self.llm.max_model_len
         room = limit - n_prompt
+        # OpenAI's wording (vLLM's too), which clients look for (LiteLLM's ContextWindowExceededError)
         if room < 1:
-            msg = f"the prompt has {n_prompt} tokens but the context holds {limit} (prompt + at least 1 new)"
+            msg = (
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{n_prompt} input tokens (the input and 1 new token must fit). Please reduce the input."
+            )
             raise APIError(400, msg, param, "context_length_exceeded")
         if max_tokens is None:
             return room if default is None else min(default, room)
         if max_tokens > room:
             msg = (
-                f"{name} {max_tokens} + prompt {n_prompt} tokens = {max_tokens + n_prompt} exceeds this "
-                f"model's context of {limit} tokens (at most {room} new tokens fit)"
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{max_tokens + n_prompt} tokens ({n_prompt} in the input, {max_tokens} for {name}): at "
+                f"most {room} new tokens fit. Please reduce the input or {name}."
             )
             raise APIError(400, msg, name, "context_length_exceeded")
         return max_tokens
@@ -496,7 +501,10 @@ class _Server:
         a 400."""
         tok, limit = self.llm.tokenizer, self.llm.max_model_len
         if not truncating and len(text) > PROMPT_CHARS_SLACK * limit * tok.max_token_chars:
-            msg = f"the prompt has {len(text)} characters, far more than the context of {limit} tokens holds"
+            msg = (
+                f"This model's maximum context length is {limit} tokens. However, the input has {len(text)} "
+                "characters, far more than that holds. Please reduce the input."
+            )
             raise APIError(400, msg, param, "context_length_exceeded")
         try:
             return await run_in_threadpool(tok.encode, text)
