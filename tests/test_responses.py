@@ -471,6 +471,22 @@ def test_kept_input_items_are_the_apis_items(scripted):
         assert e.value.body["param"] == at
 
 
+def test_input_tokens_count_what_a_response_reads(scripted):
+    """POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the input_tokens a response
+    to the same request reports, previous_response_id's conversation included; /v1/responses/compact is a
+    404 that says it is not served (not a 405 for a response named "compact")."""
+    _, client = scripted
+    ask = dict(input="Weather?", tools=[TOOL], instructions="Be brief.")
+    first = client.responses.create(model="any", **ask)
+    assert client.responses.input_tokens.count(**ask).input_tokens == first.usage.input_tokens
+    later = dict(input="And Oslo?", previous_response_id=first.id)
+    counted = client.responses.input_tokens.count(**later).input_tokens
+    assert counted == client.responses.create(model="any", **later).usage.input_tokens
+    assert client.responses.input_tokens.count(previous_response_id=first.id).input_tokens < counted
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.post("/responses/compact", body={"input": "x"}, cast_to=dict)
+
+
 def test_reasoning_effort_none_turns_thinking_off(scripted):
     """reasoning.effort "none" (OpenAI's no reasoning) is the template's enable_thinking false, as chat's
     chat_template_kwargs give it (which the Responses request takes too, vLLM's extension); other efforts
@@ -482,6 +498,10 @@ def test_reasoning_effort_none_turns_thinking_off(scripted):
         return llm.tokenizer.decode(llm.prompts[-1])
 
     default, off = prompt(), prompt(reasoning={"effort": "none"})
+    echoed = client.responses.create(
+        model="any", input="hi", max_output_tokens=2, reasoning={"effort": "none"}
+    )
+    assert echoed.reasoning.effort == "none"  # the request's, echoed as OpenAI's responses do
     assert off != default and off.endswith("<think>\n\n</think>\n\n")
     assert prompt(reasoning={"effort": "low"}) == default
     assert prompt(extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == off
@@ -540,8 +560,10 @@ def test_background_responses(tmp_path):
         with pytest.raises(openai.BadRequestError, match="has not ended yet"):
             client.responses.create(model="any", input="more", previous_response_id=running.id)
         threading.Timer(0.3, llm.gate.set).start()  # the engine's current token ends, then it stops
-        assert client.responses.cancel(running.id).status == "cancelled"
-        assert client.responses.retrieve(running.id).status == "cancelled"
+        cancelled = client.responses.cancel(running.id)
+        assert cancelled.status == "cancelled" and cancelled.usage.output_tokens >= 1  # what it generated
+        assert cancelled.output and all(o.status == "incomplete" for o in cancelled.output)
+        assert client.responses.retrieve(running.id).model_dump() == cancelled.model_dump()
         assert client.responses.cancel(running.id).status == "cancelled"
 
         llm.gate = threading.Event()

@@ -48,6 +48,7 @@ from .logprobs import chat_entries, completion_logprobs, extend, prompt_entries
 from .metrics import ServerMetrics, add_vllm_names
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import (
+    InputTokensRequest,
     ItemStore,
     ResponseBuilder,
     ResponsesRequest,
@@ -852,7 +853,7 @@ class _Server:
             parsed = parser.feed(out.text)
             parsed.extend(parser.finish(cut=out.reason == "length"))
             build.feed(parsed)
-            build.finish("incomplete" if out.reason == "length" else "completed")
+            build.finish("completed" if out.reason not in ("length", None) else "incomplete")  # None: stopped
             final = result(job, out.n_gen, out.reason, parsed.reasoning)[1]
             remember(final)
             return final, out.reason is not None
@@ -924,7 +925,7 @@ class _Server:
             if stopped == "deleted":
                 return
             if stopped == "cancelled" and not ended:  # (a cancel that came as it ended: as it ended)
-                response = build.response("cancelled")
+                response = {**response, "status": "cancelled"}  # its output so far and usage
             self.kept.keep(response, inputs)
 
         self._running[rid] = (job, asyncio.create_task(run()), None)
@@ -949,6 +950,24 @@ class _Server:
             raise APIError(400, "only a background response can be cancelled", "response_id")
         await self._stop(response_id, "cancelled")
         return self.kept.get(response_id)
+
+    async def count_input_tokens(self, body: InputTokensRequest) -> dict[str, Any]:
+        """POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the prompt's length in
+        tokens as POST /v1/responses would render it (previous_response_id's conversation included)."""
+        previous = body.previous_response_id
+        history = None if previous is None else self.kept.history(previous)
+        chat = body.to_chat(self.items, history)
+        prompt = await asyncio.to_thread(render_prompt, self.llm.tokenizer, chat)
+        ids = await self._encode(prompt, "input", truncating=True)  # counted, however long
+        return {"object": "response.input_tokens", "input_tokens": len(ids)}
+
+    async def compact_response(self) -> None:
+        """POST /v1/responses/compact: not served (a clear 404, not a 405 for an id named "compact")."""
+        msg = (
+            "POST /v1/responses/compact is not served here: lumo makes no compaction items (a client "
+            "compacts its conversation itself on a context_length_exceeded error)"
+        )
+        raise APIError(404, msg)
 
     async def stored_response(self, response_id: str, stream: bool = False) -> dict[str, Any]:
         """GET /v1/responses/{id}: a kept response as it was returned; a background one as it stands
@@ -1249,6 +1268,8 @@ def create_app(
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat, methods=["POST"])
     app.add_api_route("/v1/responses", server.responses, methods=["POST"])
+    app.add_api_route("/v1/responses/input_tokens", server.count_input_tokens, methods=["POST"])
+    app.add_api_route("/v1/responses/compact", server.compact_response, methods=["POST"])
     app.add_api_route("/v1/responses/{response_id}", server.stored_response, methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", server.delete_response, methods=["DELETE"])
     app.add_api_route("/v1/responses/{response_id}/cancel", server.cancel_response, methods=["POST"])

@@ -52,8 +52,9 @@ def error_body(
 # what a 404 for a path lumo does not route names instead (embeddings, moderations, stored responses...)
 SERVED = (
     "POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens, "
-    "/v1/responses/{id}/cancel, /tokenize, /detokenize; GET /v1/models, /v1/models/{id}, /v1/responses/{id}, "
-    "/v1/responses/{id}/input_items, /health, /ping, /version, /metrics; DELETE /v1/responses/{id}"
+    "/v1/responses/{id}/cancel, /v1/responses/input_tokens, /tokenize, /detokenize; GET /v1/models, "
+    "/v1/models/{id}, /v1/responses/{id}, /v1/responses/{id}/input_items, /health, /ping, /version, "
+    "/metrics; DELETE /v1/responses/{id}"
 )
 
 # Anthropic's Messages API (lumo/server/anthropic.py) has its own error shape and types

@@ -189,6 +189,13 @@ class ResponsesRequest(BaseModel):
         return chat
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a Responses request whose input is counted, not answered (the input
+    may be left out when previous_response_id gives the conversation)."""
+
+    input: str | list[dict[str, Any]] = Field(default_factory=list)
+
+
 class ItemStore:
     """The items of this server's recent responses by id (their output, and the input items that carry an
     id), for an input's `item_reference`: in memory, the newest `max_items` within `max_bytes` of JSON,
@@ -721,9 +728,9 @@ def _copy(x: Any) -> Any:
 
 def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
     """The response object's fields that do not depend on the output; the request's values it echoes
-    (instructions, tools, tool_choice, text, metadata) must be JSON a response can carry: a lone surrogate
-    or a NaN / Infinity in them is a 400 naming the field (echoed, they would break the response)."""
-    for name in ("instructions", "tools", "tool_choice", "text", "metadata"):
+    (instructions, tools, tool_choice, text, metadata, reasoning) must be JSON a response can carry: a
+    lone surrogate or a NaN / Infinity in them is a 400 naming the field (echoed, they would break it)."""
+    for name in ("instructions", "tools", "tool_choice", "text", "metadata", "reasoning"):
         try:
             json.dumps(getattr(body, name), ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (ValueError, UnicodeEncodeError):
@@ -747,6 +754,7 @@ def response_head(body: ResponsesRequest, served_name: str) -> dict[str, Any]:
         "text": {"format": _copy(text_format(body.text))},
         "truncation": "disabled",
         "metadata": body.metadata or {},
+        "reasoning": _copy(body.reasoning),  # as asked (its effort "none" turned thinking off)
         "error": None,
     }
 
