@@ -796,14 +796,18 @@ class _Server:
         return {**head, "choices": choices, "usage": _usage(len(prompt_ids), n_gen, cached), **extra}
 
     # ---- /v1/responses ----
+    def _responses_chat(self, body: ResponsesRequest) -> ChatCompletionRequest:
+        """The request as a chat request: its item references resolved, after the conversation its
+        previous_response_id continues."""
+        previous = body.previous_response_id
+        return body.to_chat(self.items, None if previous is None else self.kept.history(previous))
+
     async def responses(self, body: ResponsesRequest, request: Request) -> Any:
         """OpenAI's Responses API over the chat machinery (lumo/server/responses.py); any model name (as
         /v1/messages: an agent's configured model, Codex CLI's review model). Streamed, a conversation past
         the context is a `response.failed` with code context_length_exceeded (what Codex CLI looks for before
         it compacts the conversation), not an HTTP 400."""
-        previous = body.previous_response_id
-        history = None if previous is None else self.kept.history(previous)
-        chat = body.to_chat(self.items, history)  # checked (check_supported), errors name the request's own
+        chat = self._responses_chat(body)  # checked (check_supported), errors name the request's own items
         by_id = chat.token_settings(self._vocab_size)
         tok = self.llm.tokenizer
         prompt = await asyncio.to_thread(render_prompt, tok, chat)
@@ -954,9 +958,7 @@ class _Server:
     async def count_input_tokens(self, body: InputTokensRequest) -> dict[str, Any]:
         """POST /v1/responses/input_tokens (the SDK's responses.input_tokens.count): the prompt's length in
         tokens as POST /v1/responses would render it (previous_response_id's conversation included)."""
-        previous = body.previous_response_id
-        history = None if previous is None else self.kept.history(previous)
-        chat = body.to_chat(self.items, history)
+        chat = self._responses_chat(body)
         prompt = await asyncio.to_thread(render_prompt, self.llm.tokenizer, chat)
         ids = await self._encode(prompt, "input", truncating=True)  # counted, however long
         return {"object": "response.input_tokens", "input_tokens": len(ids)}

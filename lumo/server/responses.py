@@ -272,13 +272,16 @@ class ResponseStore:
             return
         self._kept[response["id"]] = (_copy(response), inputs, response.get("previous_response_id"), size)
         self._bytes += size
+
         # least recently used out first; a background response not yet ended stays (it can be stopped)
-        old = iter([rid for rid, kept in self._kept.items() if not _pending(kept[0])])
-        while len(self._kept) > self.max_responses or self._bytes > self.max_bytes:
-            rid = next(old, None)
-            if rid is None:
-                break
+        def over() -> bool:
+            return len(self._kept) > self.max_responses or self._bytes > self.max_bytes
+
+        evictable = [rid for rid, kept in self._kept.items() if not _pending(kept[0])] if over() else []
+        for rid in evictable:
             self._bytes -= self._kept.pop(rid)[3]
+            if not over():
+                break
 
     def get(self, response_id: str) -> dict[str, Any]:
         """The response as it was returned (a 404 if it is not kept)."""
